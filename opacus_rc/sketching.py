@@ -1,0 +1,386 @@
+"""Randomized trace estimators for per-sample squared gradient norms of factored operators.
+
+Pure torch; no Opacus import. The math is in ``THEORY.md`` section A (Hutchinson, A.2;
+Hutch++, A.3) and in Ullah et al., "Efficient DP-SGD for LLMs with Randomized Clipping",
+arXiv:2605.24879, ICML 2026.
+
+For sample ``i`` of a linear layer with input activations ``A_i`` (``T x d``) and output
+gradients ``G_i`` (``T x p``), the weight gradient is ``M_i = G_i^T A_i`` (``p x d``) and the
+quantity estimated is ``n_i = ||M_i||_F^2 = tr(O_i)`` with ``O_i = M_i M_i^T``. The estimators
+only ever multiply ``A_i`` and ``G_i`` by thin ``(., k)`` matrices: no ``T x T``, ``p x d`` or
+``p x p`` matrix is formed.
+
+Every estimator in :data:`ESTIMATORS` has the signature
+``(activations, backprops, *, sketch_dim, generator, **options) -> Tensor`` and returns the
+``(B,)`` squared-norm estimates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ESTIMATORS",
+    "SketchSpec",
+    "draw_gaussian_probes",
+    "get_estimator",
+    "hutchinson_sqnorm",
+    "hutchpp_sqnorm",
+    "validate_sketch_dim",
+]
+
+_SIDES = ("auto", "output", "input")
+
+
+@dataclass(frozen=True)
+class SketchSpec:
+    """What the accountant must know about the sketch that produced a step's clip factors.
+
+    The optimizer reports this with every step; the accountant composes the privacy loss of
+    exactly this sketch (never a convention or a default).
+
+    Attributes:
+        estimator: Name of the estimator in :data:`ESTIMATORS` (``"hutchinson"`` or ``"hutch++"``).
+        sketch_dim: ``k``, the number of Gaussian columns of the (tail) sketch. For Hutch++ this
+            is the number of tail columns; its privacy is certified by the Hutchinson envelope
+            with this ``k`` (THEORY.md section D, Theorem H).
+        head_dim: Hutch++ head columns ``s`` (``None`` for Hutchinson).
+        per_sample: ``True`` if every sample draws its own independent sketch. Required by the
+            ``"hidden"`` threat model (THEORY.md B.2).
+        secret: ``True`` if the sketch generator is seeded from the operating system (not a
+            user-supplied, possibly public, seed). Also required by ``"hidden"``.
+    """
+
+    estimator: str
+    sketch_dim: int
+    head_dim: int | None = None
+    per_sample: bool = True
+    secret: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sketch_dim, int) or isinstance(self.sketch_dim, bool):
+            raise TypeError(f"sketch_dim must be an int, got {type(self.sketch_dim).__name__}")
+        if self.sketch_dim < 1:
+            raise ValueError(f"sketch_dim must be >= 1, got {self.sketch_dim}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1 or None, got {self.head_dim}")
+
+    @property
+    def accounted_dim(self) -> int:
+        """The ``k`` of the Hutchinson envelope that certifies this sketch (tail columns)."""
+        return self.sketch_dim
+
+    @property
+    def supports_hidden(self) -> bool:
+        """Whether the ``"hidden"`` threat model is valid for this sketch (THEORY.md B.2)."""
+        return self.per_sample and self.secret
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form, safe for ``torch.load(weights_only=True)`` checkpoints."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SketchSpec:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validators
+# ----------------------------------------------------------------------------------------------
+
+
+def validate_sketch_dim(value: object, name: str = "sketch_dim") -> int:
+    """Check that a sketch dimension is a positive ``int`` and return it.
+
+    Args:
+        value: The candidate number of sketch columns.
+        name: The argument name used in the error message.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        TypeError: If ``value`` is not an ``int`` (``bool`` is rejected too).
+        ValueError: If ``value < 1``.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _check_factors(activations: torch.Tensor, backprops: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the factor shapes and return ``(B, T, d, p)``."""
+    if activations.dim() != 3 or backprops.dim() != 3:
+        raise ValueError(
+            "activations and backprops must be 3-D (B, T, d) and (B, T, p); got shapes "
+            f"{tuple(activations.shape)} and {tuple(backprops.shape)}. Flatten extra sequence "
+            "dimensions into T first."
+        )
+    B, T, d = activations.shape
+    if backprops.shape[:2] != (B, T):
+        raise ValueError(
+            "activations and backprops must agree on (B, T); got "
+            f"{tuple(activations.shape)} and {tuple(backprops.shape)}"
+        )
+    return B, T, d, backprops.shape[2]
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, float32 otherwise (fp32 accumulation for bf16/fp16)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _resolve_side(side: str, p: int, d: int, probes: torch.Tensor | None) -> str:
+    """Pick the side of ``M = G^T A`` that the Gaussian probes multiply.
+
+    ``"output"`` sketches the ``p`` side (THEORY.md A.2, the default orientation), ``"input"``
+    the ``d`` side; both give the same law. ``"auto"`` picks the smaller dimension (fewer probe
+    entries, ``B * min(p, d) * k``); with explicit ``probes`` it picks the side their shape
+    matches (the output side when both match).
+    """
+    if side not in _SIDES:
+        raise ValueError(f"side must be one of {', '.join(map(repr, _SIDES))}; got {side!r}")
+    if side != "auto":
+        return side
+    if probes is not None:
+        rows = probes.shape[-2]
+        if rows == p:
+            return "output"
+        if rows == d:
+            return "input"
+        raise ValueError(
+            f"probes have {rows} rows but the layer has p={p} outputs and d={d} inputs"
+        )
+    return "output" if p <= d else "input"
+
+
+def _check_probes(
+    probes: torch.Tensor, *, batch: int, rows: int, name: str = "probes"
+) -> torch.Tensor:
+    """Validate explicit probes of shape ``(B, rows, k)`` or ``(rows, k)``; return ``(B, rows, k)``."""
+    if probes.dim() == 2:
+        probes = probes.unsqueeze(0).expand(batch, -1, -1)
+    if probes.dim() != 3 or probes.shape[0] != batch or probes.shape[1] != rows:
+        raise ValueError(
+            f"{name} must have shape ({batch}, {rows}, k) or ({rows}, k); got {tuple(probes.shape)}"
+        )
+    return probes
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes
+# ----------------------------------------------------------------------------------------------
+
+
+def draw_gaussian_probes(
+    batch: int,
+    rows: int,
+    cols: int,
+    *,
+    generator: torch.Generator | None,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Draw independent per-sample Gaussian sketches with entries ``N(0, 1/cols)``.
+
+    THEORY.md A.2: with ``Omega_uv ~ N(0, 1/k)``, ``E[Omega Omega^T] = I``. One ``(rows, cols)``
+    matrix per sample, independent across samples (required by the ``"hidden"`` threat model,
+    THEORY.md B.2). Draws are made in float32 on the generator's device and then moved, so the
+    same generator state gives the same probes whatever the input dtype and device. This is the
+    single place where the library draws sketch randomness.
+
+    Args:
+        batch: ``B``, number of independent sketches.
+        rows: Rows of each sketch (the sketched dimension).
+        cols: ``k``, columns of each sketch.
+        generator: Source of randomness; ``None`` uses torch's default generator.
+        device: Device of the returned tensor.
+        dtype: dtype of the returned tensor.
+
+    Returns:
+        Tensor of shape ``(batch, rows, cols)``.
+    """
+    gen_device = generator.device if generator is not None else torch.device(device)
+    omega = torch.randn(
+        (batch, rows, cols), generator=generator, device=gen_device, dtype=torch.float32
+    )
+    omega.mul_(1.0 / math.sqrt(cols))
+    return omega.to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimators
+# ----------------------------------------------------------------------------------------------
+
+
+def hutchinson_sqnorm(
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    *,
+    sketch_dim: int,
+    generator: torch.Generator | None = None,
+    probes: torch.Tensor | None = None,
+    side: str = "auto",
+) -> torch.Tensor:
+    r"""Hutchinson estimate of the per-sample squared Frobenius norm ``||G_i^T A_i||_F^2``.
+
+    THEORY.md A.2 (Hutchinson 1989; DP-SGD-RC, arXiv:2605.24879, Sec. 3): with a per-sample
+    sketch ``Omega_i`` (``p x k``, entries ``N(0, 1/k)``),
+
+    .. math:: \hat n_i = tr(\Omega_i^T O_i \Omega_i) = \|A_i^T (G_i \Omega_i)\|_F^2 ,
+
+    computed with two batched matrix products, ``U = G Omega`` (``B x T x k``) then
+    ``V = A^T U`` (``B x d x k``). Unbiased because ``E[Omega Omega^T] = I``. The ratio to the
+    truth is ``W = sum_j w_j chi2_k / k`` with ``w`` the normalised eigenvalues of ``O_i``, so
+    ``Var W = (2/k) sum_j w_j^2 in [2/(k rank), 2/k]``. Sketching the ``d`` side instead
+    (``Omega'`` of shape ``d x k``, ``||G^T (A Omega')||^2``) has the same law.
+
+    Cost: ``2 B T k (p + d)`` FLOPs, ``B T k + B k min(p, d)`` extra floats.
+
+    Args:
+        activations: ``A``, shape ``(B, T, d)``.
+        backprops: ``G``, shape ``(B, T, p)``, already scaled to the per-sample loss.
+        sketch_dim: ``k``, the number of Gaussian columns per sample (>= 1).
+        generator: Generator the probes are drawn from (ignored if ``probes`` is given).
+            ``None`` uses torch's default generator.
+        probes: Explicit sketch, shape ``(B, r, k)`` or ``(r, k)`` (shared) with ``r = p``
+            (output side) or ``r = d`` (input side), **already scaled** (entries
+            ``N(0, 1/k)``). For testing: the result is then exactly ``tr(Omega^T O Omega)``.
+        side: ``"output"`` (``p`` side), ``"input"`` (``d`` side) or ``"auto"`` (the smaller
+            one; with ``probes``, the side their shape matches).
+
+    Returns:
+        Tensor of shape ``(B,)``: estimates of ``||G_i^T A_i||_F^2`` (squared units of the
+        gradient). float32 for float32/bf16/fp16 inputs (accumulated in float32 with autocast
+        off), float64 for float64 inputs.
+
+    Raises:
+        TypeError: If ``sketch_dim`` is not an int.
+        ValueError: If ``sketch_dim < 1``, the shapes are inconsistent, or ``probes`` has the
+            wrong shape.
+    """
+    validate_sketch_dim(sketch_dim)
+    B, _, d, p = _check_factors(activations, backprops)
+    side = _resolve_side(side, p, d, probes)
+    # The input side of M = G^T A is the output side of M^T = A^T G: swap the factors.
+    A, G = (activations, backprops) if side == "output" else (backprops, activations)
+    rows = G.shape[2]
+    dtype = _compute_dtype(A, G)
+    if probes is None:
+        omega = draw_gaussian_probes(
+            B, rows, sketch_dim, generator=generator, device=G.device, dtype=dtype
+        )
+    else:
+        omega = _check_probes(probes, batch=B, rows=rows).to(device=G.device, dtype=dtype)
+    with torch.autocast(device_type=G.device.type, enabled=False):
+        U = torch.bmm(G.to(dtype), omega)  # (B, T, k)
+        V = torch.bmm(A.to(dtype).transpose(1, 2), U)  # (B, d, k)
+        return V.pow(2).sum(dim=(1, 2))
+
+
+def hutchpp_sqnorm(
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    *,
+    sketch_dim: int,
+    head_dim: int | None = None,
+    generator: torch.Generator | None = None,
+    probes: torch.Tensor | None = None,
+    head_probes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head (THEORY.md A.3).
+
+    Meyer, Musco, Musco and Woodruff, "Hutch++", SOSA 2021, adaptive form with an **exact**
+    head. Per sample, with ``s = head_dim`` head columns (``d`` side) and ``k = sketch_dim``
+    tail columns (``p`` side), drawn independently:
+
+    ``Y = A^T (G (G^T (A S))) = M^T M S`` (``d x s``), ``Q = qr(Y).Q``,
+    ``head = ||G^T (A Q)||_F^2 = ||M Q||_F^2`` (exact),
+    ``Z = (G Omega)^T A = Omega^T M`` (``k x d``), ``tail = ||Z - (Z Q) Q^T||_F^2``,
+    ``n_hat = head + tail``.
+
+    Unbiased since ``E[tail | Q] = ||M (I - Q Q^T)||_F^2``; exact when ``rank(M) <= s``;
+    ``Var(n_hat | Q) = (2/k) ||(I - QQ^T) M^T M (I - QQ^T)||_F^2``. Privacy is certified by the
+    Hutchinson envelope with ``k`` = tail columns (THEORY.md D, Theorem H), which needs the
+    tail sketch independent of the head sketch: they are separate draws here.
+
+    Cost: about ``2 B T (3 s + k)(p + d)`` FLOPs plus a batched ``d x s`` QR.
+
+    Args:
+        activations: ``A``, shape ``(B, T, d)``.
+        backprops: ``G``, shape ``(B, T, p)``, already scaled to the per-sample loss.
+        sketch_dim: ``k``, Gaussian tail columns per sample (>= 1).
+        head_dim: ``s``, head columns per sample (>= 1); defaults to ``sketch_dim``.
+        generator: Generator for both sketches (head first, then tail). ``None`` uses torch's
+            default generator.
+        probes: Explicit tail sketch, ``(B, p, k)`` or ``(p, k)``, entries ``N(0, 1/k)``.
+        head_probes: Explicit head sketch, ``(B, d, s)`` or ``(d, s)`` (any law).
+
+    Returns:
+        Tensor of shape ``(B,)``; dtype as in :func:`hutchinson_sqnorm`.
+
+    Raises:
+        TypeError: If ``sketch_dim`` or ``head_dim`` is not an int.
+        ValueError: If a dimension is < 1 or a shape is inconsistent.
+    """
+    validate_sketch_dim(sketch_dim)
+    s = sketch_dim if head_dim is None else validate_sketch_dim(head_dim, "head_dim")
+    B, _, d, p = _check_factors(activations, backprops)
+    dtype = _compute_dtype(activations, backprops)
+    device = backprops.device
+    if head_probes is None:
+        S = draw_gaussian_probes(B, d, s, generator=generator, device=device, dtype=dtype)
+    else:
+        S = _check_probes(head_probes, batch=B, rows=d, name="head_probes").to(device, dtype)
+    if probes is None:
+        omega = draw_gaussian_probes(
+            B, p, sketch_dim, generator=generator, device=device, dtype=dtype
+        )
+    else:
+        omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    with torch.autocast(device_type=device.type, enabled=False):
+        A = activations.to(dtype)
+        G = backprops.to(dtype)
+        At = A.transpose(1, 2)
+        Gt = G.transpose(1, 2)
+        Y = torch.bmm(At, torch.bmm(G, torch.bmm(Gt, torch.bmm(A, S))))  # (B, d, s)
+        Q = torch.linalg.qr(Y, mode="reduced").Q  # (B, d, min(d, s))
+        head = torch.bmm(Gt, torch.bmm(A, Q)).pow(2).sum(dim=(1, 2))
+        Z = torch.bmm(torch.bmm(G, omega).transpose(1, 2), A)  # (B, k, d)
+        resid = Z - torch.bmm(torch.bmm(Z, Q), Q.transpose(1, 2))
+        tail = resid.pow(2).sum(dim=(1, 2))
+        return head + tail
+
+
+#: Registry of sketched squared-norm estimators, by the name used in :class:`SketchSpec`.
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "hutchinson": hutchinson_sqnorm,
+    "hutch++": hutchpp_sqnorm,
+}
+
+
+def get_estimator(name: str) -> Callable[..., torch.Tensor]:
+    """Look up an estimator in :data:`ESTIMATORS`.
+
+    Args:
+        name: Estimator name, e.g. ``"hutchinson"`` or ``"hutch++"``.
+
+    Returns:
+        The estimator function.
+
+    Raises:
+        ValueError: If ``name`` is not registered; the message lists the allowed names.
+    """
+    try:
+        return ESTIMATORS[name]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(n) for n in ESTIMATORS)
+        raise ValueError(f"unknown sketch estimator {name!r}; allowed: {allowed}") from None
