@@ -1,0 +1,566 @@
+"""Grad-sample modules for randomized clipping (DP-SGD-RC; DESIGN.md sections 3-4).
+
+:class:`GradSampleModuleRandomizedClipping` wraps a model like Opacus'
+``GradSampleModuleFastGradientClipping`` (ghost clipping); :class:`GradSampleHooksRandomizedClipping`
+attaches the same hooks without wrapping (``wrap_model=False``). Both share
+:class:`_RandomizedClippingMixin`, which changes three things:
+
+1. Norms. In the backward hook, a layer type registered in
+   :data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS` gets a sketched per-sample
+   norm (fresh Gaussian probes from the module's generator for every step, sample and layer;
+   THEORY.md A.2 and B.2). Every other layer uses Opacus' exact path unchanged: the ghost norm
+   of ``nn.Embedding``, per-sample gradients for ``LayerNorm``/``RMSNorm``/Conv, functorch for
+   the rest.
+2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a parameter
+   that received a gradient without a per-sample norm (e.g. used outside its module's forward)
+   raises instead of passing unclipped; stale norms of a previous step are never reused; tied or
+   reused sketched modules raise naming the module; eval-mode models are rejected.
+3. Sketch randomness. One ``torch.Generator`` owned by the module, seeded from the operating
+   system's CSPRNG (:mod:`secrets`) unless the caller passes one. Probes are drawn inside the
+   backward hook and never stored or logged.
+
+The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
+over parameters of the squared per-parameter norms (THEORY.md B.1), the same form as Opacus'
+ghost clipping so that exact and sketched runs are comparable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import secrets
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
+from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
+from opacus.utils.module_utils import trainable_modules, trainable_parameters
+from torch import nn
+
+from opacus_rc.grad_sample.registry import SKETCHED_NORM_SAMPLERS, SketchedNormSampler
+from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
+
+__all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
+
+logger = logging.getLogger(__name__)
+
+_LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def strip_grad_sample_hooks(module: nn.Module) -> None:
+    """Remove every Opacus/opacus_rc hook and attribute from ``module``.
+
+    For failure paths, where no hooks object may exist to call ``cleanup()`` on. Opacus keeps
+    the hook handles in ``module.autograd_grad_sample_hooks`` and adds the attributes in
+    ``OPACUS_PARAM_MONKEYPATCH_ATTRS`` to parameters and ``activations``/``max_batch_len``/
+    ``ft_compute_sample_grad`` to submodules.
+    """
+    handles = getattr(module, "autograd_grad_sample_hooks", None)
+    if handles is not None:
+        while handles:
+            handles.pop().remove()
+        delattr(module, "autograd_grad_sample_hooks")
+    for p in module.parameters():
+        for attr in OPACUS_PARAM_MONKEYPATCH_ATTRS:
+            if hasattr(p, attr):
+                delattr(p, attr)
+    for sub in module.modules():
+        for attr in ("activations", "max_batch_len", "ft_compute_sample_grad"):
+            if attr in sub.__dict__:
+                delattr(sub, attr)
+
+
+def check_training_mode(module: nn.Module) -> None:
+    """Raise if ``module`` or any submodule with trainable parameters is in eval mode.
+
+    Opacus' forward hook skips modules with ``training=False``, so their gradients would have
+    no per-sample norm.
+
+    Raises:
+        ValueError: Naming the offending modules and telling the caller to call ``train()``.
+    """
+    if not module.training:
+        raise ValueError(
+            "the model is in eval mode; randomized clipping needs per-sample norms that are "
+            "only recorded in training mode: call model.train() before make_private / before "
+            "wrapping the model"
+        )
+    in_eval = [name or "<root>" for name, sub in trainable_modules(module) if not sub.training]
+    if in_eval:
+        raise ValueError(
+            f"submodules with trainable parameters are in eval mode: {in_eval[:5]}; call "
+            "model.train() (or freeze their parameters) before make_private"
+        )
+
+
+def resolve_sketch_spec(
+    *,
+    sketch: str,
+    sketch_dim: int,
+    sketch_head_dim: int | None = None,
+    sketch_generator: torch.Generator | None = None,
+) -> SketchSpec:
+    """The :class:`SketchSpec` a randomized-clipping module built with these options uses.
+
+    Used by the module itself and by ``PrivacyEngine.make_private_with_epsilon`` (noise search
+    before the module exists), so both always agree.
+
+    Args:
+        sketch: Estimator name (see :data:`opacus_rc.sketching.ESTIMATORS`).
+        sketch_dim: ``k``, Gaussian (tail) columns.
+        sketch_head_dim: Hutch++ head columns ``s`` (default ``sketch_dim``); must be ``None``
+            for other estimators.
+        sketch_generator: The user's generator, if any (the spec is then not ``secret``).
+
+    Returns:
+        The spec: per-sample sketches, ``secret`` iff no generator was passed.
+
+    Raises:
+        ValueError: Unknown estimator, dimension < 1, or a head dimension without Hutch++.
+        TypeError: Non-integer dimension.
+    """
+    get_estimator(sketch)
+    validate_sketch_dim(sketch_dim)
+    if sketch == "hutch++":
+        head_dim = sketch_dim if sketch_head_dim is None else sketch_head_dim
+        validate_sketch_dim(head_dim, "sketch_head_dim")
+    elif sketch_head_dim is not None:
+        raise ValueError(f"sketch_head_dim is only used by sketch='hutch++', not {sketch!r}")
+    else:
+        head_dim = None
+    return SketchSpec(
+        estimator=sketch,
+        sketch_dim=sketch_dim,
+        head_dim=head_dim,
+        per_sample=True,
+        secret=sketch_generator is None,
+    )
+
+
+class _RandomizedClippingMixin:
+    """Shared logic of the wrapping and the hooks-only randomized-clipping classes.
+
+    Must come before an Opacus ``...FastGradientClipping`` class in the bases.
+    """
+
+    #: Sketched samplers, looked up by exact module type before Opacus' exact ones.
+    SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = SKETCHED_NORM_SAMPLERS
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        max_grad_norm: float,
+        sketch: str = "hutchinson",
+        sketch_dim: int = 32,
+        sketch_head_dim: int | None = None,
+        sketch_generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        force_functorch: bool = False,
+    ) -> None:
+        # Everything is validated before Opacus attaches a single hook.
+        spec = resolve_sketch_spec(
+            sketch=sketch,
+            sketch_dim=sketch_dim,
+            sketch_head_dim=sketch_head_dim,
+            sketch_generator=sketch_generator,
+        )
+        _validate_max_grad_norm(max_grad_norm)
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if sketch_generator is not None and not isinstance(sketch_generator, torch.Generator):
+            raise TypeError(
+                f"sketch_generator must be a torch.Generator, got {type(sketch_generator).__name__}"
+            )
+        if secure_mode and sketch_generator is not None:
+            raise ValueError(
+                "passing a sketch_generator is prohibited with secure_mode=True: the sketch "
+                "must come from the operating system's CSPRNG"
+            )
+        if hasattr(m, "autograd_grad_sample_hooks"):
+            raise ValueError(
+                "the model already has Opacus grad-sample hooks attached; pass the plain "
+                "nn.Module (call cleanup() on the previous hooks first)"
+            )
+        check_training_mode(m)
+        self._check_tied_parameters(m)
+
+        try:
+            super().__init__(  # type: ignore[call-arg]
+                m,
+                batch_first=batch_first,
+                loss_reduction=loss_reduction,
+                strict=strict,
+                force_functorch=force_functorch,
+                max_grad_norm=max_grad_norm,
+                use_ghost_clipping=True,
+            )
+        except BaseException:
+            strip_grad_sample_hooks(m)  # Opacus may fail after attaching some hooks
+            raise
+        try:
+            self._sketch_spec = spec
+            estimator = get_estimator(sketch)
+            if spec.head_dim is not None:
+                estimator = functools.partial(estimator, head_dim=spec.head_dim)
+            self._estimator: Callable[..., torch.Tensor] = estimator
+            self._secure_mode = secure_mode
+            if sketch_generator is None:
+                sketch_generator = torch.Generator(device=_module_device(m))
+                sketch_generator.manual_seed(secrets.randbits(63))
+            else:
+                warnings.warn(
+                    "a sketch_generator was passed: the 'hidden' privacy guarantee of randomized "
+                    "clipping then holds only if its seed stays secret; the reported SketchSpec "
+                    "has secret=False",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            self._sketch_generator = sketch_generator
+            self._module_names = {id(sub): name for name, sub in m.named_modules()}
+            self._param_names = {id(p): name for name, p in trainable_parameters(m)}
+            self._fresh_norms: set[int] = set()
+            self._grad_seen: set[int] = set()
+            self._coef_dtype = torch.float32
+            for _, p in trainable_parameters(m):
+                self.autograd_grad_sample_hooks.append(
+                    p.register_post_accumulate_grad_hook(self._record_gradient)
+                )
+            self._log_norm_paths()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    # Public properties
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def sketch_spec(self) -> SketchSpec:
+        """The :class:`~opacus_rc.sketching.SketchSpec` this module actually uses."""
+        return self._sketch_spec
+
+    @property
+    def sketch_generator(self) -> torch.Generator:
+        """The generator all probes are drawn from (never the data or noise generator)."""
+        return self._sketch_generator
+
+    # ------------------------------------------------------------------------------------------
+    # Construction-time checks
+    # ------------------------------------------------------------------------------------------
+
+    def _uses_norm_sampler(self, module: nn.Module) -> bool:
+        """Whether ``module``'s norm comes from a sampler that cannot handle tied weights."""
+        t = type(module)
+        return t in self.SKETCHED_NORM_SAMPLERS or t in type(self).NORM_SAMPLERS  # type: ignore[attr-defined]
+
+    def _check_tied_parameters(self, m: nn.Module) -> None:
+        """Raise if a trainable parameter is shared by a norm-sampled module and another one."""
+        owners: dict[int, list[tuple[str, nn.Module]]] = {}
+        for name, sub in m.named_modules():
+            for p in sub.parameters(recurse=False):
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append((name or "<root>", sub))
+        for users in owners.values():
+            if len(users) > 1 and any(self._uses_norm_sampler(sub) for _, sub in users):
+                names = ", ".join(f"'{n}' ({type(s).__name__})" for n, s in users)
+                raise NotImplementedError(
+                    f"a trainable parameter is tied between modules {names}; randomized and "
+                    "ghost clipping compute per-module norms and cannot combine tied weights. "
+                    "Untie the weights or freeze the shared parameter."
+                )
+
+    def _log_norm_paths(self) -> None:
+        """Log once, at construction, which norm path each trainable module takes."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        for name, sub in trainable_modules(self._module):  # type: ignore[attr-defined]
+            t = type(sub)
+            if t in self.SKETCHED_NORM_SAMPLERS:
+                path = f"sketched ({self._sketch_spec.estimator}, k={self._sketch_spec.sketch_dim})"
+            elif t in type(self).NORM_SAMPLERS:  # type: ignore[attr-defined]
+                path = "exact ghost norm (Opacus)"
+            elif t in type(self).GRAD_SAMPLERS and not self.force_functorch:  # type: ignore[attr-defined]
+                path = "exact per-sample gradients (Opacus grad sampler)"
+            else:
+                path = "exact per-sample gradients (functorch fallback)"
+            logger.info("module %r (%s): %s", name, t.__name__, path)
+
+    # ------------------------------------------------------------------------------------------
+    # Hooks
+    # ------------------------------------------------------------------------------------------
+
+    def _record_gradient(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: remember that ``param`` got a gradient in the first pass."""
+        if self.hooks_enabled:  # type: ignore[attr-defined]
+            self._grad_seen.add(id(param))
+
+    def _module_name(self, module: nn.Module) -> str:
+        return self._module_names.get(id(module)) or type(module).__name__
+
+    def _reuse_error(self, module: nn.Module) -> NotImplementedError:
+        return NotImplementedError(
+            f"module '{self._module_name(module)}' ({type(module).__name__}) ran more than once "
+            "before a backward pass (a reused module or tied weights). Randomized clipping "
+            "needs one forward per module per step: use separate modules, or call backward "
+            "after every forward in training mode (use torch.no_grad() or model.eval() for "
+            "forwards you do not backpropagate)."
+        )
+
+    def capture_activations_hook(
+        self,
+        module: nn.Module,
+        forward_input: list[torch.Tensor],
+        _forward_output: torch.Tensor,
+    ) -> None:
+        """Forward hook: store inputs (Opacus) and reject a second use of a norm-sampled module."""
+        try:
+            super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
+        except NotImplementedError as err:
+            self._reset_step_state()
+            raise self._reuse_error(module) from err
+        if not self.hooks_enabled or not hasattr(module, "activations"):  # type: ignore[attr-defined]
+            return
+        if type(module) in self.SKETCHED_NORM_SAMPLERS and any(
+            p._forward_counter > 1 for _, p in trainable_parameters(module)
+        ):
+            self._reset_step_state()
+            raise self._reuse_error(module)
+
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input: torch.Tensor,
+        forward_output: torch.Tensor,
+        loss_reduction: str,
+        batch_first: bool,
+    ) -> None:
+        """Backward hook: sketched norms for registered types, Opacus' exact path otherwise."""
+        if not self.hooks_enabled:  # type: ignore[attr-defined]
+            return
+        params = [p for _, p in trainable_parameters(module)]
+        if self._is_empty_batch(module, forward_output[0], batch_first):
+            # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
+            # ghost norm) fail on B = 0, so answer directly; the step is still noised.
+            module.activations.pop()
+            for p in params:
+                p._norm_sample = torch.zeros(0, device=p.device, dtype=torch.float32)
+                p._forward_counter -= 1
+                self._fresh_norms.add(id(p))
+            return
+        sampler = self.SKETCHED_NORM_SAMPLERS.get(type(module))
+        if sampler is None:
+            before = {id(p): getattr(p, "_norm_sample", None) for p in params}
+            super().capture_backprops_hook(  # type: ignore[misc]
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+            for p in params:
+                if getattr(p, "_norm_sample", None) is not before[id(p)]:
+                    self._fresh_norms.add(id(p))
+            return
+
+        backprops = forward_output[0].detach()
+        activations, backprops = self.rearrange_grad_samples(  # type: ignore[attr-defined]
+            module=module,
+            backprops=backprops,
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        norms = sampler(
+            module,
+            activations,
+            backprops,
+            estimator=self._estimator,
+            sketch_dim=self._sketch_spec.sketch_dim,
+            generator=self._sketch_generator,
+        )
+        missing = [p for p in params if p not in norms]
+        if missing:
+            raise RuntimeError(
+                f"the sketched norm sampler for '{self._module_name(module)}' "
+                f"({type(module).__name__}) returned no norm for {len(missing)} trainable "
+                "parameter(s); a sampler must cover every trainable parameter of its module"
+            )
+        for p in params:
+            p._norm_sample = norms[p]
+            p._forward_counter -= 1
+            self._fresh_norms.add(id(p))
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    @staticmethod
+    def _is_empty_batch(module: nn.Module, backprops: torch.Tensor, batch_first: bool) -> bool:
+        """Whether the current backward belongs to an empty batch (``B = 0``)."""
+        batch_dim = 0 if batch_first else 1
+        acts = module.activations[-1] if getattr(module, "activations", None) else []
+        tensors = [t for t in (*acts, backprops) if isinstance(t, torch.Tensor)]
+        return any(t.dim() > batch_dim and t.shape[batch_dim] == 0 for t in tensors)
+
+    # ------------------------------------------------------------------------------------------
+    # Norms and clip factors
+    # ------------------------------------------------------------------------------------------
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-sample gradient norm estimates of the whole model for the current step.
+
+        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)`` (THEORY.md A.2, "several layers"),
+        computed in float64. Only norms computed in the current step are used (never stale
+        ones); a trainable parameter whose module did not run this step contributes 0.
+
+        Returns:
+            Tensor of shape ``(B,)``, float64.
+
+        Raises:
+            RuntimeError: If a parameter received a gradient in this step without a per-sample
+                norm (it would otherwise pass unclipped), or if no norm was computed since the
+                last :meth:`get_clipping_coef`.
+        """
+        parts: list[torch.Tensor] = []
+        unmeasured: list[str] = []
+        self._coef_dtype = torch.float32
+        for p in self.trainable_parameters:  # type: ignore[attr-defined]
+            if id(p) in self._fresh_norms:
+                ns = p._norm_sample
+                if ns.dtype == torch.float64:
+                    self._coef_dtype = torch.float64
+                parts.append(ns)
+            elif id(p) in self._grad_seen:
+                unmeasured.append(self._param_names.get(id(p), "<unnamed>"))
+        if unmeasured:
+            self._end_step()
+            raise RuntimeError(
+                f"parameters {unmeasured[:5]} received a gradient but no per-sample norm was "
+                "computed for them (used outside their module's forward, e.g. tied through "
+                "F.linear, or their module is in eval mode); they would not be clipped"
+            )
+        if not parts:
+            raise RuntimeError(
+                "no per-sample norms for this step: run a forward pass in training mode with "
+                "gradients enabled, then backward. (A step's norms are consumed by "
+                "get_clipping_coef(); read per_sample_gradient_norms afterwards.)"
+            )
+        device = parts[0].device
+        stacked = torch.stack([t.reshape(-1).to(device, torch.float64) for t in parts])
+        norm = stacked.norm(2, dim=0)
+        self.per_sample_gradient_norms = norm
+        return norm
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
+
+        Called by Opacus' ``DPTensorFastGradientClipping.backward`` between its two backward
+        passes. Consumes the step's norms: the next call needs a new backward pass.
+
+        Returns:
+            Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
+
+        Raises:
+            FloatingPointError: If any per-sample norm estimate is NaN or inf (no clip factor
+                is produced, so the step cannot proceed).
+            RuntimeError: See :meth:`get_norm_sample`.
+        """
+        try:
+            norm = self.get_norm_sample()
+            bad = ~torch.isfinite(norm)
+            if bool(bad.any()):
+                raise FloatingPointError(
+                    f"{int(bad.sum())} of {norm.numel()} per-sample gradient norm estimates are "
+                    "NaN or inf; no clip factor was produced and this step must not be taken. "
+                    "Check the loss and the inputs for NaN/inf (or lower the learning rate)."
+                )
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # type: ignore[attr-defined]
+        finally:
+            self._end_step()
+        return coef.to(self._coef_dtype)
+
+    def _end_step(self) -> None:
+        """Forget this step's norms and gradient marks; reseed the sketch in secure mode."""
+        self._fresh_norms.clear()
+        self._grad_seen.clear()
+        if self._secure_mode:
+            self._sketch_generator.manual_seed(secrets.randbits(63))
+
+    def _reset_step_state(self) -> None:
+        """Drop stored activations and forward counters (after an error inside a hook)."""
+        for sub in self._module.modules():  # type: ignore[attr-defined]
+            if hasattr(sub, "activations"):
+                sub.activations = []
+            if hasattr(sub, "max_batch_len"):
+                del sub.max_batch_len
+        for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
+            p._forward_counter = 0
+        self._fresh_norms.clear()
+        self._grad_seen.clear()
+
+    def cleanup(self) -> None:
+        """Remove all hooks and every attribute Opacus or this class added to the model."""
+        super().cleanup()  # type: ignore[misc]
+        strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
+
+
+def _validate_max_grad_norm(max_grad_norm: Any) -> None:
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+        raise TypeError(
+            "randomized clipping needs one float max_grad_norm (flat clipping); got "
+            f"{type(max_grad_norm).__name__}"
+        )
+    if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+
+
+def _module_device(m: nn.Module) -> torch.device:
+    for p in m.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class GradSampleModuleRandomizedClipping(
+    _RandomizedClippingMixin, GradSampleModuleFastGradientClipping
+):
+    """Wraps a model to compute sketched per-sample norms and clip factors (DP-SGD-RC).
+
+    Use it like Opacus' ``GradSampleModuleFastGradientClipping``: with
+    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` and Opacus'
+    ``DPLossFastGradientClipping``, whose ``backward()`` runs both passes.
+
+    Args:
+        m: The model (in training mode).
+        max_grad_norm: ``C``, the clipping bound (> 0).
+        sketch: Estimator name, ``"hutchinson"`` or ``"hutch++"``.
+        sketch_dim: ``k``, Gaussian (tail) columns per sample and layer (>= 1). THEORY.md 0.4
+            recommends ``k >= 32``.
+        sketch_head_dim: Hutch++ head columns (default ``sketch_dim``).
+        sketch_generator: Source of the probes. ``None`` (recommended) seeds a private
+            generator from :mod:`secrets`; passing one warns and marks the spec not secret.
+        secure_mode: Reseed the sketch generator from :mod:`secrets` after every step.
+        batch_first: Whether inputs are ``(B, ...)`` (else ``(T, B, ...)``).
+        loss_reduction: ``"mean"`` or ``"sum"``, as the loss.
+        strict: Reject trainable modules with buffers (Opacus).
+        force_functorch: Use functorch for every non-sketched layer (Opacus).
+
+    Raises:
+        ValueError: Unknown sketch, ``sketch_dim < 1``, eval-mode model, bad reduction or
+            ``max_grad_norm``, hooks already attached, or a generator in secure mode.
+        NotImplementedError: A trainable parameter tied between a sketched (or ghost) module
+            and another module, or (at forward time) a sketched module used twice per step.
+    """
+
+
+class GradSampleHooksRandomizedClipping(
+    _RandomizedClippingMixin, GradSampleHooksFastGradientClipping
+):
+    """Hooks-only twin of :class:`GradSampleModuleRandomizedClipping` (``wrap_model=False``).
+
+    Attaches the same hooks to the model without wrapping it: keep using the original model and
+    call :meth:`cleanup` to detach. Arguments and errors are those of
+    :class:`GradSampleModuleRandomizedClipping`.
+    """

@@ -1,0 +1,159 @@
+"""Sketched per-sample gradient norms of ``nn.Linear`` (THEORY.md A.1-A.2, DESIGN.md section 4).
+
+For sample ``i`` with input ``A_i`` (``T x d``) and output gradient ``G_i`` (``T x p``):
+
+* weight: ``||G_i^T A_i||_F``. Rank-2 inputs (``T = 1``) use the exact rank-one identity
+  ``||g_i a_i^T||_F = ||g_i|| ||a_i||``, which is cheaper than any sketch. Rank-3 inputs are
+  sketched with the given estimator. Inputs of rank > 3 (``B x ... x d``) are flattened to
+  ``(B, T', d)`` first; Opacus' own ghost sampler returns ``{}`` for them, which silently reuses
+  stale norms (OPACUS.md section 2).
+* bias: exact, ``||G_i^T 1_T||``.
+
+Frozen parameters (``requires_grad=False``) are skipped and cost nothing: no probe is drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from opacus_rc.grad_sample.registry import register_sketched_norm_sampler
+
+__all__ = ["compute_linear_sketched_norm_sample"]
+
+# Rescale the factors before sketching when a crude bound on ||G^T A||_F exceeds this. The
+# squared estimate then stays below ~2^100 * (chi2 fluctuation) << float32 max (~2^128).
+_SCALE_THRESHOLD = 2.0**50
+
+
+def _pow2_inverse_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample exponents ``e`` with ``amax * 2^-e`` in ``[0.5, 1)`` (``e = 0`` where 0/non-finite).
+
+    Scaling by a power of two is exact in floating point, so the sketch is unaffected.
+
+    Returns:
+        ``(scale, exponent)``: ``scale = 2^-e`` in ``amax``'s dtype and ``e`` as int32, each
+        of shape ``(B,)``.
+    """
+    ok = torch.isfinite(amax) & (amax > 0)
+    _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
+    exponent = torch.where(ok, exponent, torch.zeros_like(exponent))
+    scale = torch.ldexp(torch.ones_like(amax), -exponent)
+    return scale, exponent
+
+
+def _sketched_weight_norm(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    *,
+    estimator: Callable[..., torch.Tensor],
+    sketch_dim: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``sqrt`` of the estimator's ``||G_i^T A_i||_F^2``, guarded against float32 overflow.
+
+    If ``T sqrt(p d) max|A_i| max|G_i|`` (an upper bound on the true norm) exceeds 2^50 for
+    some sample and the computation is in float32, both factors are divided per sample by a
+    power of two (exactly) before sketching and the norm is rescaled in float64 afterwards, so
+    gradient norms up to the float32 range (e.g. 1e30) give finite estimates. The decision uses
+    the data only, never the probes, so the estimator's law is unchanged.
+
+    Args:
+        A: ``(B, T, d)`` activations.
+        G: ``(B, T, p)`` backprops.
+        estimator: A function from :data:`opacus_rc.sketching.ESTIMATORS`.
+        sketch_dim: ``k``.
+        generator: Sketch generator.
+
+    Returns:
+        ``(B,)`` norm estimates in the estimator's output dtype.
+    """
+    B, T, d = A.shape
+    p = G.shape[2]
+    needs_scaling = False
+    if A.numel() > 0 and G.numel() > 0 and torch.float64 not in (A.dtype, G.dtype):
+        amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).double()
+        amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).double()
+        bound = amax_a * amax_g * (T * math.sqrt(p * d))
+        needs_scaling = bool((bound > _SCALE_THRESHOLD).any())
+    if not needs_scaling:
+        sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
+        return sq.clamp(min=0).sqrt()
+    scale_a, exp_a = _pow2_inverse_scale(amax_a)
+    scale_g, exp_g = _pow2_inverse_scale(amax_g)
+    A_s = A.to(torch.float32) * scale_a.to(torch.float32).view(B, 1, 1)
+    G_s = G.to(torch.float32) * scale_g.to(torch.float32).view(B, 1, 1)
+    sq = estimator(A_s, G_s, sketch_dim=sketch_dim, generator=generator)
+    norm = torch.ldexp(sq.double().clamp(min=0).sqrt(), (exp_a + exp_g).to(sq.device))
+    return norm.to(sq.dtype)
+
+
+@register_sketched_norm_sampler(nn.Linear)
+def compute_linear_sketched_norm_sample(
+    layer: nn.Linear,
+    activations: list[torch.Tensor],
+    backprops: torch.Tensor,
+    *,
+    estimator: Callable[..., torch.Tensor],
+    sketch_dim: int,
+    generator: torch.Generator | None,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient norms of an ``nn.Linear`` layer, the weight's sketched.
+
+    Args:
+        layer: The linear layer (weight ``p x d``).
+        activations: ``[A]`` with ``A`` of shape ``(B, d)`` or ``(B, ..., d)``: the layer input,
+            batch first.
+        backprops: ``G`` of shape ``(B, p)`` or ``(B, ..., p)``: gradient of the layer output
+            with respect to the per-sample losses (Opacus multiplies by ``B`` under
+            ``loss_reduction="mean"``).
+        estimator: Squared-norm estimator, e.g. :func:`opacus_rc.sketching.hutchinson_sqnorm`,
+            called as ``estimator(A, G, sketch_dim=..., generator=...)`` on ``(B, T', d)`` and
+            ``(B, T', p)`` factors.
+        sketch_dim: ``k``, columns of the sketch.
+        generator: Source of the probes; fresh probes are drawn on every call.
+
+    Returns:
+        ``{parameter: (B,) tensor}`` with the per-sample gradient **norm** of each trainable
+        parameter of ``layer`` (float32, or float64 for float64 inputs). Weight norms of rank-2
+        inputs and all bias norms are exact.
+
+    Raises:
+        ValueError: If the input and gradient shapes disagree.
+    """
+    A = activations[0]
+    G = backprops
+    if A.dim() < 2 or A.shape[:-1] != G.shape[:-1]:
+        raise ValueError(
+            f"nn.Linear norm sampler: input of shape {tuple(A.shape)} does not match output "
+            f"gradient of shape {tuple(G.shape)} (batch-first, same leading dimensions expected)"
+        )
+    out_dtype = torch.float64 if torch.float64 in (A.dtype, G.dtype) else torch.float32
+    B = A.shape[0]
+    ret: dict[nn.Parameter, torch.Tensor] = {}
+    if A.dim() == 2:
+        # Exact: ||g a^T||_F = ||g|| ||a|| (THEORY.md A.1 with T = 1), in float64 to avoid overflow.
+        with torch.autocast(device_type=G.device.type, enabled=False):
+            g_norm = torch.linalg.vector_norm(G.double(), dim=1)
+            if layer.weight.requires_grad:
+                a_norm = torch.linalg.vector_norm(A.double(), dim=1)
+                ret[layer.weight] = (g_norm * a_norm).to(out_dtype)
+            if layer.bias is not None and layer.bias.requires_grad:
+                ret[layer.bias] = g_norm.to(out_dtype)
+        return ret
+
+    T = math.prod(A.shape[1:-1])  # explicit, so that B = 0 reshapes too
+    A3 = A.reshape(B, T, A.shape[-1])
+    G3 = G.reshape(B, T, G.shape[-1])
+    if layer.weight.requires_grad:
+        ret[layer.weight] = _sketched_weight_norm(
+            A3, G3, estimator=estimator, sketch_dim=sketch_dim, generator=generator
+        ).to(out_dtype)
+    if layer.bias is not None and layer.bias.requires_grad:
+        with torch.autocast(device_type=G.device.type, enabled=False):
+            g_sum = G3.sum(dim=1, dtype=out_dtype)  # (B, p), the exact bias gradient
+            ret[layer.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(out_dtype)
+    return ret

@@ -1,0 +1,453 @@
+"""opacus_rc.PrivacyEngine: make_private(clipping="randomized"), validation, cleanup.
+
+Most tests use ``FakeRCAccountant`` (tests/conftest.py), which records the sketch spec of every
+step. Tests marked ``needs_rc_accountant`` use the real ``opacus_rc.accountants`` and are
+skipped until it is importable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import opacus_rc.privacy_engine as pe
+from opacus_rc.grad_sample import (
+    GradSampleHooksRandomizedClipping,
+    GradSampleModuleRandomizedClipping,
+)
+from opacus_rc.optimizers import RandomizedClipOptimizer
+from opacus_rc.sketching import SketchSpec
+
+VOCAB, EMB, CLASSES, SEQ = 16, 8, 2, 6
+
+pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
+
+
+def _rc_accountant_available() -> bool:
+    try:
+        from opacus_rc.accountants import RCAccountant, get_noise_multiplier  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_rc_accountant = pytest.mark.skipif(
+    not _rc_accountant_available(), reason="opacus_rc.accountants.RCAccountant not available yet"
+)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding + Linear + LayerNorm over sequences, mean-pooled, linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, EMB)
+        self.proj = nn.Linear(EMB, EMB)
+        self.norm = nn.LayerNorm(EMB)
+        self.head = nn.Linear(EMB, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)
+        h = self.norm(torch.relu(self.proj(e)) + e)
+        return self.head(h.mean(1))
+
+
+def token_task(n: int, seed: int) -> TensorDataset:
+    """Label 1 iff the sequence contains more tokens >= VOCAB/2 than tokens below."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    y = ((x >= VOCAB // 2).sum(1) > SEQ // 2).long()
+    return TensorDataset(x, y)
+
+
+def setup(
+    engine: Any, *, batch_size: int = 16, n: int = 64, **kwargs: Any
+) -> tuple[nn.Module, tuple[Any, ...]]:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(token_task(n, 0), batch_size=batch_size)
+    args = {
+        "module": model,
+        "optimizer": opt,
+        "data_loader": loader,
+        "criterion": nn.CrossEntropyLoss(),
+        "noise_multiplier": 0.5,
+        "max_grad_norm": 1.0,
+        "clipping": "randomized",
+        "sketch_dim": 8,
+        **kwargs,
+    }
+    return model, engine.make_private(**args)
+
+
+def test_make_private_randomized_returns_rc_objects(fake_engine: Any) -> None:
+    model, (module, optimizer, criterion, loader) = setup(
+        fake_engine, sketch="hutch++", sketch_dim=16
+    )
+    assert isinstance(module, GradSampleModuleRandomizedClipping)
+    assert isinstance(optimizer, RandomizedClipOptimizer)
+    assert isinstance(criterion, DPLossFastGradientClipping)
+    spec = SketchSpec("hutch++", 16, 16, per_sample=True, secret=True)
+    assert module.sketch_spec == spec and optimizer.sketch_spec == spec
+    assert optimizer.noise_multiplier == 0.5 and optimizer.expected_batch_size == 16
+    assert module.max_grad_norm == optimizer.max_grad_norm == 1.0
+    assert module.sketch_generator is not optimizer.generator
+    module.cleanup()
+
+
+def test_every_step_reports_the_modules_spec_to_the_accountant(fake_engine: Any) -> None:
+    model, (module, optimizer, criterion, loader) = setup(fake_engine)
+    steps = 0
+    for x, y in loader:
+        criterion(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    assert steps == 4
+    assert fake_engine.accountant.specs == [module.sketch_spec] * 4
+    assert module.sketch_spec == SketchSpec("hutchinson", 8, None, per_sample=True, secret=True)
+
+
+def test_transformer_like_model_trains(fake_engine: Any) -> None:
+    """20 DP steps (sigma = 0.3, C = 1, k = 32, Poisson q = 1/4) reduce the full-data loss."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    data = token_task(256, 1)
+    loader = DataLoader(data, batch_size=64)
+    module, optimizer, criterion, loader = fake_engine.make_private(
+        module=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+        data_loader=loader,
+        criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=0.3,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        noise_generator=torch.Generator().manual_seed(3),
+        sketch_generator=torch.Generator().manual_seed(4),
+    )
+    x_all, y_all = data.tensors
+
+    def full_loss() -> float:
+        with torch.no_grad():
+            return nn.functional.cross_entropy(model(x_all), y_all).item()
+
+    before = full_loss()
+    steps = 0
+    while steps < 20:
+        for x, y in loader:
+            criterion(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+            if steps == 20:
+                break
+    after = full_loss()
+    assert len(fake_engine.accountant.specs) == 20
+    assert after < 0.7 * before, (before, after)  # measured: 0.73 -> 0.38
+
+
+def test_wrap_model_false(fake_engine: Any, assert_no_hooks: Callable) -> None:
+    model, (hooks, optimizer, criterion, loader) = setup(fake_engine, wrap_model=False)
+    assert isinstance(hooks, GradSampleHooksRandomizedClipping)
+    before = model.proj.weight.detach().clone()
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert not torch.equal(model.proj.weight, before)
+    assert fake_engine.accountant.specs == [hooks.sketch_spec]
+    hooks.cleanup()
+    assert_no_hooks(model)
+
+
+def test_empty_poisson_batch_is_noised_and_counted(fake_engine: Any) -> None:
+    """Poisson sampling with q = 1/4 over 4 records: some batches are empty (B = 0). Such a
+    step must still add noise and be accounted."""
+    torch.manual_seed(5)
+    model = TinyTransformer()
+    loader = DataLoader(token_task(4, 2), batch_size=1)
+    module, optimizer, criterion, dp_loader = fake_engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch_dim=4,
+    )
+    empty_steps = 0
+    for _ in range(10):
+        for x, y in dp_loader:
+            before = model.proj.weight.detach().clone()
+            n_before = len(fake_engine.accountant.specs)
+            criterion(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert len(fake_engine.accountant.specs) == n_before + 1
+            if len(x) == 0:
+                empty_steps += 1
+                assert not torch.equal(model.proj.weight, before)  # noise only
+        if empty_steps >= 2:
+            break
+    assert empty_steps >= 2
+
+
+BAD_INPUTS = [
+    (
+        {"sketch": "gauss"},
+        ValueError,
+        r"unknown sketch estimator 'gauss'; allowed: 'hutchinson', 'hutch\+\+'",
+    ),
+    ({"sketch_dim": 0}, ValueError, "sketch_dim must be >= 1, got 0"),
+    ({"sketch_dim": 2.5}, TypeError, "sketch_dim must be an int"),
+    ({"sketch_head_dim": 3}, ValueError, "sketch_head_dim is only used by sketch='hutch\\+\\+'"),
+    (
+        {"loss_reduction": "sum"},
+        ValueError,
+        "criterion has reduction='mean' but loss_reduction='sum'",
+    ),
+    ({"max_grad_norm": [1.0, 1.0]}, TypeError, "one float max_grad_norm"),
+    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be a finite number > 0"),
+    ({"noise_multiplier": float("nan")}, ValueError, "noise_multiplier must be a finite number"),
+    ({"grad_sample_mode": "ew"}, ValueError, "grad_sample_mode must be one of"),
+    ({"bogus_option": 1}, TypeError, r"unexpected keyword arguments.*bogus_option"),
+    ({"clipping": "flat", "sketch_dim": 8}, ValueError, "only apply to clipping='randomized'"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "match"), BAD_INPUTS)
+def test_bad_input_raises_and_leaves_no_hooks(
+    fake_engine: Any, assert_no_hooks: Callable, override: dict, error: type, match: str
+) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    args = {
+        "module": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "data_loader": DataLoader(token_task(8, 0), batch_size=4),
+        "criterion": nn.CrossEntropyLoss(),
+        "noise_multiplier": 1.0,
+        "max_grad_norm": 1.0,
+        "clipping": "randomized",
+        **override,
+    }
+    with pytest.raises(error, match=match):
+        fake_engine.make_private(**args)
+    assert_no_hooks(model)
+    assert len(fake_engine.accountant.specs) == 0
+
+
+def test_eval_mode_model_raises(fake_engine: Any, assert_no_hooks: Callable) -> None:
+    model = TinyTransformer().eval()
+    with pytest.raises(ValueError, match=r"eval mode.*model\.train\(\)"):
+        fake_engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(token_task(8, 0), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+        )
+    assert_no_hooks(model)
+
+
+@pytest.mark.filterwarnings("ignore:GDP accounting is experimental")
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_accountant_without_rc_support_is_rejected(
+    accountant: str, assert_no_hooks: Callable
+) -> None:
+    engine = pe.PrivacyEngine(accountant=accountant)
+    model = TinyTransformer()
+    with pytest.raises(ValueError) as info:
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(token_task(8, 0), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+        )
+    assert str(info.value) == (
+        "clipping='randomized' needs an accountant that can account for sketched norms; "
+        "use accountant='rc'"
+    )
+    assert_no_hooks(model)
+
+
+def test_failure_after_hooks_are_attached_cleans_up(
+    fake_engine: Any, assert_no_hooks: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure late in make_private (after the hooks exist) removes them again."""
+
+    def broken_loader(*args: Any, **kwargs: Any) -> DataLoader:
+        raise RuntimeError("data loader preparation failed")
+
+    monkeypatch.setattr(fake_engine, "_prepare_data_loader", broken_loader)
+    model = TinyTransformer()
+    with pytest.raises(RuntimeError, match="data loader preparation failed"):
+        setup(fake_engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert_no_hooks(model)
+    assert fake_engine.dataset is None
+
+
+def test_other_clipping_values_are_opacus(fake_engine: Any, assert_no_hooks: Callable) -> None:
+    loader = DataLoader(token_task(8, 0), batch_size=4)
+    model = TinyTransformer()
+    out = fake_engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        clipping="flat",
+    )
+    assert len(out) == 3
+    assert type(out[0]) is GradSampleModule and type(out[1]) is DPOptimizer
+    assert not hasattr(out[1], "sketch_spec")  # the accountant then accounts exact clipping
+    out[0].cleanup()
+    # Opacus raises after attaching hooks for an unknown clipping; the engine removes them.
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match="Unexpected optimizer parameters"):
+        fake_engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="bogus",
+        )
+    assert_no_hooks(model)
+
+
+def test_make_private_with_epsilon_searches_with_the_modules_spec(
+    fake_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The noise search gets the exact SketchSpec the module ends up using, the engine's
+    accountant and Opacus' sample rate; its sigma is the optimizer's."""
+    import opacus_rc.accountants as accountants
+
+    calls: list[dict[str, Any]] = []
+
+    def fake_search(**kwargs: Any) -> float:
+        calls.append(kwargs)
+        return 1.234
+
+    monkeypatch.setattr(accountants, "get_noise_multiplier", fake_search, raising=False)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    module, optimizer, criterion, loader = fake_engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(token_task(40, 0), batch_size=10),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch="hutch++",
+        sketch_dim=24,
+        sketch_head_dim=8,
+    )
+    assert len(calls) == 1
+    call = calls[0]
+    assert call["sketch_spec"] == module.sketch_spec == optimizer.sketch_spec
+    assert call["sketch_spec"] == SketchSpec("hutch++", 24, 8, per_sample=True, secret=True)
+    assert call["accountant"] is fake_engine.accountant
+    assert call["sample_rate"] == pytest.approx(0.25)
+    assert (call["epochs"], call["steps"], call["epsilon_tolerance"]) == (2, None, 0.01)
+    assert (call["target_epsilon"], call["target_delta"]) == (3.0, 1e-5)
+    assert optimizer.noise_multiplier == 1.234
+
+
+def test_make_private_with_epsilon_validates_before_searching(
+    fake_engine: Any, monkeypatch: pytest.MonkeyPatch, assert_no_hooks: Callable
+) -> None:
+    import opacus_rc.accountants as accountants
+
+    def must_not_run(**kwargs: Any) -> float:
+        raise AssertionError("the noise search ran before validation")
+
+    monkeypatch.setattr(accountants, "get_noise_multiplier", must_not_run, raising=False)
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match="sketch_dim must be >= 1"):
+        fake_engine.make_private_with_epsilon(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(token_task(8, 0), batch_size=4),
+            target_epsilon=3.0,
+            target_delta=1e-5,
+            epochs=1,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            sketch_dim=0,
+        )
+    assert_no_hooks(model)
+
+
+@needs_rc_accountant
+def test_real_rc_accountant_end_to_end() -> None:
+    """Default engine (accountant="rc"): two randomized steps, a finite epsilon, and the spec
+    in the accountant's history."""
+    engine = pe.PrivacyEngine()
+    assert getattr(type(engine.accountant), "supports_randomized_clipping", False)
+    model, (module, optimizer, criterion, loader) = setup(engine, sketch_dim=32)
+    for x, y in loader:
+        criterion(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    eps = engine.get_epsilon(1e-5)
+    assert math.isfinite(eps) and eps > 0
+    spec = module.sketch_spec.to_dict()
+    assert [entry[3] for entry in engine.accountant.history] == [spec]
+
+
+@needs_rc_accountant
+def test_real_make_private_with_epsilon_reaches_target() -> None:
+    engine = pe.PrivacyEngine()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    module, optimizer, criterion, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(token_task(400, 0), batch_size=4),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=1,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch_dim=32,
+    )
+    assert optimizer.noise_multiplier > 0
+    for _, (x, y) in zip(range(3), loader):
+        criterion(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert engine.get_epsilon(1e-5) < 3.0
+
+
+def test_opacus_module_validation_runs_before_hooks(
+    fake_engine: Any, assert_no_hooks: Callable
+) -> None:
+    """BatchNorm mixes samples; Opacus' ModuleValidator rejects it before any hook exists."""
+    from opacus.validators.errors import UnsupportedModuleError
+
+    model = nn.Sequential(nn.Embedding(VOCAB, EMB), nn.Flatten(), nn.BatchNorm1d(EMB * SEQ))
+    with pytest.raises(UnsupportedModuleError, match="BatchNorm"):
+        fake_engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(token_task(8, 0), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+        )
+    assert_no_hooks(model)

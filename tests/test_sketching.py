@@ -1,0 +1,257 @@
+"""Tests of the trace estimators in ``opacus_rc.sketching`` (THEORY.md A.2, A.3, G.1-G.2)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from opacus_rc.sketching import (
+    ESTIMATORS,
+    get_estimator,
+    hutchinson_sqnorm,
+    hutchpp_sqnorm,
+    validate_sketch_dim,
+)
+
+# THEORY.md A.2 oracle: exact ||G_i^T A_i||_F^2 and n_hat for Omega = rng(123).normal((3,4))/2.
+EXACT = np.array([30.50139485, 48.45486162])
+NHAT_ORACLE = np.array([15.08888833, 20.93363968])
+W0_ORACLE = np.array([0.870770258, 0.129229742])  # normalised spectrum of O_0 (nonzero part)
+
+
+def oracle_factors() -> tuple[torch.Tensor, torch.Tensor]:
+    """THEORY.md A.2: T=6, d=4, p=3, A0[t,j] = sin(1+t+2j), G0[t,i] = cos(0.5t-i)."""
+    t = np.arange(6)[:, None]
+    A0 = np.sin(1 + t + 2 * np.arange(4)[None, :])
+    G0 = np.cos(0.5 * t - np.arange(3)[None, :])
+    A = np.stack([A0, A0 * (1 + 0.1 * t)])
+    G = np.stack([G0, G0[::-1]])
+    return torch.tensor(A), torch.tensor(G)
+
+
+def spectrum_weights(A: np.ndarray, G: np.ndarray) -> np.ndarray:
+    """Normalised eigenvalues w_j of O = M M^T, M = G^T A (numpy, float64)."""
+    M = G.T @ A
+    lam = np.clip(np.linalg.eigvalsh(M @ M.T), 0, None)
+    return lam / lam.sum()
+
+
+def test_exact_oracle_of_the_fixture() -> None:
+    A, G = oracle_factors()
+    exact = ((G.transpose(1, 2) @ A) ** 2).sum((1, 2)).numpy()
+    np.testing.assert_allclose(exact, EXACT, rtol=1e-9)
+    w = np.sort(spectrum_weights(A[0].numpy(), G[0].numpy()))[::-1]
+    np.testing.assert_allclose(w[:2], W0_ORACLE, rtol=1e-8)
+    assert abs(w[2]) < 1e-12
+
+
+def test_hutchinson_equals_trace_oracle_for_given_probes() -> None:
+    """n_hat = tr(Omega^T O Omega) exactly (THEORY.md A.2 oracle numbers)."""
+    A, G = oracle_factors()
+    omega = np.random.default_rng(123).standard_normal((3, 4)) / 2
+    est = hutchinson_sqnorm(A, G, sketch_dim=4, probes=torch.tensor(omega))
+    np.testing.assert_allclose(est.numpy(), NHAT_ORACLE, rtol=1e-8)
+    # Independent numpy evaluation of tr(Omega^T O Omega).
+    for i in range(2):
+        M = G[i].numpy().T @ A[i].numpy()
+        np.testing.assert_allclose(est[i].item(), np.trace(omega.T @ M @ M.T @ omega), rtol=1e-10)
+    # float32 inputs: float32 output, same value to float32 precision.
+    est32 = hutchinson_sqnorm(A.float(), G.float(), sketch_dim=4, probes=torch.tensor(omega))
+    assert est32.dtype == torch.float32
+    np.testing.assert_allclose(est32.numpy(), NHAT_ORACLE, rtol=1e-5)
+
+
+def test_input_side_sketch_is_trace_of_gram_of_m_transpose() -> None:
+    A, G = oracle_factors()
+    omega_d = np.random.default_rng(7).standard_normal((4, 5)) / math.sqrt(5)
+    est = hutchinson_sqnorm(A, G, sketch_dim=5, probes=torch.tensor(omega_d), side="input")
+    for i in range(2):
+        M = G[i].numpy().T @ A[i].numpy()
+        np.testing.assert_allclose(
+            est[i].item(), np.trace(omega_d.T @ M.T @ M @ omega_d), rtol=1e-10
+        )
+
+
+@pytest.mark.parametrize("side", ["output", "input"])
+def test_hutchinson_unbiased_with_formula_variance(side: str) -> None:
+    """Mean and variance of n_hat/n over N = 200,000 independent per-sample sketches.
+
+    The batch holds N copies of each oracle sample; per-sample probes make them independent.
+    W = n_hat/n has mean 1 and Var W = (2/k) sum_j w_j^2 (THEORY.md A.2).
+    * mean: sd(mean W) = sqrt(Var W / N); allow 4 sd (THEORY.md G.1).
+    * variance: the sample variance has relative sd sqrt((mu4/sigma^4 - 1)/N) with
+      mu4/sigma^4 = 3 + kappa4/kappa2^2 = 3 + 12 sum w^4 / (k (sum w^2)^2) (cumulants of a
+      chi-square mixture); for k = 4 and rank one this is 6, so the relative sd is
+      sqrt(5/N) = 0.005 at N = 200,000 and 3% is 6 sd. N was chosen from this.
+    """
+    k, N = 4, 200_000
+    A, G = oracle_factors()
+    gen = torch.Generator().manual_seed(2024 if side == "output" else 2025)
+    for i in range(2):
+        Ai = A[i].expand(N, -1, -1)
+        Gi = G[i].expand(N, -1, -1)
+        W = (hutchinson_sqnorm(Ai, Gi, sketch_dim=k, generator=gen, side=side) / EXACT[i]).numpy()
+        w = spectrum_weights(A[i].numpy(), G[i].numpy())
+        var_w = 2 / k * np.sum(w**2)
+        if i == 0:
+            assert var_w == pytest.approx(0.387471, abs=1e-6)  # THEORY.md A.2 oracle
+        assert abs(W.mean() - 1) < 4 * math.sqrt(var_w / N)
+        kurt = 3 + 12 * np.sum(w**4) / (k * np.sum(w**2) ** 2)
+        rel_sd_var = math.sqrt((kurt - 1) / N)
+        assert 5 * rel_sd_var < 0.03  # the 3% band is at least 5 standard errors wide
+        assert abs(W.var(ddof=1) / var_w - 1) < 0.03
+
+
+def test_hutchinson_rank_one_law_is_scaled_chi_square() -> None:
+    """Rank-one gradient (T = 1): n_hat/n ~ chi2_k / k exactly; KS test, 20,000 draws.
+
+    The same data against chi2_{k+1}/(k+1) must be rejected, so the test has power.
+    """
+    k, N = 3, 20_000
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(1, 1, 5, dtype=torch.float64, generator=gen)
+    g = torch.randn(1, 1, 4, dtype=torch.float64, generator=gen)
+    exact = (g.norm() * a.norm()).item() ** 2
+    W = hutchinson_sqnorm(
+        a.expand(N, -1, -1), g.expand(N, -1, -1), sketch_dim=k, generator=gen
+    ).numpy()
+    W = W / exact
+    assert stats.kstest(W, stats.chi2(df=k, scale=1 / k).cdf).pvalue > 1e-3
+    assert stats.kstest(W, stats.chi2(df=k + 1, scale=1 / (k + 1)).cdf).pvalue < 1e-6
+
+
+def test_hutchinson_mixture_law_two_sample_ks() -> None:
+    """Oracle sample 0: n_hat/n ~ w1 chi2_k/k + w2 chi2_k/k (THEORY.md A.2, G.1).
+
+    Two-sample KS against 20,000 numpy draws of the mixture (an independent generator).
+    """
+    k, N = 4, 20_000
+    A, G = oracle_factors()
+    gen = torch.Generator().manual_seed(5)
+    W = hutchinson_sqnorm(
+        A[0].expand(N, -1, -1), G[0].expand(N, -1, -1), sketch_dim=k, generator=gen
+    ).numpy()
+    W = W / EXACT[0]
+    rng = np.random.default_rng(99)
+    ref = sum(wj * rng.chisquare(k, size=N) / k for wj in W0_ORACLE)
+    assert stats.ks_2samp(W, ref).pvalue > 1e-3
+    # Power: the rank-one law (w = e1) is a different distribution and must be rejected.
+    assert stats.ks_2samp(W, rng.chisquare(k, size=N) / k).pvalue < 1e-6
+
+
+def test_hutchpp_exact_when_rank_at_most_head_dim() -> None:
+    """THEORY.md A.3 oracle: with s >= rank(M), Hutch++ returns the exact value for any probes."""
+    A, G = oracle_factors()
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        est = hutchpp_sqnorm(A, G, sketch_dim=2, head_dim=3, generator=gen)
+        np.testing.assert_allclose(est.numpy(), EXACT, rtol=1e-9)
+    # Planted rank 2 in larger dimensions, s = 2.
+    gen = torch.Generator().manual_seed(3)
+    U = torch.randn(4, 9, 2, dtype=torch.float64, generator=gen)
+    A2 = U @ torch.randn(4, 2, 7, dtype=torch.float64, generator=gen)
+    G2 = torch.randn(4, 9, 6, dtype=torch.float64, generator=gen)
+    exact = ((G2.transpose(1, 2) @ A2) ** 2).sum((1, 2))
+    est = hutchpp_sqnorm(A2, G2, sketch_dim=1, head_dim=2, generator=gen)
+    torch.testing.assert_close(est, exact, rtol=1e-9, atol=0)
+
+
+def test_hutchpp_unbiased_full_rank() -> None:
+    """rank(M) = 5 > s = 2: the tail is random; mean over N = 50,000 draws within 4 sd.
+
+    Var(n_hat++) = E[(2/k) ||(I-QQ^T) M^T M (I-QQ^T)||_F^2] <= (2/k) ||M^T M||_F^2 (the head is
+    exact and E[n_hat++ | Q] = n), so sd(mean) <= sqrt((2/k) ||O||_F^2 / N).
+    """
+    k, s, N = 3, 2, 50_000
+    gen = torch.Generator().manual_seed(17)
+    A = torch.randn(1, 8, 6, dtype=torch.float64, generator=gen)
+    G = torch.randn(1, 8, 5, dtype=torch.float64, generator=gen)
+    M = G[0].T @ A[0]
+    exact = (M**2).sum().item()
+    o_fro2 = ((M @ M.T) ** 2).sum().item()
+    est = hutchpp_sqnorm(
+        A.expand(N, -1, -1), G.expand(N, -1, -1), sketch_dim=k, head_dim=s, generator=gen
+    )
+    sd_mean = math.sqrt(2 / k * o_fro2 / N)
+    assert abs(est.mean().item() - exact) < 4 * sd_mean
+    assert est.var().item() > 0  # the tail is genuinely random here
+    # Head + tail: the variance is below plain Hutchinson's (2/k)||O||_F^2 (MMMW 2021).
+    assert est.var().item() < 2 / k * o_fro2
+
+
+def test_per_sample_probes_are_independent() -> None:
+    A, G = oracle_factors()
+    gen = torch.Generator().manual_seed(0)
+    est = hutchinson_sqnorm(
+        A[:1].expand(8, -1, -1), G[:1].expand(8, -1, -1), sketch_dim=4, generator=gen
+    )
+    assert torch.unique(est).numel() == 8
+
+
+def test_generator_determines_the_draws() -> None:
+    A, G = oracle_factors()
+    for estimator in ESTIMATORS.values():
+        e1 = estimator(A, G, sketch_dim=2, generator=torch.Generator().manual_seed(1))
+        e2 = estimator(A, G, sketch_dim=2, generator=torch.Generator().manual_seed(1))
+        e3 = estimator(A, G, sketch_dim=2, generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(e1, e2, rtol=0, atol=0)
+        if estimator is hutchinson_sqnorm:
+            assert not torch.equal(e1, e3)
+
+
+def test_bf16_inputs_accumulate_in_float32() -> None:
+    """bf16 factors under bf16 autocast: float32 result equal (to 1e-5) to the float64
+    computation on the same bf16-rounded values and the same probes.
+
+    With T = 2048 a bf16 accumulation would be off by ~1e-3..1e-2 relative (8-bit mantissa),
+    far outside 1e-5; float32 accumulation errs by ~sqrt(T) * 6e-8 ~ 3e-6.
+    """
+    gen = torch.Generator().manual_seed(8)
+    A = torch.randn(3, 2048, 16, generator=gen).bfloat16()
+    G = torch.randn(3, 2048, 12, generator=gen).bfloat16()
+    for estimator in ESTIMATORS.values():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            est = estimator(A, G, sketch_dim=8, generator=torch.Generator().manual_seed(4))
+        ref = estimator(
+            A.double(), G.double(), sketch_dim=8, generator=torch.Generator().manual_seed(4)
+        )
+        assert est.dtype == torch.float32
+        torch.testing.assert_close(est.double(), ref, rtol=1e-5, atol=0)
+
+
+def test_empty_shapes() -> None:
+    for estimator in ESTIMATORS.values():
+        out = estimator(torch.zeros(0, 5, 3), torch.zeros(0, 5, 2), sketch_dim=4)
+        assert out.shape == (0,)
+        out = estimator(torch.zeros(2, 0, 3), torch.zeros(2, 0, 2), sketch_dim=4)
+        torch.testing.assert_close(out, torch.zeros(2))
+
+
+def test_registry_and_validators() -> None:
+    assert set(ESTIMATORS) == {"hutchinson", "hutch++"}
+    assert get_estimator("hutch++") is hutchpp_sqnorm
+    with pytest.raises(
+        ValueError, match=r"unknown sketch estimator 'gauss'.*'hutchinson', 'hutch\+\+'"
+    ):
+        get_estimator("gauss")
+    with pytest.raises(ValueError, match="sketch_dim must be >= 1, got 0"):
+        validate_sketch_dim(0)
+    with pytest.raises(TypeError, match="sketch_dim must be an int"):
+        validate_sketch_dim(2.0)
+    with pytest.raises(TypeError, match="sketch_dim must be an int"):
+        validate_sketch_dim(True)
+    A, G = oracle_factors()
+    with pytest.raises(ValueError, match=r"must agree on \(B, T\)"):
+        hutchinson_sqnorm(A, G[:, :5], sketch_dim=2)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        hutchinson_sqnorm(A[0], G[0], sketch_dim=2)
+    with pytest.raises(ValueError, match="probes have 5 rows"):
+        hutchinson_sqnorm(A, G, sketch_dim=2, probes=torch.zeros(5, 2))
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        hutchpp_sqnorm(A, G, sketch_dim=2, head_dim=0)
+    with pytest.raises(ValueError, match="side must be one of"):
+        hutchinson_sqnorm(A, G, sketch_dim=2, side="left")
