@@ -1,9 +1,35 @@
 """opacus_rc: randomized clipping (DP-SGD-RC) and spectral denoising for Opacus.
 
 ``import opacus_rc`` registers the ``"rc"`` accountant in Opacus' accountant registry, so an
-existing Opacus script can use ``opacus.PrivacyEngine(accountant="rc")``.
+existing Opacus script can use ``opacus.PrivacyEngine(accountant="rc")``. Nothing else global is
+changed at import.
 """
 
+from opacus_rc.accountants import RCAccountant, get_noise_multiplier, register
+from opacus_rc.denoising import SpectralDenoiser
+from opacus_rc.grad_sample import (
+    GradSampleHooksRandomizedClipping,
+    GradSampleModuleRandomizedClipping,
+    register_sketched_norm_sampler,
+)
+from opacus_rc.optimizers import RandomizedClipOptimizer, attach_post_processing_hook
+from opacus_rc.privacy_engine import PrivacyEngine
+from opacus_rc.sketching import SketchSpec
 from opacus_rc.version import __version__
 
-__all__ = ["__version__"]
+register()
+
+__all__ = [
+    "GradSampleHooksRandomizedClipping",
+    "GradSampleModuleRandomizedClipping",
+    "PrivacyEngine",
+    "RCAccountant",
+    "RandomizedClipOptimizer",
+    "SketchSpec",
+    "SpectralDenoiser",
+    "__version__",
+    "attach_post_processing_hook",
+    "get_noise_multiplier",
+    "register",
+    "register_sketched_norm_sampler",
+]

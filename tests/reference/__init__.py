@@ -1,0 +1,1 @@
+"""Oracle numbers for the tests, each with its provenance (see the module docstrings)."""

@@ -1,0 +1,108 @@
+"""The ``opacus-rc`` console script (opacus_rc.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+
+import pytest
+
+from opacus_rc.cli import arg_parser, main
+
+
+def _row(out: str, label: str) -> list[str]:
+    for line in out.splitlines():
+        if line.strip().startswith(label + "  "):  # a table row, not the title
+            return line.split()[len(label.split()) :]
+    raise AssertionError(f"no row {label!r} in:\n{out}")
+
+
+def test_epsilon_prints_exact_and_randomized_side_by_side(capsys: pytest.CaptureFixture) -> None:
+    argv = "epsilon --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5"
+    assert main([*argv.split(), "--sketch-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "exact clipping" in out and "k = 32" in out
+    exact, rc = (float(v) for v in _row(out, "epsilon (upper)"))
+    # THEORY.md C.6: Opacus' PRV accountant gives 1.8384; k = 32 hidden is 2.140 + eps_error
+    assert exact == pytest.approx(1.8384, abs=2e-3)
+    assert rc == pytest.approx(2.150, abs=0.02)
+    remove = [float(v) for v in _row(out, "remove")]
+    add = [float(v) for v in _row(out, "add")]
+    assert all(a < r for a, r in zip(add, remove))
+
+
+def test_noise_multiplier_prints_sigmas_and_ratio(capsys: pytest.CaptureFixture) -> None:
+    argv = ["noise-multiplier", "--target-epsilon", "3", "-q", "0.01", "--steps", "100", "-k", "32"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    exact, rc = (float(v) for v in _row(out, "noise multiplier"))
+    # THEORY.md C.7 (T = 100, target 3): 0.6496 exact, 0.7107 for k = 32 hidden
+    assert exact == pytest.approx(0.6496, rel=0.01)
+    assert rc == pytest.approx(0.7107, rel=0.01)
+    assert float(_row(out, "ratio to exact")[1]) == pytest.approx(rc / exact, abs=1e-3)
+
+
+def test_heavy_tails_are_reported_out_of_range(capsys: pytest.CaptureFixture) -> None:
+    assert main(["epsilon", "-s", "0.5", "-q", "0.01", "--steps", "1000", "-k", "1"]) == 0
+    assert _row(capsys.readouterr().out, "epsilon (upper)")[-3:] == ["out", "of", "range"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        ("epsilon -s 0 -q 0.01 --steps 10", "noise_multiplier must be a finite number > 0"),
+        ("epsilon -s 1 -q 1.5 --steps 10", r"sample_rate must be in \(0, 1\]"),
+        ("epsilon -s 1 -q 0.01 --steps 10 --delta 1", r"delta must be in \(0, 1\)"),
+        ("epsilon -s 1 -q 0.01 --steps -5", "--steps must be >= 0"),
+    ],
+)
+def test_bad_values_exit_with_status_2(
+    argv: str, match: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opacus-rc: error:")
+    assert re.search(match, err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "epsilon -q 0.01 --steps 10",  # no noise multiplier
+        "epsilon -s 1 -q 0.01",  # neither steps nor epochs
+        "epsilon -s 1 -q 0.01 --steps 10 --epochs 2",  # both
+        "epsilon -s 1 -q 0.01 --steps 10 -k 0",  # k < 1
+        "noise-multiplier -e -1 -q 0.01 --steps 10",  # target epsilon <= 0
+        "frobnicate",
+    ],
+)
+def test_malformed_command_lines_exit_with_status_2(argv: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv.split())
+    assert exc.value.code == 2
+
+
+def test_help_documents_every_flag() -> None:
+    parser = arg_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"epsilon", "noise-multiplier"}
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        for action in p._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 15, (name, action.dest)
+                assert action.option_strings[0] in text
+    eps_help = sub.choices["epsilon"].format_help()
+    assert "noise standard deviation" in eps_help and "(0, 1]" in eps_help
+
+
+def test_console_script_is_declared() -> None:
+    try:
+        scripts = importlib.metadata.entry_points(group="console_scripts")
+    except Exception:  # pragma: no cover - metadata unavailable
+        pytest.skip("package metadata unavailable")
+    found = [ep for ep in scripts if ep.name == "opacus-rc"]
+    if not found:
+        pytest.skip("opacus_rc is not installed with its entry points")
+    assert found[0].value == "opacus_rc.cli:main"
