@@ -2,9 +2,11 @@
 
 :class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine``. ``clipping="randomized"`` builds a
 :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
-``wrap_model=False``), a :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`, Opacus' two-pass
-``DPLossFastGradientClipping`` and a Poisson data loader, and ties the accountant's step hook to
-the optimizer. Every other ``clipping`` value is passed to Opacus unchanged.
+``wrap_model=False``), a :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` (its distributed
+variant for DPDDP/DDP models, chosen from :mod:`opacus_rc.optimizers.registry`), the two-pass
+:class:`~opacus_rc.optimizers.DPLossRandomizedClipping` and a Poisson data loader, and ties the
+accountant's step hook to the optimizer. Every other ``clipping`` value is passed to Opacus
+unchanged.
 
 Rules (DESIGN.md section 1): every argument is validated before any hook is attached; an
 accountant that cannot account for sketched norms makes ``clipping="randomized"`` raise; and no
@@ -17,6 +19,7 @@ import importlib
 import logging
 import math
 import warnings
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -25,12 +28,13 @@ import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn, optim
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from opacus_rc.data_loader import DistributedDPDataLoader
+from opacus_rc.denoising import make_denoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
@@ -40,7 +44,10 @@ from opacus_rc.grad_sample.grad_sample_module import (
     resolve_sketch_spec,
     strip_grad_sample_hooks,
 )
-from opacus_rc.optimizers import RandomizedClipOptimizer
+from opacus_rc.lora import LoRAUpdateGuard
+from opacus_rc.optimizers import DPLossRandomizedClipping
+from opacus_rc.optimizers.post_processing import attach_post_processing_hook
+from opacus_rc.optimizers.registry import get_optimizer_class
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["PrivacyEngine"]
@@ -56,6 +63,21 @@ _ACCOUNTANT_ERROR = (
 _RANDOMIZED_GRAD_SAMPLE_MODES = ("hooks", "ghost")
 
 
+@dataclass(frozen=True)
+class _PostProcessing:
+    """What ``make_private`` attaches after building the DP optimizer (validated up front).
+
+    Attributes:
+        denoiser: The ``denoise=`` post-processing hook, or None.
+        lora_guard: The ``check_lora_update=True`` guard, or None.
+        dataset: ``engine.dataset`` before ``make_private``, restored if attaching fails.
+    """
+
+    denoiser: Any
+    lora_guard: LoRAUpdateGuard | None
+    dataset: Any
+
+
 class PrivacyEngine(opacus.PrivacyEngine):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
@@ -65,9 +87,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
         secure_mode: Opacus' secure mode (CSPRNG noise and sampling); with randomized clipping
             the sketch generator is also reseeded from :mod:`secrets` after every step.
 
+    Attributes:
+        denoiser: The denoiser the last ``make_private(denoise=...)`` attached (e.g. a
+            :class:`~opacus_rc.denoising.SpectralDenoiser`, whose ``last_report`` says what it
+            did at the last step), or None.
+        lora_update_guard: The :class:`~opacus_rc.lora.LoRAUpdateGuard` the last
+            ``make_private(check_lora_update=True)`` attached, or None.
+
     Raises:
         ValueError: If the accountant name is not registered.
     """
+
+    denoiser: Any = None
+    lora_update_guard: LoRAUpdateGuard | None = None
 
     def __init__(self, *, accountant: str = "rc", secure_mode: bool = False) -> None:
         if accountant == "rc":
@@ -107,6 +139,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         sketch_dim: int | None = None,
         sketch_head_dim: int | None = None,
         sketch_generator: torch.Generator | None = None,
+        denoise: str | None = None,
+        denoise_kappa: float | None = None,
+        denoise_options: dict[str, Any] | None = None,
+        check_lora_update: bool = False,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Make the model, optimizer, criterion and data loader private.
@@ -141,6 +177,24 @@ class PrivacyEngine(opacus.PrivacyEngine):
             sketch_head_dim: Hutch++ head columns (default ``sketch_dim``); randomized only.
             sketch_generator: Generator for the probes. Leave ``None`` (seeded from the OS);
                 passing one warns and marks the sketch not secret. Randomized only.
+            denoise: Name of a post-processing denoiser applied to the noisy gradient at every
+                step, after noise and scaling and before the optimizer step
+                (:mod:`opacus_rc.denoising.registry`; ``"spectral"``: spectral denoising of
+                every 2-D gradient, THEORY.md E). ``None`` (default): no denoising. Works with
+                every ``clipping`` and ``grad_sample_mode`` of a single process; never changes
+                the accountant (post-processing, THEORY.md E.4). Afterwards the denoiser is
+                ``engine.denoiser`` (e.g. its ``last_report``).
+            denoise_kappa: Threshold factor ``kappa >= 1`` of the denoiser (``None``: its
+                default, :data:`~opacus_rc.denoising.DEFAULT_KAPPA` for ``"spectral"``).
+                Only with ``denoise``.
+            denoise_options: Further keyword arguments of the denoiser (for ``"spectral"``:
+                ``norm_correction``, ``min_dim``, ``svd``, ``rank``, ... of
+                :class:`~opacus_rc.denoising.SpectralDenoiser`). Only with ``denoise``.
+            check_lora_update: Guard against Opacus issue 820 (peft adapters that never
+                change): snapshot the model's LoRA factors now and, right after the first
+                optimizer step, raise :class:`~opacus_rc.lora.LoRAUpdateError` if any
+                trainable adapter's update ``scaling * B @ A`` did not move or is not finite
+                (:class:`~opacus_rc.lora.LoRAUpdateGuard`, then ``engine.lora_update_guard``).
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -149,7 +203,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             where ``module`` is a :class:`GradSampleModuleRandomizedClipping` (or the
             :class:`GradSampleHooksRandomizedClipping` object if ``wrap_model=False``),
             ``optimizer`` a :class:`RandomizedClipOptimizer` and ``criterion`` a
-            ``DPLossFastGradientClipping`` whose ``backward()`` runs both passes. Otherwise
+            ``DPLossRandomizedClipping`` whose ``backward()`` runs both passes. Otherwise
             Opacus' return value.
 
         Raises:
@@ -157,15 +211,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 for randomized clipping, an eval-mode model, a loss-reduction mismatch, sketch
                 options without ``clipping="randomized"``, and the other invalid inputs listed
                 in :class:`GradSampleModuleRandomizedClipping`; Opacus' own errors otherwise.
-            TypeError: Unknown keyword arguments with ``clipping="randomized"``.
+                Unknown ``denoise`` (the message lists the allowed names), ``denoise_kappa <
+                1``, denoiser options without ``denoise``, ``check_lora_update`` on a model
+                without trainable LoRA adapters.
+            TypeError: Unknown keyword arguments with ``clipping="randomized"``; an unknown
+                key in ``denoise_options``.
+            NotImplementedError: ``denoise`` with a distributed (DPDDP, DDP, FSDP) model.
         """
         if criterion is None:
             criterion = nn.CrossEntropyLoss()
+        post = self._prepare_post_processing(
+            module=module,
+            grad_sample_mode=grad_sample_mode,
+            denoise=denoise,
+            denoise_kappa=denoise_kappa,
+            denoise_options=denoise_options,
+            check_lora_update=check_lora_update,
+        )
         if clipping != "randomized":
             self._reject_sketch_options(
                 clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
             )
-            return self._delegate(
+            out = self._delegate(
                 super().make_private,
                 module=module,
                 optimizer=optimizer,
@@ -183,6 +250,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 rand_on_empty=rand_on_empty,
                 **kwargs,
             )
+            return self._attach_post_processing(out, post, module=module)
 
         if isinstance(noise_multiplier, bool) or not (
             isinstance(noise_multiplier, (int, float))
@@ -228,18 +296,37 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
             if poisson_sampling:
                 gsm.forbid_grad_accumulation()
-            data_loader = self._prepare_data_loader(
+            # DPDDP / DDP: each rank clips its samples, rank 0 adds the noise (THEORY B.1 on
+            # the global batch); expected_batch_size is per rank, as in Opacus.
+            distributed = isinstance(
+                module, (DifferentiallyPrivateDistributedDataParallel, DistributedDataParallel)
+            )
+            dp_loader = self._prepare_data_loader(
                 data_loader,
-                distributed=False,
+                distributed=distributed,
                 poisson_sampling=poisson_sampling,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
+            if distributed and poisson_sampling:
+                # Opacus' distributed sampler drops empty batches per rank (ranks fall out of
+                # step, steps go unaccounted); this one keeps them.
+                dp_loader = DistributedDPDataLoader.from_data_loader(
+                    data_loader,
+                    distributed=True,
+                    generator=self.secure_rng,
+                    batch_first=batch_first,
+                    rand_on_empty=rand_on_empty,
+                )
+            data_loader = dp_loader
             sample_rate = 1 / len(data_loader)
             expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+            if distributed:
+                expected_batch_size /= torch.distributed.get_world_size()
             if isinstance(optimizer, DPOptimizer):
                 optimizer = optimizer.original_optimizer
-            dp_optimizer = RandomizedClipOptimizer(
+            optimizer_class = get_optimizer_class("randomized", distributed=distributed)
+            dp_optimizer = optimizer_class(
                 optimizer,
                 grad_sample_module=gsm,
                 noise_multiplier=float(noise_multiplier),
@@ -252,7 +339,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             dp_optimizer.attach_step_hook(
                 self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
             )
-            dp_criterion = DPLossFastGradientClipping(gsm, dp_optimizer, criterion, loss_reduction)
+            dp_criterion = DPLossRandomizedClipping(gsm, dp_optimizer, criterion, loss_reduction)
             if gsm.sketch_spec != spec:  # pragma: no cover - defensive
                 raise RuntimeError(f"module uses {gsm.sketch_spec}, validated {spec}")
         except BaseException:
@@ -262,7 +349,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             self.dataset = previous_dataset
             raise
         logger.info("randomized clipping: %s, sample_rate=%.6g", spec, sample_rate)
-        return gsm, dp_optimizer, dp_criterion, data_loader
+        return self._attach_post_processing(
+            (gsm, dp_optimizer, dp_criterion, data_loader), post, module=module
+        )
 
     def make_private_with_epsilon(
         self,
@@ -286,6 +375,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         sketch_dim: int | None = None,
         sketch_head_dim: int | None = None,
         sketch_generator: torch.Generator | None = None,
+        denoise: str | None = None,
+        denoise_kappa: float | None = None,
+        denoise_options: dict[str, Any] | None = None,
+        check_lora_update: bool = False,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
@@ -306,14 +399,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         Raises:
             ValueError: As :meth:`make_private`, raised before the (slow) noise search.
+            TypeError, NotImplementedError: As :meth:`make_private`, before the search.
         """
         if criterion is None:
             criterion = nn.CrossEntropyLoss()
+        post = self._prepare_post_processing(
+            module=module,
+            grad_sample_mode=grad_sample_mode,
+            denoise=denoise,
+            denoise_kappa=denoise_kappa,
+            denoise_options=denoise_options,
+            check_lora_update=check_lora_update,
+        )
         if clipping != "randomized":
             self._reject_sketch_options(
                 clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
             )
-            return self._delegate(
+            out = self._delegate(
                 super().make_private_with_epsilon,
                 module=module,
                 optimizer=optimizer,
@@ -332,6 +434,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 wrap_model=wrap_model,
                 **kwargs,
             )
+            return self._attach_post_processing(out, post, module=module)
 
         spec = self._validate_randomized(
             module=module,
@@ -387,11 +490,85 @@ class PrivacyEngine(opacus.PrivacyEngine):
             sketch_dim=spec.sketch_dim,
             sketch_head_dim=spec.head_dim,
             sketch_generator=sketch_generator,
+            denoise=denoise,
+            denoise_kappa=denoise_kappa,
+            denoise_options=denoise_options,
+            check_lora_update=check_lora_update,
         )
 
     # ------------------------------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------------------------------
+
+    def _prepare_post_processing(
+        self,
+        *,
+        module: nn.Module,
+        grad_sample_mode: str,
+        denoise: str | None,
+        denoise_kappa: float | None,
+        denoise_options: dict[str, Any] | None,
+        check_lora_update: bool,
+    ) -> _PostProcessing:
+        """Validate the denoiser and LoRA-guard options and build them; attach nothing."""
+        denoiser = None
+        if denoise is None:
+            if denoise_kappa is not None or denoise_options is not None:
+                raise ValueError(
+                    "denoise_kappa and denoise_options only apply with a denoiser; pass "
+                    "denoise='spectral' (or another registered name)"
+                )
+        else:
+            if isinstance(
+                module,
+                (DifferentiallyPrivateDistributedDataParallel, DistributedDataParallel, FSDPModule),
+            ) or "fsdp" in str(grad_sample_mode):
+                raise NotImplementedError(
+                    f"denoise={denoise!r} does not support distributed training: the denoiser "
+                    "must see the complete noisy gradient, and Opacus' distributed optimizers "
+                    "call step hooks before the all-reduce, where ranks hold un-noised partial "
+                    "sums (denoising those is not post-processing). Train in one process, or "
+                    "pass denoise=None."
+                )
+            options = dict(denoise_options or {})
+            if "kappa" in options:
+                raise ValueError("pass kappa as denoise_kappa, not inside denoise_options")
+            denoiser = make_denoiser(denoise, kappa=denoise_kappa, **options)
+        guard = None
+        if check_lora_update:
+            guard = LoRAUpdateGuard(
+                module.module if isinstance(module, AbstractGradSampleModule) else module
+            )
+        return _PostProcessing(denoiser=denoiser, lora_guard=guard, dataset=self.dataset)
+
+    def _attach_post_processing(
+        self, out: tuple[Any, ...], post: _PostProcessing, *, module: nn.Module
+    ) -> tuple[Any, ...]:
+        """Attach the denoiser and the LoRA guard to ``out``'s optimizer; undo all on failure."""
+        self.denoiser = None
+        self.lora_update_guard = None
+        if post.denoiser is None and post.lora_guard is None:
+            return out
+        optimizer = out[1]
+        try:
+            if post.denoiser is not None:
+                check = getattr(post.denoiser, "check_optimizer", None)
+                if check is not None:
+                    check(optimizer)
+                attach_post_processing_hook(optimizer, post.denoiser)
+            if post.lora_guard is not None:
+                post.lora_guard.attach(optimizer)
+        except BaseException:
+            cleanup = getattr(out[0], "cleanup", None)
+            if callable(cleanup):
+                cleanup()
+            strip_grad_sample_hooks(module)
+            self.dataset = post.dataset
+            raise
+        self.denoiser = post.denoiser
+        self.lora_update_guard = post.lora_guard
+        logger.info("post-processing: denoiser=%r, lora guard=%s", post.denoiser, post.lora_guard)
+        return out
 
     @staticmethod
     def _reject_sketch_options(clipping: str, *options: Any) -> None:
@@ -474,12 +651,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
                 f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
             )
-        if isinstance(
-            module,
-            (DifferentiallyPrivateDistributedDataParallel, DistributedDataParallel, FSDPModule),
-        ):
+        if isinstance(module, FSDPModule):
             raise NotImplementedError(
-                "clipping='randomized' does not support distributed models yet"
+                "clipping='randomized' does not support FSDP yet; use DPDDP or DDP"
             )
         if isinstance(module, AbstractGradSampleModule) or hasattr(
             module, "autograd_grad_sample_hooks"

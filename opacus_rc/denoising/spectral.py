@@ -589,6 +589,12 @@ def noise_std_from_optimizer(optimizer: Any) -> float:
         ValueError: if ``loss_reduction`` is not ``"mean"`` or ``"sum"``, the expected batch size
             or accumulated iterations are not positive, or the result is negative or non-finite.
     """
+    return _noise_std(optimizer, accumulated=None)
+
+
+def _noise_std(optimizer: Any, *, accumulated: int | None) -> float:
+    """:func:`noise_std_from_optimizer`; ``accumulated=None`` reads the optimizer's (after a
+    backward pass only: Opacus derives it from ``p.grad_sample``)."""
     sigma = getattr(optimizer, "_adjusted_noise_multiplier", None)
     if sigma is None:
         sigma = float(optimizer.noise_multiplier)
@@ -601,7 +607,8 @@ def noise_std_from_optimizer(optimizer: Any) -> float:
         std = float(sigma) * clip
     elif reduction == "mean":
         batch = optimizer.expected_batch_size
-        accumulated = optimizer.accumulated_iterations
+        if accumulated is None:
+            accumulated = optimizer.accumulated_iterations
         if batch is None or batch <= 0:
             raise ValueError(
                 f"loss_reduction='mean' needs a positive expected_batch_size, got {batch}"
@@ -612,6 +619,17 @@ def noise_std_from_optimizer(optimizer: Any) -> float:
     else:
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
     return _check_noise_std(std)
+
+
+def _refuse_distributed(optimizer: Any) -> None:
+    world_size = getattr(optimizer, "world_size", 1)
+    if world_size is not None and int(world_size) > 1:
+        raise NotImplementedError(
+            f"SpectralDenoiser does not support distributed DP optimizers "
+            f"(world_size={world_size}): Opacus adds the noise on rank 0 only and all-reduces "
+            "after the step hook, so denoising there would act on un-noised partial sums, "
+            "which is not post-processing"
+        )
 
 
 @dataclass(frozen=True)
@@ -740,6 +758,27 @@ class SpectralDenoiser:
             f"min_dim={self.min_dim}, svd={self.svd!r})"
         )
 
+    def check_optimizer(self, optimizer: Any) -> float:
+        r"""Check, before any step, that this denoiser can run on ``optimizer``.
+
+        ``PrivacyEngine.make_private(denoise=...)`` calls it right after building the DP
+        optimizer, so a bad configuration fails there and not at the first step.
+
+        Args:
+            optimizer: An Opacus ``DPOptimizer``.
+
+        Returns:
+            :math:`\sigma_e` that the denoiser will use for a step without gradient
+            accumulation (:func:`noise_std_from_optimizer` with ``accumulated_iterations = 1``:
+            Opacus can only count accumulated iterations after a backward pass).
+
+        Raises:
+            NotImplementedError: For a distributed optimizer (``world_size > 1``).
+            AttributeError, ValueError: If :math:`\sigma_e` cannot be formed.
+        """
+        _refuse_distributed(optimizer)
+        return _noise_std(optimizer, accumulated=1)
+
     def _classify(self, grad: Tensor | None) -> str | None:
         if grad is None:
             return "no_grad"
@@ -761,14 +800,7 @@ class SpectralDenoiser:
                 formed.
             NotImplementedError: if ``optimizer.world_size > 1``.
         """
-        world_size = getattr(optimizer, "world_size", 1)
-        if world_size is not None and int(world_size) > 1:
-            raise NotImplementedError(
-                f"SpectralDenoiser does not support distributed DP optimizers "
-                f"(world_size={world_size}): Opacus adds the noise on rank 0 only and all-reduces "
-                "after the step hook, so denoising there would act on un-noised partial sums, "
-                "which is not post-processing"
-            )
+        _refuse_distributed(optimizer)
         params: Sequence[Tensor] = list(optimizer.params)
         statuses = [self._classify(p.grad) for p in params]
         eligible = [i for i, st in enumerate(statuses) if st is None]

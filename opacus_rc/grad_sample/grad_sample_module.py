@@ -14,7 +14,10 @@ attaches the same hooks without wrapping (``wrap_model=False``). Both share
 2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a parameter
    that received a gradient without a per-sample norm (e.g. used outside its module's forward)
    raises instead of passing unclipped; stale norms of a previous step are never reused; tied or
-   reused sketched modules raise naming the module; eval-mode models are rejected.
+   reused sketched modules raise naming the module; eval-mode models are rejected, and a module
+   switched to eval mode that still receives a gradient raises naming it; per-sample norms of
+   different batch sizes (a batch-broadcast input such as ``position_ids`` of shape ``[1, T]``,
+   Opacus issue 841) raise naming the parameters. (tests/reliability/CATALOGUE.md lists all.)
 3. Sketch randomness. One ``torch.Generator`` owned by the module, seeded from the operating
    system's CSPRNG (:mod:`secrets`) unless the caller passes one. Probes are drawn inside the
    backward hook and never stored or logged.
@@ -335,6 +338,11 @@ class _RandomizedClippingMixin:
         ):
             self._reset_step_state()
             raise self._reuse_error(module)
+        # Index inputs expanded over the batch (position_ids.expand(B, -1), the fix for Opacus
+        # issue 841) are non-contiguous; Opacus' Embedding norm sampler calls .view() on them.
+        stored = module.activations[-1] if module.activations else []
+        if any(_strided_index(t) for t in stored):
+            module.activations[-1] = [t.contiguous() if _strided_index(t) else t for t in stored]
 
     def capture_backprops_hook(
         self,
@@ -347,6 +355,9 @@ class _RandomizedClippingMixin:
         """Backward hook: sketched norms for registered types, Opacus' exact path otherwise."""
         if not self.hooks_enabled:  # type: ignore[attr-defined]
             return
+        if not getattr(module, "activations", None):
+            self._reset_step_state()
+            raise self._no_activations_error(module)
         params = [p for _, p in trainable_parameters(module)]
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
@@ -397,6 +408,21 @@ class _RandomizedClippingMixin:
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
+    def _no_activations_error(self, module: nn.Module) -> RuntimeError:
+        name = f"'{self._module_name(module)}' ({type(module).__name__})"
+        if not module.training:
+            return RuntimeError(
+                f"module {name} is in eval mode but received a gradient in a private backward "
+                "pass: its inputs were not recorded, so it has no per-sample norm and would not "
+                "be clipped. Call model.train() before training steps (use eval() only for "
+                "evaluation, under torch.no_grad())."
+            )
+        return RuntimeError(
+            f"module {name} received a gradient but its forward inputs were not recorded "
+            "(its forward ran with the hooks disabled or under torch.no_grad()); no per-sample "
+            "norm can be computed, so the step cannot be clipped"
+        )
+
     @staticmethod
     def _is_empty_batch(module: nn.Module, backprops: torch.Tensor, batch_first: bool) -> bool:
         """Whether the current backward belongs to an empty batch (``B = 0``)."""
@@ -425,16 +451,31 @@ class _RandomizedClippingMixin:
                 last :meth:`get_clipping_coef`.
         """
         parts: list[torch.Tensor] = []
+        sizes: dict[str, int] = {}
         unmeasured: list[str] = []
         self._coef_dtype = torch.float32
         for p in self.trainable_parameters:  # type: ignore[attr-defined]
+            name = self._param_names.get(id(p), "<unnamed>")
             if id(p) in self._fresh_norms:
                 ns = p._norm_sample
                 if ns.dtype == torch.float64:
                     self._coef_dtype = torch.float64
                 parts.append(ns)
+                sizes[name] = ns.numel()
             elif id(p) in self._grad_seen:
-                unmeasured.append(self._param_names.get(id(p), "<unnamed>"))
+                unmeasured.append(name)
+        if len(set(sizes.values())) > 1:
+            self._end_step()
+            batch = max(sizes.values())
+            odd = {n: b for n, b in sizes.items() if b != batch}
+            raise ValueError(
+                f"per-sample norms disagree on the batch size: the batch has {batch} samples "
+                f"but {odd}. A module whose input is broadcast across the batch (e.g. a position "
+                "Embedding fed Hugging Face position_ids of shape [1, T], Opacus issue 841) only "
+                "sees the gradient summed over samples, so its per-sample norms cannot be "
+                "computed. Expand the input to the batch size (position_ids.expand(B, -1)) or "
+                "freeze that module."
+            )
         if unmeasured:
             self._end_step()
             raise RuntimeError(
@@ -515,6 +556,11 @@ def _validate_max_grad_norm(max_grad_norm: Any) -> None:
         )
     if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+
+
+def _strided_index(t: Any) -> bool:
+    """A non-contiguous integer tensor (e.g. expanded token or position ids)."""
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
 
 
 def _module_device(m: nn.Module) -> torch.device:

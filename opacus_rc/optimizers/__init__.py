@@ -1,6 +1,21 @@
-"""DP optimizers for randomized clipping and a post-processing hook point."""
+"""DP optimizers for randomized clipping, their two-pass loss, and a post-processing hook point."""
 
+from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
+    DistributedRandomizedClipOptimizer,
+)
+from opacus_rc.optimizers.dp_loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
 from opacus_rc.optimizers.post_processing import PostProcessingHandle, attach_post_processing_hook
 from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
+from opacus_rc.optimizers.registry import OPTIMIZERS, get_optimizer_class, register_optimizer
 
-__all__ = ["PostProcessingHandle", "RandomizedClipOptimizer", "attach_post_processing_hook"]
+__all__ = [
+    "OPTIMIZERS",
+    "DPLossRandomizedClipping",
+    "DPTensorRandomizedClipping",
+    "DistributedRandomizedClipOptimizer",
+    "PostProcessingHandle",
+    "RandomizedClipOptimizer",
+    "attach_post_processing_hook",
+    "get_optimizer_class",
+    "register_optimizer",
+]

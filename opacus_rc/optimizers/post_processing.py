@@ -18,11 +18,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from opacus.optimizers import DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping
+
 __all__ = ["PostProcessingHandle", "attach_post_processing_hook"]
 
 logger = logging.getLogger(__name__)
 
 PostProcessingHook = Callable[[Any], None]
+
+#: Opacus optimizers whose ``step()`` all-reduces after ``pre_step`` (and so after the hook).
+_REDUCE_AFTER_STEP_HOOK = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping)
 
 
 class _PostProcessingChain:
@@ -55,8 +60,12 @@ class PostProcessingHandle:
 def attach_post_processing_hook(optimizer: Any, hook: PostProcessingHook) -> PostProcessingHandle:
     """Run ``hook(optimizer)`` at every step after noise and scaling, before the accountant hook.
 
-    Works for any Opacus ``DPOptimizer`` (flat, per-layer, adaptive, ghost, distributed, or
-    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`). Hooks run in the order attached.
+    Works for any single-process Opacus ``DPOptimizer`` (flat, per-layer, adaptive, ghost, or
+    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`) and for
+    :class:`~opacus_rc.optimizers.DistributedRandomizedClipOptimizer`. Hooks run in the order
+    attached. Opacus' own DDP optimizers are refused: they call the step hook *before* the
+    all-reduce, where ranks other than 0 hold an un-noised partial sum, so a hook there would
+    not be post-processing.
 
     Call it after ``make_private``: ``DPOptimizer.attach_step_hook`` replaces ``step_hook``, so
     on a plain Opacus optimizer an accountant hook attached later would drop the chain (a warning
@@ -73,6 +82,8 @@ def attach_post_processing_hook(optimizer: Any, hook: PostProcessingHook) -> Pos
 
     Raises:
         TypeError: If ``hook`` is not callable or ``optimizer`` has no ``step_hook``.
+        ValueError: For Opacus' ``DistributedDPOptimizer`` (and subclasses) and
+            ``DistributedDPOptimizerFastGradientClipping``.
     """
     if not callable(hook):
         raise TypeError(f"hook must be callable, got {type(hook).__name__}")
@@ -80,6 +91,14 @@ def attach_post_processing_hook(optimizer: Any, hook: PostProcessingHook) -> Pos
         raise TypeError(
             f"{type(optimizer).__name__} has no step_hook; pass an Opacus DPOptimizer "
             "(the optimizer returned by make_private)"
+        )
+    if isinstance(optimizer, _REDUCE_AFTER_STEP_HOOK):
+        raise ValueError(
+            f"{type(optimizer).__name__} runs step hooks before its gradient all-reduce, on a "
+            "rank's un-noised partial sum (noise is added on rank 0 only): a post-processing "
+            "hook there is not post-processing of the released gradient. Use "
+            "opacus_rc.PrivacyEngine(clipping='randomized') with a DPDDP/DDP model "
+            "(DistributedRandomizedClipOptimizer reduces before its hooks)."
         )
     current = optimizer.step_hook
     if isinstance(current, _PostProcessingChain):

@@ -13,7 +13,9 @@ step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the 
 envelope of ``k = sketch_spec.sketch_dim`` columns; the RC accountant composes exactly that.
 Edge cases: a zero-norm sample gets ``c_i = 1`` (its contribution is 0); a NaN/inf estimate
 raises ``FloatingPointError`` in the module before any clip factor exists; an empty batch gives
-a noise-only step that is still accounted.
+a noise-only step that is still accounted. After a failed backward of
+:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, or with a NaN/inf gradient, ``step()``
+raises before anything is noised or accounted (:meth:`RandomizedClipOptimizer.check_step_allowed`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.optim import Optimizer
 
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
+from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["RandomizedClipOptimizer"]
 
 
+@register_optimizer("randomized", distributed=False)
 class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
     """``DPOptimizerFastGradientClipping`` tied to a randomized-clipping grad-sample module.
 
@@ -147,7 +151,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """Copy the clipped gradient sum into ``p.summed_grad``.
 
         Unlike Opacus, a parameter without ``.grad`` (not reached by this batch) counts as a
-        zero gradient, so it is still noised instead of failing.
+        zero gradient, so it is still noised instead of failing. The clipped gradients of the
+        last ``backward()`` are consumed (a new ``backward()`` is allowed).
         """
         for p in self.params:
             grad = p.grad.data if p.grad is not None else torch.zeros_like(p)
@@ -155,17 +160,55 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad.add_(grad)
             else:
                 p.summed_grad = copy.deepcopy(grad)
+        self._rc_backward_pending = False
 
-    def pre_step(self, closure: Any = None) -> bool | None:
-        """Check that clip bound and noise scale agree, then Opacus' noise, scale and hooks.
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus' ``zero_grad``; also clears the state left by a failed or pending backward."""
+        super().zero_grad(set_to_none)
+        self._rc_backward_failed = False
+        self._rc_backward_pending = False
+
+    def check_step_allowed(self) -> None:
+        """Raise unless the gradients about to be noised are clipped, finite and in sync.
+
+        Called first in :meth:`pre_step`, before anything is accumulated, noised or accounted.
 
         Raises:
-            RuntimeError: If the module's ``max_grad_norm`` was changed behind the optimizer.
+            RuntimeError: If the last ``backward()`` of the randomized-clipping loss failed
+                (its gradients may be unclipped), or if the module's ``max_grad_norm`` was
+                changed behind the optimizer.
+            FloatingPointError: If a gradient is NaN or inf.
         """
+        if getattr(self, "_rc_backward_failed", False):
+            raise RuntimeError(
+                "the last backward() of the randomized-clipping loss raised; its gradients may "
+                "be unclipped, so no step is taken and nothing is accounted. Call "
+                "optimizer.zero_grad() and continue with a new batch (note that skipping a "
+                "batch because of one sample's data is itself outside the DP guarantee)."
+            )
         if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(
                 f"the grad-sample module clips at {self._grad_sample_module.max_grad_norm} but "
                 f"the optimizer noises for {self._max_grad_norm}; set optimizer.max_grad_norm "
                 "(it updates both)"
             )
+        bad = [i for i, p in enumerate(self.params) if p.grad is not None and not _finite(p.grad)]
+        if bad:
+            raise FloatingPointError(
+                f"the clipped gradients of {len(bad)} parameter(s) contain NaN or inf; no step "
+                "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
+            )
+
+    def pre_step(self, closure: Any = None) -> bool | None:
+        """:meth:`check_step_allowed`, then Opacus' accumulation, noise, scaling and hooks.
+
+        Raises:
+            RuntimeError: See :meth:`check_step_allowed`.
+            FloatingPointError: See :meth:`check_step_allowed`.
+        """
+        self.check_step_allowed()
         return super().pre_step(closure)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())

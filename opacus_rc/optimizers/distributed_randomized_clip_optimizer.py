@@ -1,0 +1,149 @@
+"""Randomized clipping under ``torch.distributed`` data parallelism (DDP).
+
+Follows Opacus' ``DistributedDPOptimizerFastGradientClipping``: every rank clips its own
+samples (with its own, independently OS-seeded sketch generator), rank 0 alone adds the
+Gaussian noise ``N(0, sigma^2 C^2)``, and the gradients are summed over ranks (and divided by
+the world size under ``loss_reduction="mean"``, with ``expected_batch_size`` the per-rank
+expected batch size, as Opacus' engine sets it). The released gradient is therefore
+``(sum over all ranks' samples of c_i g_i + one noise draw) / expected global batch size``:
+the single-process mechanism on the global batch, accounted once per step by each rank's
+accountant.
+
+Two differences from Opacus:
+
+* The all-reduce happens inside ``pre_step`` (right after scaling), **before** the step hook.
+  Step hooks therefore see the global noisy gradient. In Opacus' distributed optimizers the
+  hook runs before the all-reduce, on one rank's partial sum, which for a post-processing hook
+  (e.g. the spectral denoiser) would be a function of un-noised private data on ranks > 0.
+* A failure on one rank (a failed backward, a NaN gradient) is agreed on by all ranks with a
+  one-element all-reduce at the end of each logical step, so every rank raises instead of the
+  others hanging in the gradient all-reduce. (Inside a logical step split by BatchMemoryManager
+  the ranks' physical batches do not line up, so a failure there raises on its rank only.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from torch.optim import Optimizer
+
+from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
+from opacus_rc.optimizers.registry import register_optimizer
+
+__all__ = ["DistributedRandomizedClipOptimizer"]
+
+
+@register_optimizer("randomized", distributed=True)
+class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
+    """:class:`RandomizedClipOptimizer` for data-parallel training (noise on rank 0 only).
+
+    Args:
+        optimizer: The wrapped ``torch.optim.Optimizer`` (same parameters on every rank).
+        grad_sample_module: This rank's randomized-clipping module (wrapping a DDP/DPDDP model).
+        noise_multiplier: ``sigma``; the noise std is ``sigma * C``, added once (rank 0).
+        max_grad_norm: ``C``.
+        expected_batch_size: The **per-rank** expected batch size (global / world size).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        generator: Noise generator (used on rank 0 only).
+        secure_mode: Opacus' secure noise.
+
+    Raises:
+        RuntimeError: If ``torch.distributed`` is not initialised.
+        (others): As :class:`RandomizedClipOptimizer`.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        grad_sample_module: Any,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: int | None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistributedRandomizedClipOptimizer needs an initialised torch.distributed "
+                "process group (torch.distributed.init_process_group)"
+            )
+        super().__init__(
+            optimizer,
+            grad_sample_module=grad_sample_module,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=generator,
+            secure_mode=secure_mode,
+        )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """Whether every rank reports ``ok``, agreed on at logical-step boundaries.
+
+        At the last physical batch of a logical step (always, without BatchMemoryManager) this
+        is a one-element all-reduce that every rank reaches, as they all reach the gradient
+        all-reduce. Inside a logical step split by BatchMemoryManager, ranks may process
+        different numbers of physical batches, so no collective is issued there and ``ok`` is
+        returned unchanged (a failure then raises on its own rank only).
+
+        Used by the loss's ``backward()`` and by :meth:`check_step_allowed` so that a failure
+        on one rank makes every rank raise at the same point.
+        """
+        if self._check_skip_next_step(pop_next=False):
+            return ok
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+    def check_step_allowed(self) -> None:
+        """:meth:`RandomizedClipOptimizer.check_step_allowed` on every rank, agreed on by all.
+
+        Raises:
+            RuntimeError: This rank's error, or a note that another rank refused the step.
+            FloatingPointError: This rank's NaN/inf gradient.
+        """
+        error: BaseException | None = None
+        try:
+            super().check_step_allowed()
+        except (RuntimeError, FloatingPointError) as err:
+            error = err
+        if not self.all_ranks_ok(error is None):
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                "another rank refused this step (failed backward or NaN/inf gradient); no rank "
+                "steps and nothing is accounted"
+            )
+
+    def add_noise(self) -> None:
+        """Rank 0 adds ``N(0, sigma^2 C^2)`` (Opacus); other ranks pass their clipped sum on."""
+        if self.rank == 0:
+            super().add_noise()
+            return
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            p.grad = p.summed_grad.clone().view_as(p)  # no aliasing of summed_grad (PR 707)
+            _mark_as_processed(p.summed_grad)
+
+    def scale_grad(self) -> None:
+        """Opacus' scaling, then the all-reduce, so that step hooks see the global gradient."""
+        super().scale_grad()
+        self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Sum ``p.grad`` over ranks; divide by the world size under ``"mean"`` (Opacus)."""
+        for p in self.params:
+            if not p.requires_grad:
+                continue
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            if self.loss_reduction == "mean":
+                p.grad /= self.world_size
