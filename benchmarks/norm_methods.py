@@ -1,0 +1,129 @@
+"""Per-sample gradient norm methods for one ``nn.Linear`` over sequences, as benchmarked.
+
+Every method has the signature ``method(layer, A, G, *, k, generator) -> dict[param, (B,)]``
+with ``A`` of shape ``(B, T, d)`` and ``G`` of shape ``(B, T, p)``, and returns per-sample
+gradient **norms** per parameter, as the samplers of Opacus and opacus_rc do.
+
+* ``ghost``: Opacus' ghost norm ``compute_linear_norm_sample`` (two ``B x T x T`` Grams; the
+  bias branch recomputes ``G G^T``).
+* ``fgc``: Opacus' per-sample gradients ``compute_linear_grad_sample`` then their norms: what
+  Opacus' ghost mode does for layers without a norm sampler, ``2 B T p d`` FLOPs.
+* ``mixed``: the per-layer rule of private-transformers and fastDP: ghost if ``2 T^2 <= p d``,
+  else materialize (``fgc``).
+* ``hutchinson`` and ``hutch++``: opacus_rc's sketched sampler
+  ``compute_linear_sketched_norm_sample`` with that estimator and ``k`` columns (Hutch++ head
+  ``s = k``). The bias norm is exact in all methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from opacus.grad_sample.linear import compute_linear_grad_sample, compute_linear_norm_sample
+from torch import nn
+
+from opacus_rc.grad_sample.linear import compute_linear_sketched_norm_sample
+from opacus_rc.sketching import get_estimator
+
+Norms = dict[nn.Parameter, torch.Tensor]
+EXACT_METHODS = ("ghost", "fgc", "mixed")
+SKETCH_METHODS = ("hutchinson", "hutch++")
+METHODS = EXACT_METHODS + SKETCH_METHODS
+
+
+def ghost(layer: nn.Linear, A: torch.Tensor, G: torch.Tensor, **_: object) -> Norms:
+    return compute_linear_norm_sample(layer, [A], G)
+
+
+def fgc(layer: nn.Linear, A: torch.Tensor, G: torch.Tensor, **_: object) -> Norms:
+    grads = compute_linear_grad_sample(layer, [A], G)
+    # As GradSampleModuleFastGradientClipping does for layers without a norm sampler.
+    return {p: g.reshape(len(g), -1).norm(2, dim=-1) for p, g in grads.items()}
+
+
+def mixed_choice(T: int, p: int, d: int) -> str:
+    """The exact method the fastDP / private-transformers rule uses for this layer."""
+    return "ghost" if p * d >= 2 * T * T else "fgc"
+
+
+def mixed(layer: nn.Linear, A: torch.Tensor, G: torch.Tensor, **_: object) -> Norms:
+    choice = mixed_choice(A.shape[1], layer.out_features, layer.in_features)
+    return (ghost if choice == "ghost" else fgc)(layer, A, G)
+
+
+def sketched(name: str) -> Callable[..., Norms]:
+    """opacus_rc's sampler with estimator ``name``; Hutch++ uses ``head_dim = k``."""
+    estimator = get_estimator(name)
+
+    def method(
+        layer: nn.Linear,
+        A: torch.Tensor,
+        G: torch.Tensor,
+        *,
+        k: int,
+        generator: torch.Generator | None = None,
+        **_: object,
+    ) -> Norms:
+        return compute_linear_sketched_norm_sample(
+            layer, [A], G, estimator=estimator, sketch_dim=k, generator=generator
+        )
+
+    method.__name__ = name
+    return method
+
+
+def get_method(name: str) -> Callable[..., Norms]:
+    table: dict[str, Callable[..., Norms]] = {"ghost": ghost, "fgc": fgc, "mixed": mixed}
+    if name in table:
+        return table[name]
+    if name in SKETCH_METHODS:
+        return sketched(name)
+    raise ValueError(f"unknown norm method {name!r}; allowed: {', '.join(METHODS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Closed forms (THEORY.md A.1-A.3, OPACUS.md section 2); FLOPs as FlopCounterMode counts them
+# (2 per multiply-add, matrix products only)
+# ----------------------------------------------------------------------------------------------
+
+
+def closed_form_flops(
+    method: str, *, B: int, T: int, d: int, p: int, k: int | None, bias: bool
+) -> int:
+    """FLOPs of the matrix products of a method, as ``FlopCounterMode`` counts them.
+
+    * ghost: ``2BT^2 d`` (``A A^T``) + ``2BT^2 p`` (``G G^T``) + ``2BT^2`` (their inner
+      product) + ``2BT^2 p`` for the bias (``G G^T`` again).
+    * fgc: ``2BTpd`` (the bias gradient is a sum over ``T``, not a product).
+    * hutchinson: ``2BTk(p + d)``: ``U = G Omega`` then ``V = A^T U``; the exact bias norm is
+      a reduction (``B T p`` additions, not counted).
+    * hutch++ (``s = k`` head columns): ``2BT(3s + k)(p + d) + 4Bkds``; the ``d x s`` QR is not
+      counted.
+    """
+    if method == "mixed":
+        method = mixed_choice(T, p, d)
+    if method == "ghost":
+        return 2 * B * T * T * (d + p) + 2 * B * T * T + (2 * B * T * T * p if bias else 0)
+    if method == "fgc":
+        return 2 * B * T * p * d
+    if method == "hutchinson":
+        return 2 * B * T * k * (p + d)
+    if method == "hutch++":
+        s = k
+        return 2 * B * T * (3 * s + k) * (p + d) + 4 * B * k * d * s
+    raise ValueError(f"unknown norm method {method!r}")
+
+
+def estimated_extra_bytes(
+    method: str, *, B: int, T: int, d: int, p: int, k: int | None, bias: bool, itemsize: int = 4
+) -> int:
+    """Rough upper estimate of the extra memory of a method (to decide what fits, ahead)."""
+    if method == "mixed":
+        method = mixed_choice(T, p, d)
+    if method == "ghost":
+        return itemsize * B * T * T * (3 + (1 if bias else 0))
+    if method == "fgc":
+        return itemsize * B * (p * d + p) * 2
+    s = k if method == "hutch++" else 0
+    return itemsize * B * ((k + 2 * s) * (T + p + d) + 4 * (T + d + p))
