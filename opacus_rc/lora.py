@@ -27,7 +27,7 @@ not import peft. Layers whose factors are frozen (``requires_grad=False``) are n
 Example:
     >>> guard = LoRAUpdateGuard(peft_model)  # doctest: +SKIP
     >>> ... one DP training step ...         # doctest: +SKIP
-    >>> report = guard.check()               # raises LoRAUpdateError if an adapter is stuck
+    >>> report = guard.check()  # raises LoRAUpdateError if stuck  # doctest: +SKIP
 """
 
 from __future__ import annotations
