@@ -71,8 +71,7 @@ def _sketched_weight_norm(
     Returns:
         ``(B,)`` norm estimates in the estimator's output dtype.
     """
-    B, T, d = A.shape
-    p = G.shape[2]
+    B = A.shape[0]
     needs_scaling = False
     if A.numel() > 0 and G.numel() > 0 and torch.float64 not in (A.dtype, G.dtype):
         # Cheap test first: ||G_i^T A_i||_F <= ||G_i||_F ||A_i||_F. The Frobenius norms cost
