@@ -1,0 +1,461 @@
+#!/usr/bin/env python
+"""Differentially private fine-tuning of SmolLM2-135M on 2,048-token documents (DP-SGD-RC).
+
+The project's main job. A pretrained language model (SmolLM2-135M, Llama architecture, 8,192
+positions) learns to tell imaginative prose (fiction, mystery, romance, ...) from informative
+prose (news, government, learned, ...) in the Brown corpus, reading the first 2,048 tokens of
+each document, with (epsilon, delta)-differential privacy for every *document*.
+
+Training uses randomized clipping (``clipping="randomized"``): the per-document gradient norm
+of every ``nn.Linear`` layer is estimated with a Gaussian sketch of ``k`` columns, at a cost of
+O(B T k) memory instead of the O(B T^2) Gram matrices of Opacus' ghost clipping; each document
+is clipped with the estimate and Gaussian noise is added as in DP-SGD. ``make_private_with_epsilon``
+finds the noise multiplier with the RC accountant, which accounts for the randomness of the
+sketch, so the reported epsilon is a real upper bound.
+
+Only the top of the network is trained (``--trainable-layers`` decoder blocks, the final norm and
+the classification head); the rest is frozen. See ``tutorials/README.md`` and the tutorial
+``randomized_clipping_long_documents`` for the walk-through.
+
+Usage::
+
+    python tutorials/long_document_classification.py              # default run (~15-20 min, 2 CPU cores)
+    python tutorials/long_document_classification.py --clipping ghost
+    python tutorials/long_document_classification.py --clipping none
+    python tutorials/long_document_classification.py --smoke      # a few steps at length 128 (CI)
+    python tutorials/long_document_classification.py --help
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may touch the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rc_data  # noqa: E402  (the vendored corpora, tutorials/data/)
+import rc_models  # noqa: E402  (the packaged SmolLM2 weights)
+
+import opacus_rc  # noqa: E402, F401  (registers the "rc" accountant in Opacus)
+from opacus_rc import PrivacyEngine  # noqa: E402
+
+# Opacus warns on every two-pass backward and about the non-cryptographic noise RNG; neither
+# matters for this example (pass secure_mode=True to PrivacyEngine for a real deployment).
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+
+# Settings of the default run, chosen so that it takes at most 20 minutes on 2 CPU cores.
+DEFAULTS = {
+    "clipping": "randomized",
+    "sketch": "hutchinson",
+    "sketch_dim": 32,
+    "epsilon": 8.0,
+    "delta": 1e-5,
+    "max_length": 2048,
+    "num_layers": 6,
+    "trainable_layers": 1,
+    "epochs": 2,
+    "batch_size": 16,
+    "lr": 2e-2,
+    "body_lr": 1e-4,
+    "max_grad_norm": 1.0,
+}
+# --smoke: the real model and data, a few steps at a short length, under ~90 s.
+SMOKE = {"max_length": 128, "max_steps": 3, "batch_size": 4, "train_docs": 48, "test_docs": 8}
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="DP fine-tuning of SmolLM2-135M on long documents with randomized clipping "
+        "(opacus_rc). Prints a progress bar, then a results table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = DEFAULTS
+    p.add_argument(
+        "--clipping",
+        choices=["randomized", "ghost", "none"],
+        default=d["clipping"],
+        help="randomized: DP-SGD-RC, sketched per-sample norms (opacus_rc); ghost: Opacus' "
+        "exact ghost clipping (same RC accountant, exact-clipping mode); none: non-private",
+    )
+    p.add_argument("--sketch", choices=["hutchinson", "hutch++"], default=d["sketch"])
+    p.add_argument(
+        "--sketch-dim", type=int, default=d["sketch_dim"], help="k, columns of the sketch"
+    )
+    p.add_argument("--epsilon", type=float, default=d["epsilon"], help="target epsilon")
+    p.add_argument("--delta", type=float, default=d["delta"], help="target delta")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=d["max_length"],
+        help="tokens read from each document (Brown documents have 2.2k-3.8k)",
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=d["num_layers"],
+        help="decoder blocks of SmolLM2 kept (of 30); the blocks above are dropped",
+    )
+    p.add_argument(
+        "--trainable-layers",
+        type=int,
+        default=d["trainable_layers"],
+        help="top decoder blocks trained (the final norm and the head always are)",
+    )
+    p.add_argument("--epochs", type=float, default=d["epochs"], help="epochs (may be fractional)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d["batch_size"],
+        help="expected batch size (Poisson sampling rate = batch size / training documents)",
+    )
+    p.add_argument("--lr", type=float, default=d["lr"], help="Adam learning rate of the head")
+    p.add_argument(
+        "--body-lr",
+        type=float,
+        default=d["body_lr"],
+        help="Adam learning rate of the trainable decoder blocks and the final norm",
+    )
+    p.add_argument("--max-grad-norm", type=float, default=d["max_grad_norm"], help="clip bound C")
+    p.add_argument("--dataset", choices=["brown", "spam"], default="brown")
+    p.add_argument(
+        "--train-docs",
+        type=int,
+        default=None,
+        help="use a random subset of this many training documents (default: all; spam: 400)",
+    )
+    p.add_argument(
+        "--test-docs",
+        type=int,
+        default=None,
+        help="evaluate on a random subset of this many test documents (default: all; spam: 100)",
+    )
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, head and data order")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI setting: a few steps at length 128 on a few documents (real model and data)",
+    )
+    p.add_argument("--output-json", type=Path, default=None, help="write the results table here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    if args.dataset == "spam":
+        args.train_docs = 400 if args.train_docs is None else args.train_docs
+        args.test_docs = 100 if args.test_docs is None else args.test_docs
+    if not 0 <= args.trainable_layers <= args.num_layers <= 30:
+        p.error("need 0 <= --trainable-layers <= --num-layers <= 30")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Data and model
+# ------------------------------------------------------------------------------------------------
+
+
+def load_texts(args: argparse.Namespace) -> tuple[list[str], list[int], list[str], list[int]]:
+    """Train/test texts and labels (deterministic stratified split of the vendored corpus)."""
+    if args.dataset == "brown":  # 1 = imaginative, 0 = informative
+        train = rc_data.load_brown(split="train", seed=args.seed)
+        test = rc_data.load_brown(split="test", seed=args.seed)
+        text = lambda r: r["text"]  # noqa: E731
+    else:  # 1 = spam, 0 = ham
+        train = rc_data.load_spam(split="train", seed=args.seed)
+        test = rc_data.load_spam(split="test", seed=args.seed)
+        text = lambda r: f"Subject: {r['subject']}\n\n{r['text']}"  # noqa: E731
+    rng = random.Random(args.seed)
+    if args.train_docs is not None and args.train_docs < len(train):
+        train = sorted(rng.sample(train, args.train_docs), key=lambda r: r["id"])
+    if args.test_docs is not None and args.test_docs < len(test):
+        test = sorted(rng.sample(test, args.test_docs), key=lambda r: r["id"])
+    return (
+        [text(r) for r in train],
+        [r["label"] for r in train],
+        [text(r) for r in test],
+        [r["label"] for r in test],
+    )
+
+
+class DocumentClassifier(nn.Module):
+    """A pretrained decoder, mean-pooled over each document's tokens, and a linear head.
+
+    Mean pooling lets every token of the 2,048 contribute to the label (Hugging Face's
+    ``LlamaForSequenceClassification`` reads only the last token, a much weaker signal here).
+    """
+
+    def __init__(self, body: nn.Module, num_labels: int) -> None:
+        super().__init__()
+        self.body = body  # transformers' LlamaModel: embeddings, decoder blocks, final RMSNorm
+        self.head = nn.Linear(body.config.hidden_size, num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1): 0 on padding
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, hidden)
+        return self.head(pooled)  # (B, num_labels) logits
+
+
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, dict[str, int]]:
+    """SmolLM2-135M's first ``--num-layers`` blocks; the top ``--trainable-layers`` of them, the
+    final norm and the head are trainable, everything else (embeddings included) is frozen."""
+    body = rc_models.load_smollm2(task="classification", seed=args.seed).model  # no head
+    body.layers = body.layers[: args.num_layers]
+    body.config.num_hidden_layers = args.num_layers
+    torch.manual_seed(args.seed)
+    model = DocumentClassifier(body, num_labels=2)
+    model.requires_grad_(False)
+    top = list(body.layers)[len(body.layers) - args.trainable_layers :]
+    for module in [*top, body.norm, model.head]:
+        module.requires_grad_(True)
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return model.train(), {"trainable": trainable, "total": sum(p.numel() for p in params)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Training and evaluation
+# ------------------------------------------------------------------------------------------------
+
+
+def make_private(args, model, optimizer, train_loader):
+    """Wrap model, optimizer, loss and loader for DP training; ``engine`` is None if non-private."""
+    criterion = nn.CrossEntropyLoss()
+    if args.clipping == "none":
+        return None, model, optimizer, criterion, train_loader
+    engine = PrivacyEngine(accountant="rc")
+    if args.clipping == "randomized":
+        options = {"clipping": "randomized", "sketch": args.sketch, "sketch_dim": args.sketch_dim}
+    else:  # Opacus' ghost clipping
+        options = {"clipping": "flat", "grad_sample_mode": "ghost"}
+    model, optimizer, criterion, train_loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=optimizer,
+        data_loader=train_loader,
+        criterion=criterion,
+        target_epsilon=args.epsilon,
+        target_delta=args.delta,
+        epochs=args.epochs,
+        max_grad_norm=args.max_grad_norm,
+        poisson_sampling=True,
+        **options,
+    )
+    return engine, model, optimizer, criterion, train_loader
+
+
+def noise_only_step(optimizer) -> None:
+    """An empty Poisson batch: no document, but the step is still noised and accounted."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+def train(args, engine, model, optimizer, criterion, train_loader) -> dict[str, Any]:
+    n_steps = math.ceil(args.epochs * len(train_loader))
+    if args.max_steps is not None:
+        n_steps = min(n_steps, args.max_steps)
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(total=n_steps, desc="training", unit="step", disable=args.no_progress)
+    step = 0
+    while step < n_steps:
+        for input_ids, attention_mask, labels in train_loader:
+            optimizer.zero_grad()
+            if input_ids.shape[0] == 0:  # Poisson sampling drew no document
+                noise_only_step(optimizer)
+            else:
+                logits = model(input_ids=input_ids, attention_mask=attention_mask)
+                loss = criterion(logits, labels)
+                loss.backward()  # DP: both passes (norms, then clipped gradients)
+                optimizer.step()
+                losses.append(loss.item())
+            step += 1
+            postfix = {"loss": f"{sum(losses[-10:]) / max(1, len(losses[-10:])):.3f}"}
+            if engine is not None:
+                postfix["eps"] = f"{engine.get_epsilon(args.delta):.2f}"
+            bar.set_postfix(postfix)
+            bar.update()
+            if step >= n_steps:
+                break
+    bar.close()
+    return {"steps": step, "losses": losses}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader) -> float:
+    """Test accuracy: forward passes only, no gradient and no privacy cost (test data)."""
+    model.eval()
+    correct = total = 0
+    for input_ids, attention_mask, labels in loader:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask)
+        correct += (logits.argmax(-1) == labels).sum().item()
+        total += labels.numel()
+    model.train()
+    return correct / total
+
+
+def peak_memory_gib() -> float:
+    """Peak resident memory of this process (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    load_at_start = os.getloadavg()[0]
+    torch.manual_seed(args.seed)  # data order (Poisson sampling draws from torch's generator)
+
+    # 1. Data: the first --max-length tokens of every document, right-padded if shorter.
+    tokenizer = rc_models.load_smollm2_tokenizer()
+    train_texts, train_labels, test_texts, test_labels = load_texts(args)
+    train_set = rc_data.TokenizedDataset(
+        train_texts, train_labels, tokenizer, max_length=args.max_length
+    )
+    test_set = rc_data.TokenizedDataset(
+        test_texts, test_labels, tokenizer, max_length=args.max_length
+    )
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    test_loader = DataLoader(test_set, batch_size=4)
+
+    # 2. Model: pretrained SmolLM2-135M, only the top is trainable.
+    model, counts = build_model(args)
+    # The head learns fast; the pretrained blocks get a small step so that DP noise cannot
+    # wash out what they know.
+    body_params = [p for p in model.body.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(
+        [
+            {"params": list(model.head.parameters()), "lr": args.lr},
+            {"params": body_params, "lr": args.body_lr},
+        ]
+    )
+
+    # 3. Privacy: noise multiplier for (epsilon, delta) after --epochs, Poisson sampling.
+    engine, model, optimizer, criterion, train_loader = make_private(
+        args, model, optimizer, train_loader
+    )
+    sigma = optimizer.noise_multiplier if engine is not None else 0.0
+    print(
+        f"{len(train_set)} training / {len(test_set)} test documents of {args.max_length} tokens; "
+        f"{counts['trainable']:,} of {counts['total']:,} parameters trainable; "
+        f"clipping={args.clipping}, noise multiplier {sigma:.4f}",
+        flush=True,
+    )
+
+    # 4. Train, then evaluate on the held-out documents.
+    t_train = time.perf_counter()
+    history = train(args, engine, model, optimizer, criterion, train_loader)
+    t_eval = time.perf_counter()
+    accuracy = evaluate(model, test_loader)
+    end = time.perf_counter()
+
+    losses = history["losses"]
+    results = {
+        "dataset": args.dataset,
+        "clipping": args.clipping,
+        "sketch": args.sketch if args.clipping == "randomized" else None,
+        "sketch_dim": args.sketch_dim if args.clipping == "randomized" else None,
+        "test_accuracy": accuracy,
+        "majority_baseline": max(test_labels.count(0), test_labels.count(1)) / len(test_labels),
+        "epsilon": engine.get_epsilon(args.delta) if engine is not None else None,
+        "target_epsilon": args.epsilon if engine is not None else None,
+        "delta": args.delta if engine is not None else None,
+        "noise_multiplier": sigma,
+        "steps": history["steps"],
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "body_lr": args.body_lr,
+        "max_length": args.max_length,
+        "num_layers": args.num_layers,
+        "trainable_layers": args.trainable_layers,
+        "trainable_params": counts["trainable"],
+        "train_docs": len(train_set),
+        "test_docs": len(test_set),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "train_time_s": t_eval - t_train,
+        "eval_time_s": end - t_eval,
+        "wall_time_s": end - start,
+        "cpu_time_s": time.process_time(),  # all threads of this process
+        "peak_memory_gib": peak_memory_gib(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1min": [load_at_start, os.getloadavg()[0]],  # at start and end
+        "seed": args.seed,
+        "smoke": args.smoke,
+    }
+    print_table(results)
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    def fmt(x: Any, spec: str = "") -> str:
+        return "n/a (non-private)" if x is None else format(x, spec)
+
+    method = {
+        "randomized": f"randomized clipping ({r['sketch']}, k={r['sketch_dim']})",
+        "ghost": "ghost clipping (exact norms)",
+        "none": "non-private",
+    }[r["clipping"]]
+    rows = [
+        ("method", method),
+        ("test accuracy", f"{r['test_accuracy']:.3f}  ({r['test_docs']} documents)"),
+        ("majority-class baseline", f"{r['majority_baseline']:.3f}"),
+        ("epsilon (RC accountant)", fmt(r["epsilon"], ".3f")),
+        ("delta", fmt(r["delta"], "g")),
+        ("noise multiplier", f"{r['noise_multiplier']:.4f}"),
+        ("steps", f"{r['steps']}  (expected batch {r['batch_size']}, {r['epochs']:g} epochs)"),
+        ("final training loss", fmt(r["final_loss"], ".4f")),
+        (
+            "wall time",
+            f"{r['wall_time_s']:.0f} s  (training {r['train_time_s']:.0f} s; "
+            f"CPU time {r['cpu_time_s']:.0f} s on {r['torch_threads']} threads)",
+        ),
+        ("peak memory (RSS)", f"{r['peak_memory_gib']:.2f} GiB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    print(f"| {'':<{width}} | result |")
+    print(f"|{'-' * (width + 2)}|--------|")
+    for key, value in rows:
+        print(f"| {key:<{width}} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
