@@ -3,8 +3,9 @@
 :class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine``. ``clipping="randomized"`` builds a
 :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
 ``wrap_model=False``), a :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` (its distributed
-variant for DPDDP/DDP models, chosen from :mod:`opacus_rc.optimizers.registry`), the two-pass
-:class:`~opacus_rc.optimizers.DPLossRandomizedClipping` and a Poisson data loader, and ties the
+variant for DPDDP/DDP models, chosen from :mod:`opacus_rc.optimizers.registry`), the
+:class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one backward pass with book-keeping where
+the model allows it, else two) and a Poisson data loader, and ties the
 accountant's step hook to the optimizer. Every other ``clipping`` value is passed to Opacus
 unchanged.
 
@@ -143,6 +144,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         denoise_kappa: float | None = None,
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
+        bookkeeping: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Make the model, optimizer, criterion and data loader private.
@@ -195,6 +197,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 optimizer step, raise :class:`~opacus_rc.lora.LoRAUpdateError` if any
                 trainable adapter's update ``scaling * B @ A`` did not move or is not finite
                 (:class:`~opacus_rc.lora.LoRAUpdateGuard`, then ``engine.lora_update_guard``).
+            bookkeeping: Randomized clipping only. ``True`` (default): one backward pass per
+                step (book-keeping; Bu, Wang, Zha and Karypis, ICML 2023) where every trainable
+                module supports it, else the two-pass path (logged once at INFO with the
+                modules that forced it; always two passes for DPDDP/DDP models). ``False``:
+                always two backward passes. Both give the same clipped gradient and the same
+                privacy guarantee (the probes are drawn in the first pass only); book-keeping
+                is faster and frees the graph after the first pass. The module's
+                ``bookkeeping`` property says which is used.
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -203,8 +213,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             where ``module`` is a :class:`GradSampleModuleRandomizedClipping` (or the
             :class:`GradSampleHooksRandomizedClipping` object if ``wrap_model=False``),
             ``optimizer`` a :class:`RandomizedClipOptimizer` and ``criterion`` a
-            ``DPLossRandomizedClipping`` whose ``backward()`` runs both passes. Otherwise
-            Opacus' return value.
+            ``DPLossRandomizedClipping`` whose ``backward()`` computes the clipped gradient
+            (one or two backward passes, see ``bookkeeping``). Otherwise Opacus' return value.
 
         Raises:
             ValueError: Unknown sketch, ``sketch_dim < 1``, an accountant that cannot account
@@ -213,9 +223,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 in :class:`GradSampleModuleRandomizedClipping`; Opacus' own errors otherwise.
                 Unknown ``denoise`` (the message lists the allowed names), ``denoise_kappa <
                 1``, denoiser options without ``denoise``, ``check_lora_update`` on a model
-                without trainable LoRA adapters.
+                without trainable LoRA adapters. ``bookkeeping=False`` without
+                ``clipping="randomized"``.
             TypeError: Unknown keyword arguments with ``clipping="randomized"``; an unknown
-                key in ``denoise_options``.
+                key in ``denoise_options``; a non-bool ``bookkeeping``.
             NotImplementedError: ``denoise`` with a distributed (DPDDP, DDP, FSDP) model.
         """
         if criterion is None:
@@ -228,6 +239,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             denoise_options=denoise_options,
             check_lora_update=check_lora_update,
         )
+        _check_bookkeeping(bookkeeping, clipping)
         if clipping != "randomized":
             self._reject_sketch_options(
                 clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
@@ -293,6 +305,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
                 strict=True,
+                bookkeeping=bookkeeping,
             )
             if poisson_sampling:
                 gsm.forbid_grad_accumulation()
@@ -348,7 +361,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
             strip_grad_sample_hooks(module)
             self.dataset = previous_dataset
             raise
-        logger.info("randomized clipping: %s, sample_rate=%.6g", spec, sample_rate)
+        logger.info(
+            "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
+            spec,
+            sample_rate,
+            gsm.bookkeeping,
+        )
         return self._attach_post_processing(
             (gsm, dp_optimizer, dp_criterion, data_loader), post, module=module
         )
@@ -379,6 +397,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         denoise_kappa: float | None = None,
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
+        bookkeeping: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
@@ -392,6 +411,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             target_epsilon: Target epsilon after ``epochs`` epochs.
             target_delta: Target delta.
             epochs: Number of epochs (``epochs / sample_rate`` steps).
+            bookkeeping: Randomized clipping only: one backward pass per step where the model
+                allows it (default ``True``), or always two (``False``); see
+                :meth:`make_private`. Does not change the noise multiplier found.
             (others): As in :meth:`make_private`.
 
         Returns:
@@ -411,6 +433,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             denoise_options=denoise_options,
             check_lora_update=check_lora_update,
         )
+        _check_bookkeeping(bookkeeping, clipping)
         if clipping != "randomized":
             self._reject_sketch_options(
                 clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
@@ -494,6 +517,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             denoise_kappa=denoise_kappa,
             denoise_options=denoise_options,
             check_lora_update=check_lora_update,
+            bookkeeping=bookkeeping,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -670,3 +694,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if len(data_loader) == 0:
             raise ValueError("the data loader is empty")
         return spec
+
+
+def _check_bookkeeping(bookkeeping: Any, clipping: str) -> None:
+    """Validate ``bookkeeping`` (a bool; ``False`` only with ``clipping="randomized"``)."""
+    if not isinstance(bookkeeping, bool):
+        raise TypeError(f"bookkeeping must be a bool, got {type(bookkeeping).__name__}")
+    if not bookkeeping and clipping != "randomized":
+        raise ValueError(
+            f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
+        )

@@ -25,6 +25,19 @@ attaches the same hooks without wrapping (``wrap_model=False``). Both share
 The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
 over parameters of the squared per-parameter norms (THEORY.md B.1), the same form as Opacus'
 ghost clipping so that exact and sketched runs are comparable.
+
+Book-keeping (``bookkeeping=True``, the default; Bu, Wang, Zha and Karypis, "Differentially
+Private Optimization on Large Model at Small Cost", ICML 2023). Ghost clipping needs a second
+backward pass of ``sum_i c_i loss_i`` once the clip factors ``c`` are known. In book-keeping mode
+the first (only) backward pass keeps, for each sketched layer with a clipped-sum function
+(:data:`~opacus_rc.grad_sample.registry.CLIPPED_SUM_FUNCTIONS`, e.g. ``nn.Linear``), its input
+and output gradient, and for each layer on Opacus' per-sample-gradient path (``LayerNorm``,
+``RMSNorm``, functorch) the per-sample gradients Opacus computes for the norm anyway;
+:meth:`~_RandomizedClippingMixin.apply_clipped_sum` then writes ``p.grad = sum_i c_i grad_p
+loss_i`` from them, which is exactly what the second backward pass gives. The probes are drawn
+in the first pass only, in both modes, so the sketch randomness and the privacy analysis are
+unchanged. Modules with an Opacus ghost norm (``nn.Embedding``) have no per-sample gradient:
+with any of them trainable, or in distributed training, the module uses two passes.
 """
 
 from __future__ import annotations
@@ -38,15 +51,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.grad_sample_module import (
+    create_or_accumulate_grad_sample,
+    promote_current_grad_sample,
+)
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
+    create_norm_sample,
 )
 from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
+from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from opacus.utils.module_utils import trainable_modules, trainable_parameters
 from torch import nn
+from torch.autograd.graph import GradientEdge
+from torch.nn.parallel import DistributedDataParallel
 
-from opacus_rc.grad_sample.registry import SKETCHED_NORM_SAMPLERS, SketchedNormSampler
+from opacus_rc.grad_sample.registry import (
+    CLIPPED_SUM_FUNCTIONS,
+    SKETCHED_NORM_SAMPLERS,
+    ClippedSumFunction,
+    SketchedNormSampler,
+)
 from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -55,6 +83,9 @@ logger = logging.getLogger(__name__)
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
+#: Module attribute holding a book-keeping stash between the backward pass and the clipped sum.
+_STASH_ATTR = "_rc_bookkeeping_stash"
+
 
 def strip_grad_sample_hooks(module: nn.Module) -> None:
     """Remove every Opacus/opacus_rc hook and attribute from ``module``.
@@ -62,7 +93,7 @@ def strip_grad_sample_hooks(module: nn.Module) -> None:
     For failure paths, where no hooks object may exist to call ``cleanup()`` on. Opacus keeps
     the hook handles in ``module.autograd_grad_sample_hooks`` and adds the attributes in
     ``OPACUS_PARAM_MONKEYPATCH_ATTRS`` to parameters and ``activations``/``max_batch_len``/
-    ``ft_compute_sample_grad`` to submodules.
+    ``ft_compute_sample_grad`` to submodules; this package adds its book-keeping stash.
     """
     handles = getattr(module, "autograd_grad_sample_hooks", None)
     if handles is not None:
@@ -74,7 +105,7 @@ def strip_grad_sample_hooks(module: nn.Module) -> None:
             if hasattr(p, attr):
                 delattr(p, attr)
     for sub in module.modules():
-        for attr in ("activations", "max_batch_len", "ft_compute_sample_grad"):
+        for attr in ("activations", "max_batch_len", "ft_compute_sample_grad", _STASH_ATTR):
             if attr in sub.__dict__:
                 delattr(sub, attr)
 
@@ -146,6 +177,38 @@ def resolve_sketch_spec(
     )
 
 
+class _BookkeepingStash:
+    """What one module's first backward pass leaves for its clipped gradient sum (book-keeping).
+
+    Either ``activations``/``backprops`` (a sketched layer with a clipped-sum function, fed to
+    that function) or ``grad_samples`` (per-sample gradients from Opacus' exact path). Every
+    tensor is detached.
+
+    Attributes:
+        params: The trainable parameters this stash gives a gradient to.
+        activations: The layer's forward inputs, batch first (e.g. ``[A]`` with ``A`` of shape
+            ``(B, ..., d)``), or None.
+        backprops: The output gradient ``G``, batch first, already rescaled to per-sample losses
+            (``(B, ..., p)``), or None.
+        grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
+    """
+
+    __slots__ = ("activations", "backprops", "grad_samples", "params")
+
+    def __init__(
+        self,
+        params: tuple[nn.Parameter, ...],
+        *,
+        activations: list[torch.Tensor] | None = None,
+        backprops: torch.Tensor | None = None,
+        grad_samples: dict[nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
+        self.params = params
+        self.activations = activations
+        self.backprops = backprops
+        self.grad_samples = grad_samples
+
+
 class _RandomizedClippingMixin:
     """Shared logic of the wrapping and the hooks-only randomized-clipping classes.
 
@@ -154,6 +217,13 @@ class _RandomizedClippingMixin:
 
     #: Sketched samplers, looked up by exact module type before Opacus' exact ones.
     SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = SKETCHED_NORM_SAMPLERS
+    #: Clipped-sum functions of the sketched types (book-keeping), by exact module type.
+    CLIPPED_SUM_FUNCTIONS: dict[type[nn.Module], ClippedSumFunction] = CLIPPED_SUM_FUNCTIONS
+
+    # Book-keeping state (instance attributes once constructed; class defaults for hooks that
+    # could fire before __init__ ends).
+    _bookkeeping: bool = False
+    _bk_ready: list[tuple[nn.Module, _BookkeepingStash]] | None = None
 
     def __init__(
         self,
@@ -169,6 +239,7 @@ class _RandomizedClippingMixin:
         loss_reduction: str = "mean",
         strict: bool = True,
         force_functorch: bool = False,
+        bookkeeping: bool = True,
     ) -> None:
         # Everything is validated before Opacus attaches a single hook.
         spec = resolve_sketch_spec(
@@ -180,6 +251,8 @@ class _RandomizedClippingMixin:
         _validate_max_grad_norm(max_grad_norm)
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(bookkeeping, bool):
+            raise TypeError(f"bookkeeping must be a bool, got {type(bookkeeping).__name__}")
         if sketch_generator is not None and not isinstance(sketch_generator, torch.Generator):
             raise TypeError(
                 f"sketch_generator must be a torch.Generator, got {type(sketch_generator).__name__}"
@@ -234,11 +307,15 @@ class _RandomizedClippingMixin:
             self._fresh_norms: set[int] = set()
             self._grad_seen: set[int] = set()
             self._coef_dtype = torch.float32
+            self._bk_stashed: list[nn.Module] = []
+            self._bk_edges: list[GradientEdge | torch.Tensor] = []
+            self._bk_ready = None
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
                 )
             self._log_norm_paths()
+            self._bookkeeping = self._resolve_bookkeeping(m, requested=bookkeeping)
         except BaseException:
             self.cleanup()
             raise
@@ -256,6 +333,15 @@ class _RandomizedClippingMixin:
     def sketch_generator(self) -> torch.Generator:
         """The generator all probes are drawn from (never the data or noise generator)."""
         return self._sketch_generator
+
+    @property
+    def bookkeeping(self) -> bool:
+        """Whether steps use book-keeping (one backward pass) rather than two backward passes.
+
+        ``True`` only if ``bookkeeping=True`` was passed, every trainable module supports it and
+        the model is not distributed (decided at construction; see the module docstring).
+        """
+        return self._bookkeeping
 
     # ------------------------------------------------------------------------------------------
     # Construction-time checks
@@ -298,6 +384,49 @@ class _RandomizedClippingMixin:
                 path = "exact per-sample gradients (functorch fallback)"
             logger.info("module %r (%s): %s", name, t.__name__, path)
 
+    def _resolve_bookkeeping(self, m: nn.Module, *, requested: bool) -> bool:
+        """Whether book-keeping can be used; logs once (INFO) why not if it was requested.
+
+        Available iff no module of ``m`` is a (DP)DDP wrapper, the process group (if any) has
+        one rank, and every hooked trainable module is covered: a sketched type with a
+        clipped-sum function, or a type on Opacus' per-sample-gradient path (a grad sampler or
+        functorch). An Opacus ghost norm (``nn.Embedding``) or a sketched type without a
+        clipped-sum function forces two passes.
+        """
+        if not requested:
+            return False
+        ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
+        world = (
+            torch.distributed.get_world_size()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 1
+        )
+        if world > 1 or any(isinstance(sub, ddp) for sub in m.modules()):
+            logger.info(
+                "book-keeping (single backward) is off: distributed training keeps two "
+                "backward passes"
+            )
+            return False
+        blockers: list[str] = []
+        for sub in self.iterate_submodules(m):  # type: ignore[attr-defined]
+            t = type(sub)
+            if t in (DPRNN, DPLSTM, DPGRU):  # hooked through their RNNLinear children
+                continue
+            name = f"'{self._module_name(sub)}' ({t.__name__})"
+            if t in self.SKETCHED_NORM_SAMPLERS:
+                if t not in self.CLIPPED_SUM_FUNCTIONS:
+                    blockers.append(f"{name}: sketched norm without a clipped-sum function")
+            elif t in type(self).NORM_SAMPLERS:  # type: ignore[attr-defined]
+                blockers.append(f"{name}: Opacus ghost norm, no per-sample gradient")
+        if blockers:
+            logger.info(
+                "book-keeping (single backward) is off, two backward passes per step; forced "
+                "by: %s",
+                "; ".join(blockers),
+            )
+            return False
+        return True
+
     # ------------------------------------------------------------------------------------------
     # Hooks
     # ------------------------------------------------------------------------------------------
@@ -326,11 +455,15 @@ class _RandomizedClippingMixin:
         _forward_output: torch.Tensor,
     ) -> None:
         """Forward hook: store inputs (Opacus) and reject a second use of a norm-sampled module."""
+        if self._bk_ready is not None and self.hooks_enabled:  # type: ignore[attr-defined]
+            self._bk_ready = None  # a new step: an unconsumed book-keeping stash is stale
         try:
             super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
             self._reset_step_state()
             raise self._reuse_error(module) from err
+        if self._bookkeeping and self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            self._record_first_pass_inputs(module, forward_input)
         if not self.hooks_enabled or not hasattr(module, "activations"):  # type: ignore[attr-defined]
             return
         if type(module) in self.SKETCHED_NORM_SAMPLERS and any(
@@ -343,6 +476,48 @@ class _RandomizedClippingMixin:
         stored = module.activations[-1] if module.activations else []
         if any(_strided_index(t) for t in stored):
             module.activations[-1] = [t.contiguous() if _strided_index(t) else t for t in stored]
+
+    def _record_first_pass_inputs(self, module: nn.Module, forward_input: Any) -> None:
+        """Book-keeping: remember where the first backward pass must reach for ``module``.
+
+        The backward hook of ``module`` fires when the gradient with respect to its input is
+        computed (or, if no input requires a gradient, with respect to its output). For an
+        input that requires a gradient we keep the graph edge just below the hook node that
+        ``register_full_backward_hook`` put on it, so that a backward pass restricted to these
+        edges runs every hook without computing any ``dL/dW`` of a layer whose input carries a
+        gradient; for a module whose inputs carry none, its trainable parameters themselves.
+        See :meth:`take_first_pass_inputs`.
+        """
+        found = False
+        for t in forward_input if isinstance(forward_input, (tuple, list)) else (forward_input,):
+            fn = getattr(t, "grad_fn", None)
+            if isinstance(t, torch.Tensor) and t.requires_grad and fn is not None:
+                if fn.name() != "BackwardHookFunctionBackward":
+                    continue
+                node, output_nr = fn.next_functions[t.output_nr]
+                if node is not None:
+                    self._bk_edges.append(GradientEdge(node, output_nr))
+                    found = True
+        if not found:
+            self._bk_edges.extend(p for _, p in trainable_parameters(module))
+
+    def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
+        """The ``inputs`` of the book-keeping first backward pass (consumed), or None for all.
+
+        With book-keeping the parameters' own first-pass gradients are discarded (the clipped
+        sum replaces them), so the first pass only needs to reach every hooked module:
+        ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
+        ``G^T A`` of every layer whose input carries a gradient, which is most of the cost a
+        second product ``(c G)^T A`` would otherwise add (Bu et al., ICML 2023, section 3).
+        Modules whose inputs carry no gradient (the lowest trainable ones) are reached through
+        their parameters, whose gradients are then computed and discarded.
+
+        Returns:
+            A list of graph edges and parameters recorded by the forward hooks since the last
+            call, or None if there are none (the caller then backpropagates to every leaf).
+        """
+        edges, self._bk_edges = self._bk_edges, []
+        return edges or None
 
     def capture_backprops_hook(
         self,
@@ -369,6 +544,9 @@ class _RandomizedClippingMixin:
                 self._fresh_norms.add(id(p))
             return
         sampler = self.SKETCHED_NORM_SAMPLERS.get(type(module))
+        if sampler is None and self._bookkeeping:
+            self._exact_backprops_bookkeeping(module, forward_output, loss_reduction, batch_first)
+            return
         if sampler is None:
             before = {id(p): getattr(p, "_norm_sample", None) for p in params}
             super().capture_backprops_hook(  # type: ignore[misc]
@@ -405,8 +583,80 @@ class _RandomizedClippingMixin:
             p._norm_sample = norms[p]
             p._forward_counter -= 1
             self._fresh_norms.add(id(p))
+        if self._bookkeeping and params:
+            self._stash(
+                module,
+                _BookkeepingStash(tuple(params), activations=activations, backprops=backprops),
+            )
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
+
+    def _exact_backprops_bookkeeping(
+        self,
+        module: nn.Module,
+        forward_output: Any,
+        loss_reduction: str,
+        batch_first: bool,
+    ) -> None:
+        """Opacus' per-sample-gradient branch of the backward hook, keeping the gradients.
+
+        The same computation as the ``else`` branch of Opacus'
+        ``GradSampleHooksFastGradientClipping.capture_backprops_hook`` (per-sample gradients
+        from a grad sampler or functorch, accumulated over repeated uses, the norm taken once
+        the module's last use is processed), except that the per-sample gradients
+        ``(B, *p.shape)`` are stashed for :meth:`apply_clipped_sum` instead of dropped. Only
+        used in book-keeping mode, where no trainable module has an Opacus ghost norm.
+        """
+        backprops = forward_output[0].detach()
+        activations, backprops = self.rearrange_grad_samples(  # type: ignore[attr-defined]
+            module=module,
+            backprops=backprops,
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        if not self.force_functorch and type(module) in self.GRAD_SAMPLERS:  # type: ignore[attr-defined]
+            grad_sampler_fn = self.GRAD_SAMPLERS[type(module)]  # type: ignore[attr-defined]
+        else:
+            grad_sampler_fn = ft_compute_per_sample_gradient
+        grad_samples = grad_sampler_fn(module, activations, backprops)
+        for param, gs in grad_samples.items():
+            create_or_accumulate_grad_sample(
+                param=param, grad_sample=gs, max_batch_len=module.max_batch_len
+            )
+        del grad_samples
+        done: dict[nn.Parameter, torch.Tensor] = {}
+        for _, p in trainable_parameters(module):
+            p._forward_counter -= 1
+            if p._forward_counter == 0:
+                promote_current_grad_sample(p)
+                create_norm_sample(
+                    param=p, grad_sample=p.grad_sample, max_batch_len=module.max_batch_len
+                )
+                done[p] = p.grad_sample.detach()
+                p.grad_sample = None
+                self._fresh_norms.add(id(p))
+        if done:
+            stash = module.__dict__.get(_STASH_ATTR)
+            if stash is not None and stash.grad_samples is not None:
+                done = {**stash.grad_samples, **done}
+            self._stash(module, _BookkeepingStash(tuple(done), grad_samples=done))
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    def _stash(self, module: nn.Module, stash: _BookkeepingStash) -> None:
+        """Keep ``stash`` on ``module`` until the clip factors exist (book-keeping)."""
+        if _STASH_ATTR not in module.__dict__:
+            self._bk_stashed.append(module)
+        module.__dict__[_STASH_ATTR] = stash
+
+    def _drop_stashes(self) -> None:
+        """Free every book-keeping tensor of the current step (on modules and handed over)."""
+        stashed = getattr(self, "_bk_stashed", None)
+        if stashed:
+            for module in stashed:
+                module.__dict__.pop(_STASH_ATTR, None)
+            stashed.clear()
+        self._bk_ready = None
 
     def _no_activations_error(self, module: nn.Module) -> RuntimeError:
         name = f"'{self._module_name(module)}' ({type(module).__name__})"
@@ -499,7 +749,9 @@ class _RandomizedClippingMixin:
         """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
 
         Called by Opacus' ``DPTensorFastGradientClipping.backward`` between its two backward
-        passes. Consumes the step's norms: the next call needs a new backward pass.
+        passes. Consumes the step's norms: the next call needs a new backward pass. In
+        book-keeping mode it also hands the tensors the backward pass stored over to
+        :meth:`apply_clipped_sum` (dropped if this raises, or at the next forward pass).
 
         Returns:
             Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
@@ -507,8 +759,10 @@ class _RandomizedClippingMixin:
         Raises:
             FloatingPointError: If any per-sample norm estimate is NaN or inf (no clip factor
                 is produced, so the step cannot proceed).
-            RuntimeError: See :meth:`get_norm_sample`.
+            RuntimeError: See :meth:`get_norm_sample`; or, in book-keeping mode, a parameter
+                with a norm but no stored tensors for its clipped sum.
         """
+        ready = None
         try:
             norm = self.get_norm_sample()
             bad = ~torch.isfinite(norm)
@@ -519,14 +773,109 @@ class _RandomizedClippingMixin:
                     "Check the loss and the inputs for NaN/inf (or lower the learning rate)."
                 )
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # type: ignore[attr-defined]
+            if self._bookkeeping:
+                ready = self._take_stashes(batch_size=norm.numel())
         finally:
-            self._end_step()
+            self._end_step()  # drops the stashes on the modules (and any left over)
+        self._bk_ready = ready
         return coef.to(self._coef_dtype)
 
+    def _take_stashes(self, *, batch_size: int) -> list[tuple[nn.Module, _BookkeepingStash]]:
+        """This step's stashes, after checking that every normed parameter has one."""
+        ready = [
+            (m, m.__dict__[_STASH_ATTR]) for m in self._bk_stashed if _STASH_ATTR in m.__dict__
+        ]
+        if batch_size > 0:
+            covered = {id(p) for _, stash in ready for p in stash.params}
+            lacking = [
+                self._param_names.get(id(p), "<unnamed>")
+                for p in self.trainable_parameters  # type: ignore[attr-defined]
+                if id(p) in self._fresh_norms and id(p) not in covered
+            ]
+            if lacking:
+                raise RuntimeError(
+                    f"book-keeping: parameters {lacking[:5]} have a per-sample norm but no "
+                    "stored tensors for their clipped gradient sum; this step cannot be clipped"
+                )
+        return ready
+
+    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
+        """Write the clipped gradient sum into ``p.grad`` (book-keeping; no second backward).
+
+        For every trainable parameter reached by this step's backward pass, adds
+        ``sum_i coef_i * grad_p loss_i`` to ``p.grad`` (set to it if ``p.grad`` is None): for a
+        sketched layer from its stored input and output gradient via its clipped-sum function,
+        otherwise ``einsum("b,b...->...", coef, grad_sample)`` from the stored per-sample
+        gradients (Bu, Wang, Zha and Karypis, ICML 2023). This equals what a second backward
+        pass of ``sum_i coef_i loss_i`` accumulates. The stored tensors are consumed (freed
+        before this returns or raises): a second call raises. No random number is drawn.
+
+        Call it right after :meth:`get_clipping_coef`, with the first-pass gradients zeroed,
+        as ``DPLossRandomizedClipping`` does.
+
+        Args:
+            coef: The clip factors of this step, shape ``(B,)``.
+
+        Raises:
+            RuntimeError: If book-keeping is off, or no stash was handed over by
+                :meth:`get_clipping_coef` of this step (already consumed, or dropped).
+            ValueError: If a clipped sum has the wrong shape or misses a parameter.
+        """
+        if not self._bookkeeping:
+            raise RuntimeError(
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
+                "run the second backward pass of sum_i c_i loss_i instead"
+            )
+        ready, self._bk_ready = self._bk_ready, None
+        if ready is None:
+            raise RuntimeError(
+                "apply_clipped_sum(): no stored tensors for this step; call it once, right after "
+                "the backward pass and get_clipping_coef() of the same step"
+            )
+        try:
+            self._write_clipped_sums(ready, coef)
+        finally:
+            ready.clear()
+
+    def _write_clipped_sums(
+        self, ready: list[tuple[nn.Module, _BookkeepingStash]], coef: torch.Tensor
+    ) -> None:
+        with torch.no_grad():
+            for module, stash in ready:
+                if stash.grad_samples is not None:
+                    sums = {
+                        p: _per_sample_weighted_sum(coef, gs)
+                        for p, gs in stash.grad_samples.items()
+                    }
+                else:
+                    fn = self.CLIPPED_SUM_FUNCTIONS[type(module)]
+                    assert stash.backprops is not None and stash.activations is not None
+                    sums = fn(
+                        module, stash.activations, stash.backprops, coef.to(stash.backprops.device)
+                    )
+                for p in stash.params:
+                    g = sums.get(p)
+                    if g is None or g.shape != p.shape:
+                        raise ValueError(
+                            f"the clipped sum of '{self._module_name(module)}' "
+                            f"({type(module).__name__}) gave "
+                            f"{'no tensor' if g is None else f'shape {tuple(g.shape)}'} for "
+                            f"parameter '{self._param_names.get(id(p), '<unnamed>')}' of shape "
+                            f"{tuple(p.shape)}"
+                        )
+                    g = g.to(device=p.device, dtype=p.dtype)
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+
     def _end_step(self) -> None:
-        """Forget this step's norms and gradient marks; reseed the sketch in secure mode."""
+        """Forget this step's norms, gradient marks and book-keeping stashes; reseed the sketch
+        in secure mode."""
         self._fresh_norms.clear()
         self._grad_seen.clear()
+        self._drop_stashes()
+        self._bk_edges = []
         if self._secure_mode:
             self._sketch_generator.manual_seed(secrets.randbits(63))
 
@@ -539,11 +888,16 @@ class _RandomizedClippingMixin:
                 del sub.max_batch_len
         for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
             p._forward_counter = 0
+            if getattr(p, "_current_grad_sample", None) is not None:
+                del p._current_grad_sample
         self._fresh_norms.clear()
         self._grad_seen.clear()
+        self._drop_stashes()
+        self._bk_edges = []
 
     def cleanup(self) -> None:
         """Remove all hooks and every attribute Opacus or this class added to the model."""
+        self._drop_stashes()
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
 
@@ -563,6 +917,13 @@ def _strided_index(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
 
 
+def _per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
+    """``einsum("b,b...->...", coef, grad_sample)`` in ``grad_sample``'s dtype, autocast off."""
+    with torch.autocast(device_type=grad_sample.device.type, enabled=False):
+        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
+        return torch.tensordot(c, grad_sample, dims=1)
+
+
 def _module_device(m: nn.Module) -> torch.device:
     for p in m.parameters():
         return p.device
@@ -575,8 +936,10 @@ class GradSampleModuleRandomizedClipping(
     """Wraps a model to compute sketched per-sample norms and clip factors (DP-SGD-RC).
 
     Use it like Opacus' ``GradSampleModuleFastGradientClipping``: with
-    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` and Opacus'
-    ``DPLossFastGradientClipping``, whose ``backward()`` runs both passes.
+    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` and
+    :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, whose ``backward()`` runs one
+    backward pass and :meth:`apply_clipped_sum` when :attr:`bookkeeping` is true, else both
+    passes. (Opacus' own ``DPLossFastGradientClipping`` always runs both passes; it works too.)
 
     Args:
         m: The model (in training mode).
@@ -592,8 +955,18 @@ class GradSampleModuleRandomizedClipping(
         loss_reduction: ``"mean"`` or ``"sum"``, as the loss.
         strict: Reject trainable modules with buffers (Opacus).
         force_functorch: Use functorch for every non-sketched layer (Opacus).
+        bookkeeping: ``True`` (default): one backward pass per step (book-keeping, Bu et al.,
+            ICML 2023; see the module docstring) if every trainable module supports it, else
+            the two-pass path, logged once at INFO with the modules that forced it; never for
+            a distributed (DDP/DPDDP, world size > 1) model. ``False``: always two backward
+            passes. The :attr:`bookkeeping` property tells which is used. The clipped gradient,
+            the probes and the privacy guarantee are the same either way.
+
+    Attributes:
+        bookkeeping: Read-only; whether book-keeping (a single backward pass) is used.
 
     Raises:
+        TypeError: A non-bool ``bookkeeping`` (and the type errors of the other arguments).
         ValueError: Unknown sketch, ``sketch_dim < 1``, eval-mode model, bad reduction or
             ``max_grad_norm``, hooks already attached, or a generator in secure mode.
         NotImplementedError: A trainable parameter tied between a sketched (or ghost) module

@@ -10,6 +10,10 @@ For sample ``i`` with input ``A_i`` (``T x d``) and output gradient ``G_i`` (``T
 * bias: exact, ``||G_i^T 1_T||``.
 
 Frozen parameters (``requires_grad=False``) are skipped and cost nothing: no probe is drawn.
+
+:func:`compute_linear_clipped_sum` is the book-keeping clipped gradient sum of the same layer
+(Bu, Wang, Zha and Karypis, ICML 2023): ``sum_i c_i G_i^T A_i`` and ``sum_i c_i G_i^T 1_T``,
+computed from the tensors of the first backward pass instead of a second one.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from opacus_rc.grad_sample.registry import register_sketched_norm_sampler
+from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
 
-__all__ = ["compute_linear_sketched_norm_sample"]
+__all__ = ["compute_linear_clipped_sum", "compute_linear_sketched_norm_sample"]
 
 # Rescale the factors before sketching when a crude bound on ||G^T A||_F exceeds this. The
 # squared estimate then stays below ~2^100 * (chi2 fluctuation) << float32 max (~2^128).
@@ -162,4 +166,74 @@ def compute_linear_sketched_norm_sample(
         with torch.autocast(device_type=G.device.type, enabled=False):
             g_sum = G3.sum(dim=1, dtype=out_dtype)  # (B, p), the exact bias gradient
             ret[layer.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(out_dtype)
+    return ret
+
+
+@register_clipped_sum(nn.Linear)
+def compute_linear_clipped_sum(
+    layer: nn.Linear,
+    activations: list[torch.Tensor],
+    backprops: torch.Tensor,
+    coef: torch.Tensor,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Clipped gradient sum of an ``nn.Linear`` layer (book-keeping, Bu et al., ICML 2023).
+
+    With ``A_i`` (``T' x d``) the input and ``G_i`` (``T' x p``) the output gradient of sample
+    ``i`` (inputs of rank 2 have ``T' = 1``, inputs of rank > 3 are flattened to
+    ``(B, T', d)``, as in :func:`compute_linear_sketched_norm_sample`):
+
+    * weight: ``sum_i c_i G_i^T A_i``, i.e. ``einsum("btp,btd->pd", c[:, None, None] * G, A)``,
+      one ``(p x B T') @ (B T' x d)`` matrix product, as in the backward pass;
+    * bias: ``sum_i c_i G_i^T 1_T'``.
+
+    This is exactly the gradient a second backward pass of ``sum_i c_i loss_i`` would give the
+    layer's parameters. The weight's product runs in the dtype of ``backprops`` (as autograd's
+    does, also under autocast), the bias sum in at least float32, with autocast disabled; the
+    results have the parameters' dtypes. No random number is drawn.
+
+    Args:
+        layer: The linear layer (weight ``p x d``).
+        activations: ``[A]`` with ``A`` of shape ``(B, d)`` or ``(B, ..., d)``, batch first.
+        backprops: ``G`` of shape ``(B, p)`` or ``(B, ..., p)``: the gradient of the layer
+            output with respect to the per-sample losses (already multiplied by ``B`` under
+            ``loss_reduction="mean"``).
+        coef: ``c``, the clip factors, shape ``(B,)``.
+
+    Returns:
+        ``{parameter: tensor of the parameter's shape}`` for each trainable parameter of
+        ``layer`` (none for frozen ones).
+
+    Raises:
+        ValueError: If the input, gradient and clip-factor shapes disagree.
+    """
+    A = activations[0]
+    G = backprops
+    if A.dim() < 2 or A.shape[:-1] != G.shape[:-1] or coef.shape != A.shape[:1]:
+        raise ValueError(
+            f"nn.Linear clipped sum: input of shape {tuple(A.shape)}, output gradient of shape "
+            f"{tuple(G.shape)} and clip factors of shape {tuple(coef.shape)} do not match "
+            "(batch first, same leading dimensions, one factor per sample expected)"
+        )
+    B = A.shape[0]
+    T = math.prod(A.shape[1:-1])  # 1 for rank-2 inputs; explicit, so that B = 0 reshapes too
+    d, p = A.shape[-1], G.shape[-1]
+    ret: dict[nn.Parameter, torch.Tensor] = {}
+    with torch.autocast(device_type=G.device.type, enabled=False):
+        dtype = G.dtype
+        c = coef.to(device=G.device, dtype=dtype)
+        if layer.weight.requires_grad:
+            A3 = A.reshape(B, T, d).to(dtype)
+            G3 = G.reshape(B, T, p)
+            # Scale the smaller factor by c: same product, fewer multiplications.
+            if p <= d:
+                G3 = G3 * c.view(B, 1, 1)
+            else:
+                A3 = A3 * c.view(B, 1, 1)
+            weight = G3.reshape(B * T, p).t() @ A3.reshape(B * T, d)
+            ret[layer.weight] = weight.to(layer.weight.dtype)
+        if layer.bias is not None and layer.bias.requires_grad:
+            # (B, p): the per-sample bias gradients, accumulated in at least float32.
+            acc = torch.promote_types(dtype, torch.float32)
+            g_sum = G.reshape(B, T, p).sum(dim=1, dtype=acc)
+            ret[layer.bias] = (coef.to(device=G.device, dtype=acc) @ g_sum).to(layer.bias.dtype)
     return ret

@@ -1,4 +1,4 @@
-"""Registry of sketched per-sample norm samplers, separate from Opacus' own registries.
+"""Registries of sketched per-sample norm samplers and clipped sums (separate from Opacus').
 
 Opacus keeps its exact samplers in the class attributes ``GradSampleHooks.GRAD_SAMPLERS`` and
 ``GradSampleHooksFastGradientClipping.NORM_SAMPLERS``, which are global to the process. This
@@ -14,6 +14,9 @@ where ``activations`` is the list of the layer's forward inputs (batch first), `
 the gradient of the layer's output, already rescaled to per-sample losses (batch first), and
 each returned tensor has shape ``(B,)``: the per-sample gradient **norm** (not squared) of one
 trainable parameter. Opacus combines them with ``torch.stack(...).norm(2, dim=0)``.
+
+:data:`CLIPPED_SUM_FUNCTIONS` (:func:`register_clipped_sum`) holds, for the same module types,
+the clipped gradient sum used by the single-backward book-keeping path (Bu et al., ICML 2023).
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
-__all__ = ["SKETCHED_NORM_SAMPLERS", "SketchedNormSampler", "register_sketched_norm_sampler"]
+__all__ = [
+    "CLIPPED_SUM_FUNCTIONS",
+    "SKETCHED_NORM_SAMPLERS",
+    "ClippedSumFunction",
+    "SketchedNormSampler",
+    "register_clipped_sum",
+    "register_sketched_norm_sampler",
+]
 
 
 class SketchedNormSampler(Protocol):
@@ -89,5 +99,87 @@ def register_sketched_norm_sampler(
         for module_type in module_types:
             SKETCHED_NORM_SAMPLERS[module_type] = sampler
         return sampler
+
+    return decorator
+
+
+# ----------------------------------------------------------------------------------------------
+# Clipped-sum functions (book-keeping, single backward)
+# ----------------------------------------------------------------------------------------------
+
+
+class ClippedSumFunction(Protocol):
+    """Signature of a clipped-sum function (book-keeping; see :func:`register_clipped_sum`)."""
+
+    def __call__(
+        self,
+        layer: nn.Module,
+        activations: list[torch.Tensor],
+        backprops: torch.Tensor,
+        coef: torch.Tensor,
+    ) -> dict[nn.Parameter, torch.Tensor]: ...
+
+
+#: Exact module type -> clipped-sum function. Used for module types whose norms come from
+#: :data:`SKETCHED_NORM_SAMPLERS`: a sketched type without an entry here makes the randomized-
+#: clipping module fall back to two backward passes.
+CLIPPED_SUM_FUNCTIONS: dict[type[nn.Module], ClippedSumFunction] = {}
+
+
+def register_clipped_sum(
+    *module_types: type[nn.Module], force: bool = False
+) -> Callable[[ClippedSumFunction], ClippedSumFunction]:
+    """Decorator registering the clipped gradient sum of one or more module types.
+
+    Book-keeping (BK; Bu, Wang, Zha and Karypis, "Differentially Private Optimization on Large
+    Model at Small Cost", ICML 2023) replaces the second backward pass of ghost/randomized
+    clipping: the first pass keeps each layer's input and output gradient, and once the clip
+    factors ``c`` are known the clipped gradient sum ``sum_i c_i grad_theta loss_i`` of the
+    layer's parameters is computed from them directly. A function has the signature::
+
+        fn(layer, activations, backprops, coef) -> dict[nn.Parameter, Tensor]
+
+    with ``activations`` and ``backprops`` exactly as a sketched norm sampler receives them
+    (batch first, ``backprops`` already rescaled so that sample ``i``'s slice is the gradient
+    of ``loss_i``), ``coef`` of shape ``(B,)`` and, for every **trainable** parameter of
+    ``layer``, a tensor of the parameter's shape: ``sum_i coef_i * grad_param loss_i``. It must
+    not draw random numbers. Example::
+
+        @register_clipped_sum(MyLinear)
+        def compute_my_linear_clipped_sum(layer, activations, backprops, coef):
+            ...
+
+    A type registered with :func:`register_sketched_norm_sampler` but not here is still
+    supported: the module then runs the two-pass path.
+
+    Args:
+        *module_types: The exact ``nn.Module`` subclasses the function handles.
+        force: Replace an existing registration instead of raising.
+
+    Returns:
+        The decorator; it returns the function unchanged.
+
+    Raises:
+        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
+        ValueError: If a type already has a function and ``force`` is ``False``.
+    """
+    if not module_types:
+        raise TypeError("register_clipped_sum needs at least one module type")
+    for module_type in module_types:
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise TypeError(f"expected an nn.Module subclass, got {module_type!r}")
+
+    def decorator(fn: ClippedSumFunction) -> ClippedSumFunction:
+        if not force:
+            taken = [t for t in module_types if t in CLIPPED_SUM_FUNCTIONS]
+            if taken:
+                names = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in taken)
+                raise ValueError(
+                    f"duplicate registration of a clipped-sum function for {names}; "
+                    "pass force=True to replace it"
+                )
+        for module_type in module_types:
+            CLIPPED_SUM_FUNCTIONS[module_type] = fn
+        return fn
 
     return decorator

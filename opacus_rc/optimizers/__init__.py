@@ -1,4 +1,4 @@
-"""DP optimizers for randomized clipping, their two-pass loss, and a post-processing hook point."""
+"""DP optimizers for randomized clipping, their DP loss, and a post-processing hook point."""
 
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,

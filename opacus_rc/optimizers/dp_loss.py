@@ -1,14 +1,27 @@
-"""The two-pass DP loss of randomized clipping, with the failure modes made explicit.
+"""The DP loss of randomized clipping (one or two backward passes), failure modes made explicit.
 
 Opacus' ``DPLossFastGradientClipping`` wraps the criterion so that ``loss.backward()`` runs
 both passes of ghost clipping (norms, then ``sum_i c_i loss_i``). :class:`DPLossRandomizedClipping`
-is that loss with four guarantees added (``tests/reliability/CATALOGUE.md``):
+is that loss with a single-backward mode and four guarantees added
+(``tests/reliability/CATALOGUE.md``).
+
+**Book-keeping** (when the module's ``bookkeeping`` property is true; Bu, Wang, Zha and
+Karypis, "Differentially Private Optimization on Large Model at Small Cost", ICML 2023): the
+first pass runs without ``retain_graph`` (the graph is freed), the module keeps each layer's
+input and output gradient (or its per-sample gradients), the first-pass gradients are zeroed,
+the clip factors ``c`` are computed and checked as in the two-pass mode, and
+``module.apply_clipped_sum(c)`` writes ``p.grad = sum_i c_i grad_p loss_i``: the gradient the
+second pass would give, without running it. The probes are drawn in the first pass only, in
+both modes, so the sketch randomness and the privacy analysis are the same. Otherwise (an
+``nn.Embedding`` or other module without per-sample gradients is trainable, distributed
+training, or ``bookkeeping=False``) the second backward pass of ``sum_i c_i loss_i`` runs.
 
 1. **A failed backward never becomes a step.** If anything raises between the first pass and
-   the end of the second (a NaN/inf norm estimate, a module in eval mode, a broadcast input),
-   the gradients are cleared (``p.grad = None``; ``p.summed_grad`` of earlier virtual steps is
-   kept) and the optimizer refuses to step until ``optimizer.zero_grad()``: no unclipped
-   gradient is released and nothing is accounted.
+   the end of the second (or of the clipped sum: a NaN/inf norm estimate, a module in eval
+   mode, a broadcast input), the gradients are cleared (``p.grad = None``; ``p.summed_grad`` of
+   earlier virtual steps is kept), the stored activations and book-keeping tensors are dropped,
+   and the optimizer refuses to step until ``optimizer.zero_grad()``: no unclipped gradient is
+   released and nothing is accounted.
 2. **One clip factor per sample.** The number of clip factors must equal the number of
    per-sample losses. Opacus multiplies them with broadcasting, so a model whose trainable
    modules only see a batch-broadcast input (``position_ids`` of shape ``[1, T]``, Opacus
@@ -16,9 +29,12 @@ is that loss with four guarantees added (``tests/reliability/CATALOGUE.md``):
    whole batch.
 3. **No silent gradient accumulation.** A second ``backward()`` before ``optimizer.step()`` or
    ``zero_grad()`` would discard the first one's clipped gradients (Opacus issue 683: the
-   two-pass loss zeroes gradients between its passes). It raises instead; use Opacus'
-   ``BatchMemoryManager`` (virtual steps) to split a logical batch.
+   two-pass loss zeroes gradients between its passes; so does book-keeping). It raises
+   instead; use Opacus' ``BatchMemoryManager`` (virtual steps) to split a logical batch.
 4. Hooks are re-enabled even if the second pass raises.
+
+In both modes a parameter that received a gradient without a per-sample norm raises (in the
+module's ``get_clipping_coef``), and book-keeping tensors never outlive their step.
 """
 
 from __future__ import annotations
@@ -46,7 +62,10 @@ _ARITHMETIC = (
 
 
 class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
-    """Per-sample losses whose ``backward()`` runs both randomized-clipping passes safely.
+    """Per-sample losses whose ``backward()`` runs the randomized-clipping passes safely.
+
+    One backward pass and the module's clipped sum if ``module.bookkeeping`` is true, else two
+    backward passes.
 
     Arithmetic (``loss / 2``, ``loss + other``) keeps this class. See the module docstring.
     """
@@ -57,7 +76,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             self._reset_module()
             raise RuntimeError(
                 "backward() was called twice without optimizer.step() or optimizer.zero_grad() "
-                "in between: the two-pass randomized-clipping loss cannot accumulate gradients "
+                "in between: the randomized-clipping loss cannot accumulate gradients "
                 "over backward calls (the first batch's clipped gradients would be dropped, "
                 "Opacus issue 683). Step after every backward, and use "
                 "opacus.utils.batch_memory_manager.BatchMemoryManager to split a logical batch "
@@ -72,11 +91,18 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 f"loss_reduction = {self.loss_reduction}. Only 'sum' and 'mean' losses are "
                 "supported"
             )
+        bookkeeping = bool(getattr(self.module, "bookkeeping", False))
         try:
             error: Exception | None = None
             coeff = None
             try:
-                reduced_loss.backward(retain_graph=True)
+                if bookkeeping:
+                    # One pass, graph freed; it stops at the hooked modules' inputs, so no
+                    # first-pass dL/dW that the clipped sum would overwrite is computed.
+                    inputs = self.module.take_first_pass_inputs()
+                    torch.autograd.backward(reduced_loss, inputs=inputs)
+                else:
+                    reduced_loss.backward(retain_graph=True)
                 optimizer.zero_grad()
                 coeff = self.module.get_clipping_coef()
                 self._check_coefficients(coeff)
@@ -92,12 +118,16 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 )
             if error is not None:
                 raise error
-            second_loss = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
-            self.module.disable_hooks()
-            try:
-                second_loss.backward()
-            finally:
-                self.module.enable_hooks()
+            if bookkeeping:
+                self.module.apply_clipped_sum(coeff)  # consumes the stored tensors
+            else:
+                losses = self.loss_per_sample
+                second_loss = torch.sum(coeff.to(losses.device) * losses)
+                self.module.disable_hooks()
+                try:
+                    second_loss.backward()
+                finally:
+                    self.module.enable_hooks()
         except BaseException:
             # No unclipped (first-pass) or partial gradient may reach optimizer.step().
             optimizer.original_optimizer.zero_grad(set_to_none=True)

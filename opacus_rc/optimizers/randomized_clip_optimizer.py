@@ -2,11 +2,12 @@
 
 One step releases ``sum_i c_i g_i + N(0, sigma^2 C^2 I)`` with ``c_i = min(1, C / n_hat_i)``,
 divided by the expected batch size under ``loss_reduction="mean"``. The clip factors are applied
-before the optimizer runs, by Opacus' two-pass loss (``DPLossFastGradientClipping``, whose
-``backward()`` asks the grad-sample module for :meth:`get_clipping_coef` and backpropagates
-``sum_i c_i loss_i``), exactly as Opacus' ghost clipping does. This optimizer adds the noise,
-scales, runs post-processing hooks, tells the accountant the step's :class:`SketchSpec` and
-steps the wrapped optimizer.
+before the optimizer runs, by the DP loss (:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`,
+whose ``backward()`` asks the grad-sample module for :meth:`get_clipping_coef` and either
+backpropagates ``sum_i c_i loss_i``, exactly as Opacus' ghost clipping does, or, with
+book-keeping, has the module write ``sum_i c_i grad loss_i`` from the first pass's tensors).
+This optimizer adds the noise, scales, runs post-processing hooks, tells the accountant the
+step's :class:`SketchSpec` and steps the wrapped optimizer.
 
 Formal guarantee (THEORY.md B.1-B.2): with per-sample Gaussian sketches that are fresh every
 step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the chi-square
