@@ -7,7 +7,9 @@ Methods, each on its own copy of the model, with SGD, ``noise_multiplier = 1`` a
 * ``opacus_hooks``: Opacus per-sample gradients (``grad_sample_mode="hooks"``), where they fit;
 * ``opacus_ghost``: Opacus ghost clipping (``grad_sample_mode="ghost"``, two backward passes);
 * ``rc_hutchinson`` / ``rc_hutch++``: ``opacus_rc.PrivacyEngine`` with
-  ``clipping="randomized"``, ``sketch_dim = k``.
+  ``clipping="randomized"``, ``sketch_dim = k`` (book-keeping: one backward pass, the default);
+* ``rc_hutchinson_two_pass``: the same with ``bookkeeping=False`` (two backward passes, as
+  Opacus' ghost clipping), to show what book-keeping saves.
 
 For every T a fresh process (``--worker``) builds all methods and runs ``warmup + repeats``
 rounds, each round one step of every method in a rotated order, so that all methods see the
@@ -74,6 +76,7 @@ COLUMNS = [
     "device",
 ]
 BASELINE = "non_private"
+TWO_PASS = "_two_pass"  # method-name suffix: bookkeeping=False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,8 +214,9 @@ class Method:
                 data_loader=loader,
                 criterion=criterion,
                 clipping="randomized",
-                sketch=name.removeprefix("rc_"),
+                sketch=name.removeprefix("rc_").removesuffix(TWO_PASS),
                 sketch_dim=self.k,
+                bookkeeping=not name.endswith(TWO_PASS),
                 **dp,
             )
         else:
