@@ -22,7 +22,7 @@ the clipped gradient sum used by the single-backward book-keeping path (Bu et al
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -81,26 +81,7 @@ def register_sketched_norm_sampler(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has a sampler and ``force`` is ``False``.
     """
-    if not module_types:
-        raise TypeError("register_sketched_norm_sampler needs at least one module type")
-    for module_type in module_types:
-        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise TypeError(f"expected an nn.Module subclass, got {module_type!r}")
-
-    def decorator(sampler: SketchedNormSampler) -> SketchedNormSampler:
-        if not force:
-            taken = [t for t in module_types if t in SKETCHED_NORM_SAMPLERS]
-            if taken:
-                names = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in taken)
-                raise ValueError(
-                    f"duplicate registration of a sketched norm sampler for {names}; "
-                    "pass force=True to replace it"
-                )
-        for module_type in module_types:
-            SKETCHED_NORM_SAMPLERS[module_type] = sampler
-        return sampler
-
-    return decorator
+    return _registration(SKETCHED_NORM_SAMPLERS, module_types, force, "a sketched norm sampler")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,23 +144,40 @@ def register_clipped_sum(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has a function and ``force`` is ``False``.
     """
+    return _registration(CLIPPED_SUM_FUNCTIONS, module_types, force, "a clipped-sum function")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _registration(
+    table: dict[type[nn.Module], Any],
+    module_types: tuple[type[nn.Module], ...],
+    force: bool,
+    what: str,
+) -> Callable[[_F], _F]:
+    """The decorator of both ``register_*`` functions: validate, then put ``fn`` in ``table``.
+
+    Raises:
+        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
+        ValueError: (when decorating) if a type already has an entry and ``force`` is False.
+    """
     if not module_types:
-        raise TypeError("register_clipped_sum needs at least one module type")
+        raise TypeError(f"registering {what} needs at least one module type")
     for module_type in module_types:
         if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
             raise TypeError(f"expected an nn.Module subclass, got {module_type!r}")
 
-    def decorator(fn: ClippedSumFunction) -> ClippedSumFunction:
+    def decorator(fn: _F) -> _F:
         if not force:
-            taken = [t for t in module_types if t in CLIPPED_SUM_FUNCTIONS]
+            taken = [t for t in module_types if t in table]
             if taken:
                 names = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in taken)
                 raise ValueError(
-                    f"duplicate registration of a clipped-sum function for {names}; "
-                    "pass force=True to replace it"
+                    f"duplicate registration of {what} for {names}; pass force=True to replace it"
                 )
         for module_type in module_types:
-            CLIPPED_SUM_FUNCTIONS[module_type] = fn
+            table[module_type] = fn
         return fn
 
     return decorator
