@@ -49,10 +49,8 @@ def test_tutorial_runs_in_smoke_mode(name: str, tmp_path: Path) -> None:
         assert (tmp_path / "sketch_error_vs_k.png").stat().st_size > 0
 
 
-# Tutorials committed with an executed notebook. randomized_clipping_long_documents has none
-# yet: its full execution (the main job's training, ~10 minutes on 2 cores) is still to be run
-# and committed; its script runs in CI in the smoke setting above.
-NOTEBOOKS = ["swap_the_accountant", "guide_to_sketched_norm_samplers", "dp_lora_spectral_denoising"]
+# Tutorials committed with an executed notebook (all of them).
+NOTEBOOKS = [*TUTORIALS, "dp_lora_spectral_denoising"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
