@@ -557,12 +557,8 @@ class _RandomizedClippingMixin:
                     self._fresh_norms.add(id(p))
             return
 
-        backprops = forward_output[0].detach()
-        activations, backprops = self.rearrange_grad_samples(  # type: ignore[attr-defined]
-            module=module,
-            backprops=backprops,
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
+        activations, backprops = self._rearranged(
+            module, forward_output, loss_reduction, batch_first
         )
         norms = sampler(
             module,
@@ -591,6 +587,18 @@ class _RandomizedClippingMixin:
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
+    def _rearranged(
+        self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The module's stored activations and its detached output gradient, batch first and
+        scaled for the loss reduction (Opacus' ``rearrange_grad_samples``)."""
+        return self.rearrange_grad_samples(  # type: ignore[attr-defined]
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+
     def _exact_backprops_bookkeeping(
         self,
         module: nn.Module,
@@ -607,12 +615,8 @@ class _RandomizedClippingMixin:
         ``(B, *p.shape)`` are stashed for :meth:`apply_clipped_sum` instead of dropped. Only
         used in book-keeping mode, where no trainable module has an Opacus ghost norm.
         """
-        backprops = forward_output[0].detach()
-        activations, backprops = self.rearrange_grad_samples(  # type: ignore[attr-defined]
-            module=module,
-            backprops=backprops,
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
+        activations, backprops = self._rearranged(
+            module, forward_output, loss_reduction, batch_first
         )
         if not self.force_functorch and type(module) in self.GRAD_SAMPLERS:  # type: ignore[attr-defined]
             grad_sampler_fn = self.GRAD_SAMPLERS[type(module)]  # type: ignore[attr-defined]
