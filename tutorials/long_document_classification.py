@@ -19,7 +19,7 @@ the classification head); the rest is frozen. See ``tutorials/README.md`` and th
 
 Usage::
 
-    python tutorials/long_document_classification.py              # default run (~15-20 min, 2 CPU cores)
+    python tutorials/long_document_classification.py              # default run (~11 min, 2 CPU cores)
     python tutorials/long_document_classification.py --clipping ghost
     python tutorials/long_document_classification.py --clipping none
     python tutorials/long_document_classification.py --smoke      # a few steps at length 128 (CI)
