@@ -11,9 +11,11 @@ attaches the same hooks without wrapping (``wrap_model=False``). Both share
    THEORY.md A.2 and B.2). Every other layer uses Opacus' exact path unchanged: the ghost norm
    of ``nn.Embedding``, per-sample gradients for ``LayerNorm``/``RMSNorm``/Conv, functorch for
    the rest.
-2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a parameter
-   that received a gradient without a per-sample norm (e.g. used outside its module's forward)
-   raises instead of passing unclipped; stale norms of a previous step are never reused; tied or
+2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a trainable
+   parameter used outside the forward of the module that owns it raises before the first
+   backward pass (:meth:`~_RandomizedClippingMixin.check_parameter_uses`, called by the DP
+   criterion), and a parameter that received a gradient without a per-sample norm raises
+   instead of passing unclipped; stale norms of a previous step are never reused; tied or
    reused sketched modules raise naming the module; eval-mode models are rejected, and a module
    switched to eval mode that still receives a gradient raises naming it; per-sample norms of
    different batch sizes (a batch-broadcast input such as ``position_ids`` of shape ``[1, T]``,
@@ -314,6 +316,7 @@ class _RandomizedClippingMixin:
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
                 )
+            self._register_forward_spans(m)
             self._log_norm_paths()
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bookkeeping)
         except BaseException:
@@ -426,6 +429,105 @@ class _RandomizedClippingMixin:
             )
             return False
         return True
+
+    # ------------------------------------------------------------------------------------------
+    # Parameter uses outside their module's forward
+    # ------------------------------------------------------------------------------------------
+
+    def _register_forward_spans(self, m: nn.Module) -> None:
+        """Record, for every module owning a trainable parameter, the autograd sequence numbers
+        its forward calls span (see :meth:`check_parameter_uses`)."""
+        self._param_owners: dict[int, list[int]] = {}
+        self._forward_spans: dict[int, list[tuple[int, int]]] = {}
+        self._open_spans: dict[int, list[int]] = {}
+        self._sequence_leaf = torch.zeros((), requires_grad=True)
+        for sub in m.modules():
+            own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                self._param_owners.setdefault(id(p), []).append(id(sub))
+            self.autograd_grad_sample_hooks.append(  # type: ignore[attr-defined]
+                sub.register_forward_pre_hook(self._open_forward_span)
+            )
+            self.autograd_grad_sample_hooks.append(  # type: ignore[attr-defined]
+                sub.register_forward_hook(self._close_forward_span)
+            )
+
+    def _sequence_number(self) -> int:
+        """The autograd sequence number of a node created now (forward nodes are numbered in
+        creation order, per thread)."""
+        return self._sequence_leaf.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
+
+    def _open_forward_span(self, module: nn.Module, _args: Any) -> None:
+        if self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            self._open_spans.setdefault(id(module), []).append(self._sequence_number())
+
+    def _close_forward_span(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        opened = self._open_spans.get(id(module))
+        if opened and self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            span = (opened.pop(), self._sequence_number())
+            self._forward_spans.setdefault(id(module), []).append(span)
+
+    def check_parameter_uses(self, loss: torch.Tensor) -> None:
+        """Raise if a trainable parameter reaches ``loss`` other than through its module's forward.
+
+        Per-sample norms come from each module's own forward (its hooks see its input and
+        output gradient), so a parameter also used elsewhere, e.g. ``F.linear(h,
+        model.fc.weight)`` outside ``model.fc``, would get a gradient that no norm measured:
+        unclipped with two backward passes, dropped with book-keeping. This walks the autograd
+        graph of ``loss`` once (O(nodes)) and checks that every node consuming a trainable
+        parameter was created inside a forward call of a module owning it (by autograd
+        sequence numbers, recorded by forward pre- and post-hooks since the last check). The
+        recorded spans are consumed. Under ``torch.autocast`` the node consuming a weight is its
+        cast, which autocast caches for the whole region at the weight's first use; a region
+        spanning several forward passes, or an earlier use outside the module in the same
+        region, therefore raises too.
+
+        Args:
+            loss: The loss about to be backpropagated (any shape).
+
+        Raises:
+            RuntimeError: If a trainable parameter is used outside its module's forward; the
+                error names the parameters.
+        """
+        spans, self._forward_spans = self._forward_spans, {}
+        self._open_spans = {}
+        root = loss.grad_fn
+        if root is None:
+            return
+        outside: dict[int, str] = {}
+        seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            seq: int | None = None
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf tensor
+                if var is not None:
+                    owners = self._param_owners.get(id(var))
+                    if owners is None:
+                        continue
+                    seq = node._sequence_nr() if seq is None else seq
+                    if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
+                        outside[id(var)] = self._param_names.get(id(var), "<unnamed>")
+                elif id(nxt) not in seen:
+                    seen[id(nxt)] = nxt
+                    stack.append(nxt)
+        if outside:
+            self._reset_step_state()
+            raise RuntimeError(
+                f"trainable parameter(s) {sorted(outside.values())} are used outside the "
+                "forward of the module that owns them (e.g. F.linear(h, model.fc.weight) "
+                "instead of model.fc(h)). Randomized clipping measures each per-sample norm "
+                "from the owning module's own forward, so that use would get a gradient no "
+                "norm accounts for. Call the module itself, give the other use its own module, "
+                "or freeze the parameter. (Under torch.autocast a weight is cast once per "
+                "autocast region, at its first use: enter autocast once per forward pass, and "
+                "not around an earlier use of the weight outside its module.)"
+            )
 
     # ------------------------------------------------------------------------------------------
     # Hooks
@@ -880,6 +982,7 @@ class _RandomizedClippingMixin:
         self._grad_seen.clear()
         self._drop_stashes()
         self._bk_edges = []
+        self._forward_spans, self._open_spans = {}, {}
         if self._secure_mode:
             self._sketch_generator.manual_seed(secrets.randbits(63))
 
@@ -898,6 +1001,7 @@ class _RandomizedClippingMixin:
         self._grad_seen.clear()
         self._drop_stashes()
         self._bk_edges = []
+        self._forward_spans, self._open_spans = {}, {}
 
     def cleanup(self) -> None:
         """Remove all hooks and every attribute Opacus or this class added to the model."""

@@ -96,6 +96,9 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             error: Exception | None = None
             coeff = None
             try:
+                check_uses = getattr(self.module, "check_parameter_uses", None)
+                if check_uses is not None:
+                    check_uses(reduced_loss)
                 if bookkeeping:
                     # One pass, graph freed; it stops at the hooked modules' inputs, so no
                     # first-pass dL/dW that the clipped sum would overwrite is computed.

@@ -133,6 +133,73 @@ def test_nan_or_inf_raises_no_step_no_accounting(where: str) -> None:
     assert_refused_then_recovers(engine, module, opt, crit, model)
 
 
+# --------------------------------------------------------------------------------------------
+# A parameter used outside its module's forward
+# --------------------------------------------------------------------------------------------
+
+
+class SideUse(nn.Module):
+    """SeqMLP whose ``lin2.weight`` is also (``both``) or only (``only``) used through
+    ``F.linear`` outside ``lin2``'s forward; ``mode=None`` is the plain SeqMLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(D, H)
+        self.lin2 = nn.Linear(H, CLASSES)
+        self.mode: str | None = "both"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        if self.mode is None:
+            return self.lin2(h).mean(1)
+        side = nn.functional.linear(h, self.lin2.weight)  # not through lin2's hooks
+        if self.mode == "only":
+            return (side + self.lin2.bias).mean(1)
+        return (self.lin2(h) + side).mean(1)
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False])
+@pytest.mark.parametrize("mode", ["both", "only"])
+def test_parameter_used_outside_its_module_raises_then_recovers(
+    mode: str, bookkeeping: bool
+) -> None:
+    """``lin2.weight`` reaching the loss outside ``lin2``'s forward: its per-sample norm would
+    miss that use (with two passes the second pass would then release c_i * (inside + outside)
+    gradients, whose norm can exceed C; with book-keeping the outside part would be silently
+    dropped). backward() must refuse, naming the parameter, before any clip factor exists;
+    ``mode="both"`` passed silently before the check existed."""
+    torch.manual_seed(0)
+    model = SideUse()
+    model.mode = mode
+    engine, module, opt, crit, _ = private(model, bookkeeping=bookkeeping)
+    assert module.bookkeeping is bookkeeping
+    x, y = batch()
+    loss = crit(module(x), y)
+    with pytest.raises(RuntimeError, match=r"'lin2\.weight'\] are used outside the forward"):
+        loss.backward()
+    model.mode = None
+    assert_refused_then_recovers(engine, module, opt, crit, model)
+
+
+def test_parameter_use_check_leaves_ordinary_models_alone() -> None:
+    """Uses inside the owning module's forward pass the check, also under autocast (whose
+    weight casts are cached for the region, so that the consuming node is the cast); the
+    recorded spans are consumed by every backward."""
+    torch.manual_seed(0)
+    model = SideUse()
+    model.mode = None
+    engine, module, opt, crit, _ = private(model)
+    x, y = batch()
+    for _ in range(2):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        crit(out.float(), y).backward()
+        assert module._forward_spans == {}
+        opt.step()
+    assert len(engine.accountant) == 2
+
+
 def test_nan_gradient_reaching_the_optimizer_is_refused() -> None:
     """Last line of defence: a NaN/inf in a clipped gradient (however it got there) makes
     step() raise before noise is added or the step is accounted."""
