@@ -312,6 +312,7 @@ class _RandomizedClippingMixin:
             self._bk_stashed: list[nn.Module] = []
             self._bk_edges: list[GradientEdge | torch.Tensor] = []
             self._bk_ready = None
+            self._clip_factors_issued = False
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
@@ -884,7 +885,20 @@ class _RandomizedClippingMixin:
         finally:
             self._end_step()  # drops the stashes on the modules (and any left over)
         self._bk_ready = ready
+        self._clip_factors_issued = True
         return coef.to(self._coef_dtype)
+
+    @property
+    def clip_factors_pending(self) -> bool:
+        """Whether the current gradients can be clipped ones: clip factors were issued by
+        :meth:`get_clipping_coef` since :meth:`consume_clip_factors`, and no hooked backward
+        pass has run since (its norms would be unconsumed). The optimizer refuses a step on
+        non-zero gradients otherwise."""
+        return self._clip_factors_issued and not self._fresh_norms
+
+    def consume_clip_factors(self) -> None:
+        """Mark the issued clip factors as used (by an optimizer step or ``zero_grad``)."""
+        self._clip_factors_issued = False
 
     def _take_stashes(self, *, batch_size: int) -> list[tuple[nn.Module, _BookkeepingStash]]:
         """This step's stashes, after checking that every normed parameter has one."""

@@ -162,12 +162,14 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             else:
                 p.summed_grad = copy.deepcopy(grad)
         self._rc_backward_pending = False
+        self._grad_sample_module.consume_clip_factors()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' ``zero_grad``; also clears the state left by a failed or pending backward."""
         super().zero_grad(set_to_none)
         self._rc_backward_failed = False
         self._rc_backward_pending = False
+        self._grad_sample_module.consume_clip_factors()
 
     def check_step_allowed(self) -> None:
         """Raise unless the gradients about to be noised are clipped, finite and in sync.
@@ -176,8 +178,13 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
         Raises:
             RuntimeError: If the last ``backward()`` of the randomized-clipping loss failed
-                (its gradients may be unclipped), or if the module's ``max_grad_norm`` was
-                changed behind the optimizer.
+                (its gradients may be unclipped); if a parameter has a non-zero gradient but
+                the module issued no clip factors since the last step, or a backward pass ran
+                after they were issued (a plain ``loss.backward()`` that bypassed the
+                criterion returned by ``make_private``, or a second ``step()`` after one
+                backward); or if the module's ``max_grad_norm`` was changed behind the
+                optimizer. A step whose gradients are all ``None`` or zero (a noise-only step
+                for an empty batch) is allowed.
             FloatingPointError: If a gradient is NaN or inf.
         """
         if getattr(self, "_rc_backward_failed", False):
@@ -187,6 +194,18 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "optimizer.zero_grad() and continue with a new batch (note that skipping a "
                 "batch because of one sample's data is itself outside the DP guarantee)."
             )
+        if not self._grad_sample_module.clip_factors_pending:
+            unclipped = [p for p in self.params if p.grad is not None and bool(p.grad.any())]
+            if unclipped:
+                raise RuntimeError(
+                    f"optimizer.step() found non-zero gradients on {len(unclipped)} "
+                    "parameter(s) but no clip factors were computed for them: they are not "
+                    "clipped. Either the loss did not come from the criterion returned by "
+                    "make_private (e.g. a plain nn.CrossEntropyLoss()(...).backward()), or "
+                    "step() was called twice after one backward(). No step is taken and "
+                    "nothing is accounted. Use loss = criterion(model(x), y); loss.backward(); "
+                    "optimizer.step(), with optimizer.zero_grad() before each batch."
+                )
         if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(
                 f"the grad-sample module clips at {self._grad_sample_module.max_grad_norm} but "

@@ -200,6 +200,40 @@ def test_parameter_use_check_leaves_ordinary_models_alone() -> None:
     assert len(engine.accountant) == 2
 
 
+@pytest.mark.parametrize("mistake", ["plain_loss", "second_step"])
+def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
+    """A plain ``nn.CrossEntropyLoss()(...).backward()`` (an Opacus user's habit; the hooks run
+    but nobody applies the clip factors) or a second ``step()`` after one backward would noise
+    gradients that are unclipped or already released: step() must refuse before accumulating,
+    noising or accounting. A noise-only step on zero gradients (empty Poisson batch) stays
+    allowed. With a tiny C the unclipped gradient is ~1e4 x C, so a silent step would move the
+    parameters by far more than the clipped one could."""
+    torch.manual_seed(0)
+    model = SeqMLP()
+    engine, module, opt, crit, _ = private(model, noise_multiplier=1e-6)
+    x, y = batch()
+    if mistake == "plain_loss":
+        (nn.CrossEntropyLoss()(module(x), y) * 1000).backward()
+    else:
+        crit(module(x), y).backward()
+        opt.step()
+        assert len(engine.accountant) == 1
+    steps, theta = len(engine.accountant), params(model)
+    with pytest.raises(RuntimeError, match="but no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    assert torch.equal(params(model), theta)
+    opt.zero_grad()
+    for p in model.parameters():  # noise-only step: zero gradients, no backward
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert len(engine.accountant) == steps + 1
+    opt.zero_grad()
+    crit(module(x), y).backward()
+    opt.step()
+    assert len(engine.accountant) == steps + 2
+
+
 def test_nan_gradient_reaching_the_optimizer_is_refused() -> None:
     """Last line of defence: a NaN/inf in a clipped gradient (however it got there) makes
     step() raise before noise is added or the step is accounted."""
