@@ -72,7 +72,8 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
 
     def backward(self) -> None:  # noqa: D102 - documented in the module docstring
         optimizer = self.optimizer
-        if getattr(optimizer, "_rc_backward_pending", False):
+        # Clip factors issued by an earlier backward and not yet consumed by step()/zero_grad().
+        if getattr(self.module, "clip_factors_pending", False):
             self._reset_module()
             raise RuntimeError(
                 "backward() was called twice without optimizer.step() or optimizer.zero_grad() "
@@ -135,9 +136,11 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             # No unclipped (first-pass) or partial gradient may reach optimizer.step().
             optimizer.original_optimizer.zero_grad(set_to_none=True)
             optimizer._rc_backward_failed = True
+            consume = getattr(self.module, "consume_clip_factors", None)
+            if consume is not None:  # factors issued before the failure clip nothing now
+                consume()
             self._reset_module()
             raise
-        optimizer._rc_backward_pending = True
 
     def _reset_module(self) -> None:
         """Drop activations a forward stored for a backward that will not run (or did not end)."""

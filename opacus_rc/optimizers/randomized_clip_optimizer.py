@@ -161,14 +161,12 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad.add_(grad)
             else:
                 p.summed_grad = copy.deepcopy(grad)
-        self._rc_backward_pending = False
         self._grad_sample_module.consume_clip_factors()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' ``zero_grad``; also clears the state left by a failed or pending backward."""
         super().zero_grad(set_to_none)
         self._rc_backward_failed = False
-        self._rc_backward_pending = False
         self._grad_sample_module.consume_clip_factors()
 
     def check_step_allowed(self) -> None:
