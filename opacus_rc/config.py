@@ -1,0 +1,167 @@
+"""The options of randomized clipping, validated once (DESIGN.md section 2, ``config.py``).
+
+:class:`RandomizedClippingConfig` is built once, by ``PrivacyEngine.make_private`` or by a
+grad-sample module constructed directly, and shared by the engine, the grad-sample module and
+the optimizer. Every option is checked in ``__post_init__`` and nowhere else, so the three
+objects cannot disagree on the clip bound, the loss reduction or the sketch that the accountant
+is told about.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
+
+__all__ = [
+    "DEFAULT_SKETCH",
+    "DEFAULT_SKETCH_DIM",
+    "LOSS_REDUCTIONS",
+    "RandomizedClippingConfig",
+    "validate_max_grad_norm",
+    "validate_noise_multiplier",
+]
+
+#: Estimator used when none is named.
+DEFAULT_SKETCH = "hutchinson"
+#: ``k`` used when none is given (THEORY.md section 0, point 4: use ``k >= 32``).
+DEFAULT_SKETCH_DIM = 32
+#: The loss reductions Opacus' DP losses support.
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def validate_max_grad_norm(value: Any) -> float:
+    """Check a flat clipping bound ``C`` and return it as a float.
+
+    Args:
+        value: The candidate ``max_grad_norm``.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        TypeError: If ``value`` is not one real number (a list of per-layer bounds, a bool).
+        ValueError: If ``value`` is not finite and > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            "randomized clipping needs one float max_grad_norm (flat clipping); got "
+            f"{type(value).__name__}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def validate_noise_multiplier(value: Any) -> float:
+    """Check a noise multiplier ``sigma`` and return it as a float.
+
+    ``sigma = 0`` is allowed (a debugging run without noise); its epsilon is infinite.
+
+    Args:
+        value: The candidate ``noise_multiplier``.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        ValueError: If ``value`` is not a finite real number >= 0 (bools are rejected).
+    """
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    ):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RandomizedClippingConfig:
+    """Every option of randomized clipping, validated on construction and then frozen.
+
+    Args:
+        max_grad_norm: ``C``, the flat clipping bound (> 0), in the units of the per-sample
+            gradient's Euclidean norm.
+        sketch: Estimator name (:data:`opacus_rc.sketching.ESTIMATORS`): ``"hutchinson"`` or
+            ``"hutch++"``.
+        sketch_dim: ``k``, Gaussian (tail) columns per sample and layer (>= 1).
+        sketch_head_dim: Hutch++ head columns ``s`` (default ``sketch_dim``); only with
+            ``sketch="hutch++"``.
+        sketch_generator: Source of the probes; ``None`` (recommended) means a private
+            generator seeded from :mod:`secrets` per device. Passing one makes the spec
+            ``secret=False`` (accounted under the ``"revealed"`` threat model).
+        secure_mode: Opacus' secure mode; the sketch generator is reseeded from :mod:`secrets`
+            after every step, and ``sketch_generator`` must be ``None``.
+        batch_first: Whether inputs are ``(B, ...)`` (else ``(T, B, ...)``).
+        loss_reduction: ``"mean"`` or ``"sum"``, as the criterion's ``reduction``.
+        strict: Opacus' ``strict`` (reject trainable modules with buffers).
+        force_functorch: Use functorch for every layer without a sketched sampler.
+        bookkeeping: Request one backward pass per step (book-keeping); the module decides
+            whether the model allows it.
+
+    Attributes:
+        sketch_spec: The :class:`~opacus_rc.sketching.SketchSpec` that every step of a module
+            built from this configuration is accounted with.
+
+    Raises:
+        TypeError: A non-int ``sketch_dim``, a non-bool flag, a ``sketch_generator`` that is not
+            a ``torch.Generator``, a non-float ``max_grad_norm``.
+        ValueError: An unknown estimator, ``sketch_dim < 1``, a head dimension without Hutch++,
+            a bad ``loss_reduction`` or ``max_grad_norm``, or a generator in secure mode.
+    """
+
+    max_grad_norm: float
+    sketch: str = DEFAULT_SKETCH
+    sketch_dim: int = DEFAULT_SKETCH_DIM
+    sketch_head_dim: int | None = None
+    sketch_generator: torch.Generator | None = field(default=None, compare=False)
+    secure_mode: bool = False
+    batch_first: bool = True
+    loss_reduction: str = "mean"
+    strict: bool = True
+    force_functorch: bool = False
+    bookkeeping: bool = True
+    sketch_spec: SketchSpec = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_grad_norm", validate_max_grad_norm(self.max_grad_norm))
+        get_estimator(self.sketch)
+        validate_sketch_dim(self.sketch_dim)
+        if self.sketch == "hutch++":
+            head_dim = self.sketch_dim if self.sketch_head_dim is None else self.sketch_head_dim
+            validate_sketch_dim(head_dim, "sketch_head_dim")
+        elif self.sketch_head_dim is not None:
+            raise ValueError(
+                f"sketch_head_dim is only used by sketch='hutch++', not {self.sketch!r}"
+            )
+        else:
+            head_dim = None
+        for name in ("secure_mode", "batch_first", "strict", "force_functorch", "bookkeeping"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.sketch_generator is not None and not isinstance(
+            self.sketch_generator, torch.Generator
+        ):
+            raise TypeError(
+                "sketch_generator must be a torch.Generator, got "
+                f"{type(self.sketch_generator).__name__}"
+            )
+        if self.secure_mode and self.sketch_generator is not None:
+            raise ValueError(
+                "passing a sketch_generator is prohibited with secure_mode=True: the sketch "
+                "must come from the operating system's CSPRNG"
+            )
+        spec = SketchSpec(
+            estimator=self.sketch,
+            sketch_dim=self.sketch_dim,
+            head_dim=head_dim,
+            per_sample=True,
+            secret=self.sketch_generator is None,
+        )
+        object.__setattr__(self, "sketch_spec", spec)
