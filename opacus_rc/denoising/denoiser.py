@@ -25,13 +25,19 @@ Contract: the denoiser is **post-processing**. Its output is a deterministic fun
 and of public constants (noise level, kappa, shapes). It reads no per-sample quantity, so the
 privacy accountant is unchanged (THEORY.md E.4).
 
-Nothing here imports Opacus; :mod:`opacus_rc.denoising.opacus_adapter` reads the optimizer.
+The threshold decision is a tensor (``torch.where``), not a host branch: denoising a set of
+gradients reads the device once, for the finiteness check (:func:`_denoise_gradients_`); the
+records of what was done are read only when asked for (:class:`_PendingReport`). Nothing here
+imports Opacus; :mod:`opacus_rc.denoising.opacus_adapter` reads the optimizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -139,7 +145,8 @@ def _denoise_batch(
 ) -> _BatchResult:
     """Core of :func:`denoise_matrix` on a ``(b, rows, cols)`` tensor in compute dtype.
 
-    ``kappa=None`` means "no threshold rule" (pure shrinkage, :func:`optimal_shrinkage`).
+    ``kappa=None`` means "no threshold rule" (pure shrinkage, :func:`optimal_shrinkage`). No host
+    synchronisation with the exact SVD: the threshold rule is a ``torch.where``.
     """
     transposed = G.shape[-2] > G.shape[-1]
     M = G.transpose(-2, -1) if transposed else G
@@ -339,7 +346,7 @@ def denoise_matrix(
 
 
 # ------------------------------------------------------------------------------------------------
-# Records of a call on an optimizer's gradients
+# Records of a call on a list of gradients
 
 
 @dataclass(frozen=True)
@@ -387,3 +394,141 @@ class DenoiseReport:
     def num_denoised(self) -> int:
         """Number of parameters whose gradient was replaced."""
         return sum(r.status == "denoised" for r in self.records)
+
+
+@dataclass(frozen=True)
+class _PendingReport:
+    """A :class:`DenoiseReport` whose per-matrix numbers are still on the device.
+
+    ``records`` holds the final record of every skipped parameter and, for a denoised-or-not one,
+    a record with ``status=""`` whose three device-held numbers are column ``j`` of a ``(3, b)``
+    float64 tensor ``(s_1, applied, kept_rank)`` in ``stats``: ``(record positions, tensor)``
+    per group. :meth:`resolve` reads them in one transfer per device. float64 holds every value
+    exactly (float32 or float64 singular values, 0/1, ranks below 2^53), and no tensor here
+    aliases a gradient, so the report equals a read at call time.
+    """
+
+    noise_std: float
+    records: tuple[DenoiseRecord, ...]
+    stats: tuple[tuple[tuple[int, ...], Tensor], ...]
+
+    def resolve(self) -> DenoiseReport:
+        """The :class:`DenoiseReport`, reading the device once per device."""
+        records = list(self.records)
+        by_device: dict[torch.device, list[tuple[tuple[int, ...], Tensor]]] = {}
+        for positions, stats in self.stats:
+            by_device.setdefault(stats.device, []).append((positions, stats))
+        for groups in by_device.values():
+            columns = torch.cat([stats for _, stats in groups], dim=1).tolist()
+            positions = [i for group_positions, _ in groups for i in group_positions]
+            for j, i in enumerate(positions):
+                top, applied, kept = columns[0][j], columns[1][j], columns[2][j]
+                records[i] = dataclasses.replace(
+                    records[i],
+                    status="denoised" if applied else "below_threshold",
+                    top_singular_value=top,
+                    kept_rank=int(kept),
+                )
+        return DenoiseReport(noise_std=self.noise_std, records=tuple(records))
+
+
+def _classify(grad: Tensor | None, *, min_dim: int) -> str | None:
+    """The skip status of a gradient (see :class:`DenoiseRecord`), ``None`` if it is denoised.
+
+    Reads metadata only (no host synchronisation).
+    """
+    if grad is None:
+        return "no_grad"
+    if grad.dim() != 2 or grad.layout != torch.strided:
+        return "skipped_not_2d"
+    if min(grad.shape) < min_dim:
+        return "skipped_min_dim"
+    return None
+
+
+def _denoise_gradients_(
+    params: Sequence[Tensor],
+    statuses: Sequence[str | None],
+    *,
+    noise_std: float,
+    kappa: float,
+    norm_correction: bool,
+    svd: str,
+    rank: int,
+    oversampling: int,
+    tol: float,
+    max_iterations: int,
+    generator: torch.Generator | None,
+) -> _PendingReport:
+    """Denoise ``p.grad`` in place for every ``p`` whose status (:func:`_classify`) is ``None``.
+
+    Gradients of equal shape, dtype and device share one batched SVD, in float32 (float64 for
+    float64 gradients), cast back to the gradient's dtype. Every eligible gradient is written
+    back: ``torch.where`` has already put the noisy matrix where the threshold rule fails, and
+    the round trip through the compute dtype is exact, so those gradients keep their values.
+
+    Host synchronisation: one per device, for the finiteness check, and none per layer. The
+    check comes first, so on non-finite input nothing is written.
+
+    Raises:
+        ValueError: If a gradient to denoise has non-finite entries (the message names the first
+            group, in order of first appearance, that has one).
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, st in enumerate(statuses):
+        if st is None:
+            g = params[i].grad
+            groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+    _check_finite(params, groups)
+
+    records: list[DenoiseRecord] = []
+    for i, (p, st) in enumerate(zip(params, statuses, strict=True)):
+        grad = p.grad
+        shape = tuple(grad.shape) if grad is not None else tuple(p.shape)
+        records.append(DenoiseRecord(index=i, shape=shape, status=st if st is not None else ""))
+    stats: list[tuple[tuple[int, ...], Tensor]] = []
+    for (shape, _, _), indices in groups.items():
+        grads = [params[i].grad for i in indices]
+        stack = torch.stack(grads)
+        result = _denoise_batch(
+            stack.to(_compute_dtype(stack.dtype)),
+            noise_std=noise_std,
+            kappa=kappa,
+            norm_correction=norm_correction,
+            svd=svd,
+            rank=rank,
+            oversampling=oversampling,
+            tol=tol,
+            max_iterations=max_iterations,
+            generator=generator,
+        )
+        out = result.out.to(stack.dtype)
+        for j, grad in enumerate(grads):
+            grad.copy_(out[j])
+        threshold = kappa * noise_std * (math.sqrt(shape[0]) + math.sqrt(shape[1]))
+        for i in indices:
+            records[i] = DenoiseRecord(
+                index=i, shape=shape, status="", threshold=threshold, svd_rank=result.svd_rank
+            )
+        numbers = torch.stack(
+            [t.to(torch.float64) for t in (result.top, result.applied, result.kept_rank)]
+        )
+        stats.append((tuple(indices), numbers))
+    return _PendingReport(noise_std=noise_std, records=tuple(records), stats=tuple(stats))
+
+
+def _check_finite(params: Sequence[Tensor], groups: dict[tuple[Any, ...], list[int]]) -> None:
+    """One device read per device: are all gradients in ``groups`` finite? Raise if not."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for (_, _, device), indices in groups.items():
+        flags.setdefault(device, []).extend(torch.isfinite(params[i].grad).all() for i in indices)
+    if all(bool(torch.stack(fl).all()) for fl in flags.values()):
+        return
+    for (shape, _, _), indices in groups.items():  # error path: find the first bad group
+        bad = [i for i in indices if not bool(torch.isfinite(params[i].grad).all())]
+        if bad:
+            raise ValueError(
+                f"non-finite gradient (nan or inf) for optimizer.params index(es) {bad} of "
+                f"shape {shape}; spectral denoising needs a finite noisy gradient (check the "
+                "learning rate, loss scaling or mixed-precision overflow)"
+            )

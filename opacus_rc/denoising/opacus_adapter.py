@@ -15,7 +15,6 @@ the per-entry noise level :math:`\sigma_e` of the released gradient
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,11 +24,11 @@ from torch import Tensor
 from opacus_rc.denoising.denoiser import (
     DEFAULT_KAPPA,
     DEFAULT_MIN_DIM,
-    DenoiseRecord,
     DenoiseReport,
     _check_kappa,
-    _compute_dtype,
-    _denoise_batch,
+    _classify,
+    _denoise_gradients_,
+    _PendingReport,
 )
 from opacus_rc.denoising.registry import register_denoiser
 from opacus_rc.denoising.shrinkage import _check_noise_std, _check_positive_int
@@ -136,6 +135,10 @@ class SpectralDenoiser:
     Gradients of equal shape, dtype and device share one batched SVD. Computation is in float32
     (float64 for float64 gradients) and the result is cast back to the gradient's dtype.
 
+    A call synchronises with the device once (the finiteness check, one reduction) with the exact
+    SVD, whatever the number of layers; the randomized SVD adds one per power iteration.
+    ``last_report`` reads its numbers from the device when first accessed after a call.
+
     Post-processing (THEORY.md E.4): the output depends only on the released noisy gradients and
     public constants, so the accountant is unchanged.
 
@@ -172,7 +175,7 @@ class SpectralDenoiser:
         ValueError: at construction, for ``kappa < 1`` (message explains the bulk edge), an
             unknown ``svd``, ``min_dim`` or ``rank`` < 1, ``oversampling`` or
             ``max_iterations`` < 0, or ``tol`` not in ``(0, 1)``; at call time, for a
-            non-finite gradient, or if ``sigma_e`` cannot be formed
+            non-finite gradient (nothing is written then), or if ``sigma_e`` cannot be formed
             (:func:`noise_std_from_optimizer`).
         NotImplementedError: at call time, for a distributed optimizer (``world_size > 1``).
 
@@ -203,7 +206,8 @@ class SpectralDenoiser:
         self.tol = _check_tol(tol)
         self.max_iterations = _check_positive_int(max_iterations, "max_iterations", minimum=0)
         self.generator = generator
-        self.last_report: DenoiseReport | None = None
+        self._report: DenoiseReport | None = None
+        self._pending: _PendingReport | None = None
         self._skips_logged = False
 
     def __repr__(self) -> str:
@@ -211,6 +215,14 @@ class SpectralDenoiser:
             f"{type(self).__name__}(kappa={self.kappa}, norm_correction={self.norm_correction}, "
             f"min_dim={self.min_dim}, svd={self.svd!r})"
         )
+
+    @property
+    def last_report(self) -> DenoiseReport | None:
+        """:class:`~opacus_rc.denoising.DenoiseReport` of the last call (``None`` before the
+        first); its numbers are read from the device on first access after a call."""
+        if self._pending is not None:
+            self._report, self._pending = self._pending.resolve(), None
+        return self._report
 
     def check_optimizer(self, optimizer: Any) -> float:
         r"""Check, before any step, that this denoiser can run on ``optimizer``.
@@ -233,15 +245,6 @@ class SpectralDenoiser:
         _refuse_distributed(optimizer)
         return _noise_std(optimizer, accumulated=1)
 
-    def _classify(self, grad: Tensor | None) -> str | None:
-        if grad is None:
-            return "no_grad"
-        if grad.dim() != 2 or grad.layout != torch.strided:
-            return "skipped_not_2d"
-        if min(grad.shape) < self.min_dim:
-            return "skipped_min_dim"
-        return None
-
     def __call__(self, optimizer: Any) -> None:
         """Denoise ``p.grad`` in place for every eligible parameter of ``optimizer.params``.
 
@@ -250,76 +253,37 @@ class SpectralDenoiser:
                 :func:`noise_std_from_optimizer` for the attributes read).
 
         Raises:
-            ValueError: if a gradient to denoise has non-finite entries, or ``sigma_e`` cannot be
-                formed.
+            ValueError: if a gradient to denoise has non-finite entries (then no gradient is
+                changed), or ``sigma_e`` cannot be formed.
             NotImplementedError: if ``optimizer.world_size > 1``.
         """
         _refuse_distributed(optimizer)
         params: Sequence[Tensor] = list(optimizer.params)
-        statuses = [self._classify(p.grad) for p in params]
-        eligible = [i for i, st in enumerate(statuses) if st is None]
+        statuses = [_classify(p.grad, min_dim=self.min_dim) for p in params]
+        eligible = any(st is None for st in statuses)
         noise_std = noise_std_from_optimizer(optimizer) if eligible else 0.0
         self._log_skips(params, statuses)
-
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i in eligible:
-            g = params[i].grad
-            groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
-
-        records: dict[int, DenoiseRecord] = {}
-        for (shape, _, _), indices in groups.items():
-            grads = [params[i].grad for i in indices]
-            stack = torch.stack(grads)
-            if not bool(torch.isfinite(stack).all()):
-                bad = [i for i, g in zip(indices, grads) if not bool(torch.isfinite(g).all())]
-                raise ValueError(
-                    f"non-finite gradient (nan or inf) for optimizer.params index(es) {bad} of "
-                    f"shape {shape}; spectral denoising needs a finite noisy gradient (check the "
-                    "learning rate, loss scaling or mixed-precision overflow)"
-                )
-            result = _denoise_batch(
-                stack.to(_compute_dtype(stack.dtype)),
-                noise_std=noise_std,
-                kappa=self.kappa,
-                norm_correction=self.norm_correction,
-                svd=self.svd,
-                rank=self.rank,
-                oversampling=self.oversampling,
-                tol=self.tol,
-                max_iterations=self.max_iterations,
-                generator=self.generator,
+        pending = _denoise_gradients_(
+            params,
+            statuses,
+            noise_std=noise_std,
+            kappa=self.kappa,
+            norm_correction=self.norm_correction,
+            svd=self.svd,
+            rank=self.rank,
+            oversampling=self.oversampling,
+            tol=self.tol,
+            max_iterations=self.max_iterations,
+            generator=self.generator,
+        )
+        self._report, self._pending = None, pending
+        if logger.isEnabledFor(logging.DEBUG):  # counting reads the device
+            logger.debug(
+                "SpectralDenoiser: sigma_e=%.3g, denoised %d of %d parameters",
+                noise_std,
+                self.last_report.num_denoised,
+                len(params),
             )
-            out = result.out.to(stack.dtype)
-            threshold = self.kappa * noise_std * (math.sqrt(shape[0]) + math.sqrt(shape[1]))
-            tops = result.top.tolist()
-            applied = result.applied.tolist()
-            kept = result.kept_rank.tolist()
-            for j, i in enumerate(indices):
-                if applied[j]:
-                    grads[j].copy_(out[j])
-                records[i] = DenoiseRecord(
-                    index=i,
-                    shape=shape,
-                    status="denoised" if applied[j] else "below_threshold",
-                    top_singular_value=tops[j],
-                    threshold=threshold,
-                    kept_rank=kept[j],
-                    svd_rank=result.svd_rank,
-                )
-        for i, st in enumerate(statuses):
-            if st is not None:
-                grad = params[i].grad
-                shape = tuple(grad.shape) if grad is not None else tuple(params[i].shape)
-                records[i] = DenoiseRecord(index=i, shape=shape, status=st)
-        self.last_report = DenoiseReport(
-            noise_std=noise_std, records=tuple(records[i] for i in range(len(params)))
-        )
-        logger.debug(
-            "SpectralDenoiser: sigma_e=%.3g, denoised %d of %d parameters",
-            noise_std,
-            self.last_report.num_denoised,
-            len(params),
-        )
 
     def _log_skips(self, params: Sequence[Tensor], statuses: Sequence[str | None]) -> None:
         if self._skips_logged:

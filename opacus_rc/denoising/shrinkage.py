@@ -5,8 +5,8 @@ Source: Gavish and Donoho, "Optimal Shrinkage of Singular Values", IEEE Trans. I
 reconstruction of Shabalin and Nobel 2013, JMVA 118. The formulas, the spiked-model facts used
 as test oracles and the reference values are in ``THEORY.md`` section E.2.
 
-The functions act on singular values only (element-wise tensor operations, no SVD);
-:mod:`opacus_rc.denoising.denoiser` applies them to matrices.
+The functions act on singular values only (element-wise tensor operations, no SVD, no host
+synchronisation); :mod:`opacus_rc.denoising.denoiser` applies them to matrices.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def frobenius_shrinker(y: Tensor | float, *, beta: float) -> Tensor:
     if not 0.0 < float(beta) <= 1.0:
         raise ValueError(f"beta must be in (0, 1], got {beta}")
     y_t = torch.as_tensor(y, dtype=torch.float64) if not isinstance(y, Tensor) else y
-    if not bool(torch.isfinite(y_t).all()) or bool((y_t < 0).any()):
+    # One reduction, one host read: the validation of this public function.
+    if bool((~torch.isfinite(y_t) | (y_t < 0)).any()):
         raise ValueError("y must be finite and >= 0 (singular values in units of sigma_e*sqrt(n))")
     root_beta = math.sqrt(beta)
     upper, lower = (1.0 + root_beta) ** 2, (1.0 - root_beta) ** 2
@@ -91,7 +92,7 @@ def shrink_singular_values(s: Tensor, *, noise_std: float, m: int, n: int) -> Te
 
     which equals :math:`\sigma\sqrt{n}\,\eta^*(s / (\sigma\sqrt n); m/n)` for ``m <= n``
     (Gavish and Donoho 2017, Frobenius loss) and is symmetric in ``(m, n)``. With
-    ``noise_std = 0`` it is the identity.
+    ``noise_std = 0`` it is the identity. Element-wise; no host synchronisation.
 
     Args:
         s: Singular values, shape ``(..., k)`` with ``k <= min(m, n)``; non-negative.

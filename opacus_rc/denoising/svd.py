@@ -196,6 +196,9 @@ def _randomized_svd(
     * fallback: when ``w >= m`` or the accuracy test fails after ``max_iterations`` power
       iterations, the exact SVD is used.
 
+    Both stopping decisions of an iteration are read from the device in one transfer (the loop
+    is adaptive, so an iteration costs one host synchronisation; the exact fallback costs none).
+
     Args:
         M: ``(b, m, n)`` batch, ``m <= n``, float32 or float64.
         edge: Bulk edge :math:`\sigma_e(\sqrt m + \sqrt n)` (units of ``M``'s entries).
@@ -219,14 +222,16 @@ def _randomized_svd(
         too_small = False
         for iteration in range(max_iterations + 1):
             Ub, S, Vh = torch.linalg.svd(Q.transpose(-2, -1) @ M, full_matrices=False)
-            if bool((S[..., r - 1] > edge).any()):
-                too_small = True
-                break
             U = Q @ Ub
             W = M @ Vh.transpose(-2, -1)
             residual = torch.linalg.vector_norm(W - U * S.unsqueeze(-2), dim=-2)
             kept = torch.gt(S, edge)
-            if bool((residual <= tol * S).logical_or(~kept).all()):
+            rank_too_small = (S[..., r - 1] > edge).any()
+            converged = (residual <= tol * S).logical_or(~kept).all()
+            too_small, done = torch.stack((rank_too_small, converged)).tolist()
+            if too_small:
+                break
+            if done:
                 return U, S, Vh, r
             if iteration < max_iterations:
                 Q = torch.linalg.qr(W).Q
