@@ -2,29 +2,34 @@
 
 Post-processing of the released noisy gradient: each 2-D gradient's singular values are shrunk by
 the Gavish-Donoho Frobenius-optimal shrinker and the result is rescaled to the noisy Frobenius
-norm (``THEORY.md`` section E). See :mod:`opacus_rc.denoising.spectral`; ``make_private(denoise=...)``
-resolves names through :mod:`opacus_rc.denoising.registry`.
+norm (``THEORY.md`` section E). One concept per module:
+
+* :mod:`~opacus_rc.denoising.shrinkage`: the shrinker on singular values (pure math);
+* :mod:`~opacus_rc.denoising.svd`: SVD back ends (exact, randomized), resolved by name;
+* :mod:`~opacus_rc.denoising.denoiser`: the matrix denoiser (threshold test, shrinkage, norm
+  correction) and its records;
+* :mod:`~opacus_rc.denoising.opacus_adapter`: what reads an Opacus DP optimizer (the noise level,
+  the refusal of distributed optimizers) and :class:`SpectralDenoiser`, its step hook;
+* :mod:`~opacus_rc.denoising.registry`: the names ``make_private(denoise=...)`` resolves.
 """
 
+from opacus_rc.denoising.denoiser import (
+    DEFAULT_KAPPA,
+    DEFAULT_MIN_DIM,
+    DenoiseRecord,
+    DenoiseReport,
+    denoise_matrix,
+    optimal_shrinkage,
+)
+from opacus_rc.denoising.opacus_adapter import SpectralDenoiser, noise_std_from_optimizer
 from opacus_rc.denoising.registry import (
     DenoiserFactory,
     denoiser_names,
     make_denoiser,
     register_denoiser,
 )
-from opacus_rc.denoising.spectral import (
-    DEFAULT_KAPPA,
-    DEFAULT_MIN_DIM,
-    SVD_METHODS,
-    DenoiseRecord,
-    DenoiseReport,
-    SpectralDenoiser,
-    denoise_matrix,
-    frobenius_shrinker,
-    noise_std_from_optimizer,
-    optimal_shrinkage,
-    shrink_singular_values,
-)
+from opacus_rc.denoising.shrinkage import frobenius_shrinker, shrink_singular_values
+from opacus_rc.denoising.svd import SVD_METHODS
 
 __all__ = [
     "DEFAULT_KAPPA",

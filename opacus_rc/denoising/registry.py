@@ -10,6 +10,9 @@ A *factory* builds one denoiser per ``make_private`` call. It takes keyword argu
 ``kappa`` (the engine's ``denoise_kappa``; ``None`` means the denoiser's own default) and any
 further options (the engine's ``denoise_options``). It must validate every argument and raise
 ``ValueError``/``TypeError`` on bad input: the engine calls it before attaching any hook.
+Factories are registered with the decorator :func:`register_denoiser`, in the style of
+:mod:`opacus_rc.grad_sample.registry`; ``"spectral"`` is registered next to
+:class:`~opacus_rc.denoising.SpectralDenoiser` in :mod:`opacus_rc.denoising.opacus_adapter`.
 
 Example:
     >>> from opacus_rc.denoising import make_denoiser
@@ -24,40 +27,60 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from opacus_rc.denoising.spectral import DEFAULT_KAPPA, SpectralDenoiser
+from typing import Any, TypeVar
 
 __all__ = ["DenoiserFactory", "denoiser_names", "make_denoiser", "register_denoiser"]
+
 
 #: ``factory(*, kappa: float | None, **options) -> denoiser``; ``denoiser(optimizer) -> None``.
 DenoiserFactory = Callable[..., Callable[[Any], None]]
 
+_F = TypeVar("_F", bound=DenoiserFactory)
+
+#: Denoiser name -> factory.
 _DENOISERS: dict[str, DenoiserFactory] = {}
 
 
-def register_denoiser(name: str, factory: DenoiserFactory, *, force: bool = False) -> None:
-    """Register ``factory`` under ``name`` for ``make_private(denoise=name)``.
+def register_denoiser(
+    name: str, factory: _F | None = None, *, force: bool = False
+) -> Callable[[_F], _F] | _F:
+    """Decorator registering a denoiser factory under ``name`` for ``make_private(denoise=name)``.
+
+    Example::
+
+        @register_denoiser("wiener")
+        def make_wiener_denoiser(*, kappa=None, **options):
+            return WienerDenoiser(...)
+
+    ``register_denoiser(name, factory)`` is the same registration as a plain call (it returns
+    ``factory``), for classes and callables defined elsewhere.
 
     Args:
         name: The value users pass as ``denoise``; a non-empty string.
-        factory: ``factory(*, kappa=None, **options)`` returning a callable
-            ``denoiser(optimizer) -> None`` (see the module docstring for the contract).
+        factory: The factory to register now; ``None`` (default) returns the decorator.
         force: Replace an existing registration instead of raising.
 
+    Returns:
+        The decorator (it returns the factory unchanged), or ``factory`` itself when given.
+
     Raises:
-        TypeError: If ``name`` is not a non-empty string or ``factory`` is not callable.
+        TypeError: If ``name`` is not a non-empty string or the factory is not callable.
         ValueError: If ``name`` is already registered and ``force`` is False.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"denoiser name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"denoiser factory must be callable, got {type(factory).__name__}")
-    if name in _DENOISERS and not force:
-        raise ValueError(
-            f"duplicate registration for denoiser {name!r}; pass force=True to replace it"
-        )
-    _DENOISERS[name] = factory
+
+    def decorator(fn: _F) -> _F:
+        if not callable(fn):
+            raise TypeError(f"denoiser factory must be callable, got {type(fn).__name__}")
+        if name in _DENOISERS and not force:
+            raise ValueError(
+                f"duplicate registration for denoiser {name!r}; pass force=True to replace it"
+            )
+        _DENOISERS[name] = fn
+        return fn
+
+    return decorator if factory is None else decorator(factory)
 
 
 def denoiser_names() -> tuple[str, ...]:
@@ -90,11 +113,3 @@ def make_denoiser(
         allowed = ", ".join(repr(n) for n in denoiser_names())
         raise ValueError(f"unknown denoise {name!r}; allowed: {allowed}")
     return factory(kappa=kappa, **options)
-
-
-def _spectral_factory(*, kappa: float | None = None, **options: Any) -> SpectralDenoiser:
-    """``"spectral"``: :class:`SpectralDenoiser` (default kappa :data:`DEFAULT_KAPPA`)."""
-    return SpectralDenoiser(kappa=DEFAULT_KAPPA if kappa is None else kappa, **options)
-
-
-register_denoiser("spectral", _spectral_factory)

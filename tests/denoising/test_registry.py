@@ -13,12 +13,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_rc import PrivacyEngine
 from opacus_rc.denoising import (
     DEFAULT_KAPPA,
+    SVD_METHODS,
     SpectralDenoiser,
+    denoise_matrix,
     denoiser_names,
     make_denoiser,
     register_denoiser,
 )
 from opacus_rc.denoising import registry as registry_module
+from opacus_rc.denoising import svd as svd_module
 
 
 @pytest.fixture
@@ -101,3 +104,50 @@ def test_engine_resolves_names_through_the_registry(restore_registry: None) -> N
     assert calls == [(1.5, 0)]  # ran before the accountant recorded the step
     assert len(engine.accountant) == 1
     assert torch.equal(model.weight, before)  # the zeroed (post-processed) gradient was used
+
+
+def test_register_denoiser_is_a_decorator(restore_registry: None) -> None:
+    @register_denoiser("identity")
+    def make_identity(*, kappa: float | None = None) -> Any:
+        return lambda optimizer: None
+
+    assert make_identity.__name__ == "make_identity"  # returned unchanged
+    assert denoiser_names() == ("identity", "spectral")
+    assert callable(make_denoiser("identity"))
+    with pytest.raises(ValueError, match="duplicate registration for denoiser 'identity'"):
+        register_denoiser("identity")(make_identity)
+
+
+@pytest.fixture
+def restore_svd_backends() -> Iterator[None]:
+    saved = dict(svd_module.SVD_BACKENDS)
+    try:
+        yield
+    finally:
+        svd_module.SVD_BACKENDS.clear()
+        svd_module.SVD_BACKENDS.update(saved)
+
+
+def test_svd_back_ends_are_resolved_by_name(restore_svd_backends: None) -> None:
+    """``svd=`` names go through SVD_BACKENDS: a registered back end is the one called."""
+    assert tuple(svd_module.SVD_BACKENDS) == SVD_METHODS == ("exact", "randomized")
+    calls: list[tuple[int, ...]] = []
+
+    @svd_module.register_svd_backend("counted")
+    def counted(M: torch.Tensor, **options: Any) -> Any:
+        calls.append(tuple(M.shape))
+        return svd_module.SVD_BACKENDS["exact"](M, **options)
+
+    G = torch.randn(30, 12, generator=torch.Generator().manual_seed(0))
+    out = denoise_matrix(G, noise_std=0.05, svd="counted")
+    assert calls == [(1, 12, 30)]  # batched and transposed so that rows <= columns
+    assert torch.equal(out, denoise_matrix(G, noise_std=0.05, svd="exact"))
+    assert make_denoiser("spectral", svd="counted").svd == "counted"
+    with pytest.raises(ValueError, match="duplicate registration for SVD back end 'counted'"):
+        svd_module.register_svd_backend("counted")(counted)
+    with pytest.raises(TypeError, match="non-empty str"):
+        svd_module.register_svd_backend("")
+    with pytest.raises(
+        ValueError, match=r"svd must be one of \('exact', 'randomized', 'counted'\)"
+    ):
+        denoise_matrix(G, noise_std=0.05, svd="lanczos")

@@ -1,4 +1,4 @@
-"""Tests of the pure spectral-denoising functions (opacus_rc/denoising/spectral.py).
+"""Tests of the pure spectral-denoising functions (opacus_rc/denoising: shrinkage, svd, denoiser).
 
 Oracles:
 * THEORY.md E.5 (reference script, independent of this code): shrinker values, the planted
@@ -27,7 +27,7 @@ from opacus_rc.denoising import (
     optimal_shrinkage,
     shrink_singular_values,
 )
-from opacus_rc.denoising.spectral import _randomized_svd
+from opacus_rc.denoising.svd import _randomized_svd
 
 HYPOTHESIS = settings(max_examples=20, deadline=None, derandomize=True)
 

@@ -201,7 +201,7 @@ def test_skips_1d_tiny_and_non_matrix_grads_and_logs_once(caplog: pytest.LogCapt
     frozen = nn.Parameter(torch.zeros(16, 16))  # grad None
     opt = fake_optimizer([*params.values(), frozen])
     denoiser = SpectralDenoiser(min_dim=8)
-    with caplog.at_level(logging.INFO, logger="opacus_rc.denoising.spectral"):
+    with caplog.at_level(logging.INFO, logger="opacus_rc.denoising.opacus_adapter"):
         denoiser(opt)
         denoiser(opt)
     statuses = [r.status for r in denoiser.last_report.records]
