@@ -1,8 +1,10 @@
 """opacus_rc: randomized clipping (DP-SGD-RC) and spectral denoising for Opacus.
 
 ``import opacus_rc`` registers the ``"rc"`` accountant in Opacus' accountant registry, so an
-existing Opacus script can use ``opacus.PrivacyEngine(accountant="rc")``. Nothing else global is
-changed at import.
+existing Opacus script can use ``opacus.PrivacyEngine(accountant="rc")``. The import is required:
+Opacus has no plug-in (entry-point) mechanism for accountants, and without the import it raises
+``ValueError: Unexpected accounting mechanism: rc``. (``opacus_rc.PrivacyEngine`` registers the
+accountant itself.) Nothing else global is changed at import.
 """
 
 from opacus_rc.accountants import RCAccountant, get_noise_multiplier, register

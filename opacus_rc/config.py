@@ -154,8 +154,9 @@ class RandomizedClippingConfig:
             )
         if self.secure_mode and self.sketch_generator is not None:
             raise ValueError(
-                "passing a sketch_generator is prohibited with secure_mode=True: the sketch "
-                "must come from the operating system's CSPRNG"
+                "passing a sketch_generator is prohibited in secure mode: the sketch must come "
+                "from the operating system's CSPRNG, so a generator is prohibited with "
+                "secure_mode=True; pass sketch_generator=None"
             )
         spec = SketchSpec(
             estimator=self.sketch,
@@ -165,3 +166,41 @@ class RandomizedClippingConfig:
             secret=self.sketch_generator is None,
         )
         object.__setattr__(self, "sketch_spec", spec)
+
+    # Transitional: the grad-sample module and the optimizer take ``config=`` once the step
+    # protocol refactor (issue 12) lands; until then the engine passes these keyword arguments,
+    # all read from this one object.
+    def module_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``GradSampleModuleRandomizedClipping`` (and its hooks twin).
+
+        Returns:
+            Every option of this configuration under the constructor's parameter names.
+        """
+        return {
+            "max_grad_norm": self.max_grad_norm,
+            "sketch": self.sketch,
+            "sketch_dim": self.sketch_dim,
+            "sketch_head_dim": self.sketch_head_dim,
+            "sketch_generator": self.sketch_generator,
+            "secure_mode": self.secure_mode,
+            "batch_first": self.batch_first,
+            "loss_reduction": self.loss_reduction,
+            "strict": self.strict,
+            "force_functorch": self.force_functorch,
+            "bookkeeping": self.bookkeeping,
+        }
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The options of ``RandomizedClipOptimizer`` that this configuration decides.
+
+        The noise multiplier, expected batch size and noise generator are the engine's (they
+        are not options of randomized clipping).
+
+        Returns:
+            ``max_grad_norm``, ``loss_reduction`` and ``secure_mode``.
+        """
+        return {
+            "max_grad_norm": self.max_grad_norm,
+            "loss_reduction": self.loss_reduction,
+            "secure_mode": self.secure_mode,
+        }

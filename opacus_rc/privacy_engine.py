@@ -1,31 +1,48 @@
 """``PrivacyEngine`` with randomized clipping (DESIGN.md sections 1 and 3).
 
-:class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine``. ``clipping="randomized"`` builds a
-:class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
-``wrap_model=False``), a :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` (its distributed
-variant for DPDDP/DDP models, chosen from :mod:`opacus_rc.optimizers.registry`), the
-:class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one backward pass with book-keeping where
-the model allows it, else two) and a Poisson data loader, and ties the
-accountant's step hook to the optimizer. Every other ``clipping`` value is passed to Opacus
-unchanged.
+:class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine`` and runs Opacus' own
+``make_private`` template for every ``clipping`` value. For ``clipping="randomized"`` it fills
+Opacus' seams (OPACUS.md section 1.5):
+
+* ``_prepare_model`` builds a :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
+  (or its hooks-only twin for ``wrap_model=False``);
+* ``_prepare_data_loader`` is Opacus' (Poisson sampling), except that a distributed model gets
+  :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
+* ``_prepare_optimizer`` builds the optimizer registered for ``("randomized", distributed)`` in
+  :mod:`opacus_rc.optimizers.registry` (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer`
+  or its DDP variant);
+* ``_prepare_criterion`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
+  backward pass with book-keeping where the model allows it, else two).
+
+Opacus ties the accountant's step hook to the optimizer. Every option of randomized clipping is
+validated once, by the :class:`~opacus_rc.config.RandomizedClippingConfig` built at the start of
+the call, and that one object configures the module and the optimizer.
 
 Rules (DESIGN.md section 1): every argument is validated before any hook is attached; an
-accountant that cannot account for sketched norms makes ``clipping="randomized"`` raise; and no
-hook stays on the user's model when ``make_private`` raises (for any ``clipping``).
+accountant that cannot account for sketched norms makes ``clipping="randomized"`` raise; a
+``noise_multiplier`` the accountant cannot record is refused up front (never a step that fails);
+and no hook stays on the user's model when ``make_private`` raises (for any ``clipping``).
+
+The ``"rc"`` accountant is registered in Opacus' registry by ``import opacus_rc`` (Opacus has no
+plug-in mechanism for accountants, so ``opacus.PrivacyEngine(accountant="rc")`` without that
+import fails with Opacus' ``ValueError: Unexpected accounting mechanism: rc``). This class
+registers it itself, so ``opacus_rc.PrivacyEngine()`` always works.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import math
 import warnings
 from dataclasses import dataclass
-from itertools import chain
+from types import SimpleNamespace
 from typing import Any
 
 import opacus
 import torch
+from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
@@ -34,6 +51,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from opacus_rc.config import (
+    DEFAULT_SKETCH,
+    DEFAULT_SKETCH_DIM,
+    RandomizedClippingConfig,
+    validate_noise_multiplier,
+)
 from opacus_rc.data_loader import DistributedDPDataLoader
 from opacus_rc.denoising import make_denoiser
 from opacus_rc.grad_sample import (
@@ -42,26 +65,26 @@ from opacus_rc.grad_sample import (
 )
 from opacus_rc.grad_sample.grad_sample_module import (
     check_training_mode,
-    resolve_sketch_spec,
     strip_grad_sample_hooks,
 )
 from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.post_processing import attach_post_processing_hook
 from opacus_rc.optimizers.registry import get_optimizer_class
-from opacus_rc.sketching import SketchSpec
 
 __all__ = ["PrivacyEngine"]
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_SKETCH = "hutchinson"
-_DEFAULT_SKETCH_DIM = 32  # THEORY.md section 0, point 4: use k >= 32, default 32.
 _ACCOUNTANT_ERROR = (
     "clipping='randomized' needs an accountant that can account for sketched norms; "
     "use accountant='rc'"
 )
 _RANDOMIZED_GRAD_SAMPLE_MODES = ("hooks", "ghost")
+#: Parameters of the public ``make_private*`` methods that are not shared options.
+_NOT_SHARED = frozenset({"self", "noise_multiplier", "target_epsilon", "target_delta", "epochs"})
+#: Delta at which a noiseless probe step must report an infinite epsilon.
+_PROBE_DELTA = 1e-5
 
 
 @dataclass(frozen=True)
@@ -79,12 +102,72 @@ class _PostProcessing:
     dataset: Any
 
 
+@dataclass(frozen=True)
+class _Request:
+    """The validated options of one ``make_private`` or ``make_private_with_epsilon`` call.
+
+    Attributes:
+        opacus_options: Keyword arguments of ``opacus.PrivacyEngine.make_private`` except
+            ``noise_multiplier`` (the criterion defaulted). For randomized clipping,
+            ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and returns
+            four values; the module itself is built by :meth:`PrivacyEngine._prepare_model`.
+        kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
+        config: The randomized-clipping configuration, or None for Opacus' own clipping.
+        post: The post-processing to attach.
+    """
+
+    opacus_options: dict[str, Any]
+    kwargs: dict[str, Any]
+    config: RandomizedClippingConfig | None
+    post: _PostProcessing
+
+
+@dataclass
+class _RandomizedBuild:
+    """State shared by the ``_prepare_*`` seams during one randomized ``make_private``.
+
+    Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs``
+    (OPACUS.md section 1.5, point 3), so the configuration reaches the seams through this
+    object, set on the engine for the duration of the call only.
+
+    Attributes:
+        config: The configuration of this call.
+        module: The grad-sample module once ``_prepare_model`` has built it.
+    """
+
+    config: RandomizedClippingConfig
+    module: Any = None
+
+
+def _shared_options(call_locals: dict[str, Any]) -> dict[str, Any]:
+    """The options a public ``make_private*`` method shares, from its ``locals()``.
+
+    Called first thing, so ``locals()`` holds exactly the method's parameters; this is what
+    keeps ``make_private`` and ``make_private_with_epsilon`` from listing the same keyword
+    arguments twice.
+    """
+    return {name: value for name, value in call_locals.items() if name not in _NOT_SHARED}
+
+
+def _sample_rate(data_loader: DataLoader) -> float:
+    """Opacus' sample rate ``1 / len(data_loader)``.
+
+    Raises:
+        ValueError: If the data loader has no batches.
+    """
+    n_batches = len(data_loader)
+    if n_batches == 0:
+        raise ValueError("the data loader is empty")
+    return 1 / n_batches
+
+
 class PrivacyEngine(opacus.PrivacyEngine):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
     Args:
         accountant: Name of an accountant in Opacus' registry. The default ``"rc"`` (registered
-            by ``import opacus_rc``) accounts for both randomized and exact clipping.
+            by ``import opacus_rc``, and by this constructor) accounts for both randomized and
+            exact clipping.
         secure_mode: Opacus' secure mode (CSPRNG noise and sampling); with randomized clipping
             the sketch generator is also reseeded from :mod:`secrets` after every step.
 
@@ -101,6 +184,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     denoiser: Any = None
     lora_update_guard: LoRAUpdateGuard | None = None
+    _build: _RandomizedBuild | None = None
 
     def __init__(self, *, accountant: str = "rc", secure_mode: bool = False) -> None:
         if accountant == "rc":
@@ -116,7 +200,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
 
     # ------------------------------------------------------------------------------------------
-    # make_private
+    # Public API
     # ------------------------------------------------------------------------------------------
 
     def make_private(
@@ -160,7 +244,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             criterion: The loss; must have ``reduction == loss_reduction``. Default
                 ``nn.CrossEntropyLoss()``.
             data_loader: The training data loader.
-            noise_multiplier: ``sigma`` (>= 0).
+            noise_multiplier: ``sigma`` (>= 0). ``0`` is a debugging run without noise: it
+                warns (the run is not differentially private; its epsilon is infinite), and it
+                is refused with a ``ValueError`` before any hook if the engine's accountant
+                cannot record a step without noise.
             max_grad_norm: ``C`` (> 0; one float for randomized clipping).
             batch_first: Inputs are ``(B, ...)``.
             loss_reduction: ``"mean"`` or ``"sum"``.
@@ -220,156 +307,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
             ValueError: Unknown sketch, ``sketch_dim < 1``, an accountant that cannot account
                 for randomized clipping, an eval-mode model, a loss-reduction mismatch, sketch
                 options without ``clipping="randomized"``, and the other invalid inputs listed
-                in :class:`GradSampleModuleRandomizedClipping`; Opacus' own errors otherwise.
-                Unknown ``denoise`` (the message lists the allowed names), ``denoise_kappa <
-                1``, denoiser options without ``denoise``, ``check_lora_update`` on a model
-                without trainable LoRA adapters. ``bookkeeping=False`` without
+                in :class:`~opacus_rc.config.RandomizedClippingConfig` and
+                :class:`GradSampleModuleRandomizedClipping`; ``noise_multiplier=0`` with an
+                accountant that cannot record it; Opacus' own errors otherwise. Unknown
+                ``denoise`` (the message lists the allowed names), ``denoise_kappa < 1``,
+                denoiser options without ``denoise``, ``check_lora_update`` on a model without
+                trainable LoRA adapters. ``bookkeeping=False`` without
                 ``clipping="randomized"``.
             TypeError: Unknown keyword arguments with ``clipping="randomized"``; an unknown
                 key in ``denoise_options``; a non-bool ``bookkeeping``.
             NotImplementedError: ``denoise`` with a distributed (DPDDP, DDP, FSDP) model.
         """
-        if criterion is None:
-            criterion = nn.CrossEntropyLoss()
-        post = self._prepare_post_processing(
-            module=module,
-            grad_sample_mode=grad_sample_mode,
-            denoise=denoise,
-            denoise_kappa=denoise_kappa,
-            denoise_options=denoise_options,
-            check_lora_update=check_lora_update,
-        )
-        _check_bookkeeping(bookkeeping, clipping)
-        if clipping != "randomized":
-            self._reject_sketch_options(
-                clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
-            )
-            out = self._delegate(
-                super().make_private,
-                module=module,
-                optimizer=optimizer,
-                criterion=criterion,
-                data_loader=data_loader,
-                noise_multiplier=noise_multiplier,
-                max_grad_norm=max_grad_norm,
-                batch_first=batch_first,
-                loss_reduction=loss_reduction,
-                poisson_sampling=poisson_sampling,
-                clipping=clipping,
-                noise_generator=noise_generator,
-                grad_sample_mode=grad_sample_mode,
-                wrap_model=wrap_model,
-                rand_on_empty=rand_on_empty,
-                **kwargs,
-            )
-            return self._attach_post_processing(out, post, module=module)
-
-        if isinstance(noise_multiplier, bool) or not (
-            isinstance(noise_multiplier, (int, float))
-            and math.isfinite(noise_multiplier)
-            and noise_multiplier >= 0
-        ):
-            raise ValueError(
-                f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}"
-            )
-        spec = self._validate_randomized(
-            module=module,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=data_loader,
-            max_grad_norm=max_grad_norm,
-            loss_reduction=loss_reduction,
-            noise_generator=noise_generator,
-            grad_sample_mode=grad_sample_mode,
-            sketch=sketch,
-            sketch_dim=sketch_dim,
-            sketch_head_dim=sketch_head_dim,
-            sketch_generator=sketch_generator,
-            kwargs=kwargs,
-        )
-
-        gsm_class = (
-            GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
-        )
-        previous_dataset = self.dataset
-        gsm = None
-        try:
-            gsm = gsm_class(
-                module,
-                max_grad_norm=float(max_grad_norm),  # type: ignore[arg-type]
-                sketch=spec.estimator,
-                sketch_dim=spec.sketch_dim,
-                sketch_head_dim=spec.head_dim,
-                sketch_generator=sketch_generator,
-                secure_mode=self.secure_mode,
-                batch_first=batch_first,
-                loss_reduction=loss_reduction,
-                strict=True,
-                bookkeeping=bookkeeping,
-            )
-            if poisson_sampling:
-                gsm.forbid_grad_accumulation()
-            # DPDDP / DDP: each rank clips its samples, rank 0 adds the noise (THEORY B.1 on
-            # the global batch); expected_batch_size is per rank, as in Opacus.
-            distributed = isinstance(
-                module, (DifferentiallyPrivateDistributedDataParallel, DistributedDataParallel)
-            )
-            dp_loader = self._prepare_data_loader(
-                data_loader,
-                distributed=distributed,
-                poisson_sampling=poisson_sampling,
-                batch_first=batch_first,
-                rand_on_empty=rand_on_empty,
-            )
-            if distributed and poisson_sampling:
-                # Opacus' distributed sampler drops empty batches per rank (ranks fall out of
-                # step, steps go unaccounted); this one keeps them.
-                dp_loader = DistributedDPDataLoader.from_data_loader(
-                    data_loader,
-                    distributed=True,
-                    generator=self.secure_rng,
-                    batch_first=batch_first,
-                    rand_on_empty=rand_on_empty,
-                )
-            data_loader = dp_loader
-            sample_rate = 1 / len(data_loader)
-            expected_batch_size = int(len(data_loader.dataset) * sample_rate)
-            if distributed:
-                expected_batch_size /= torch.distributed.get_world_size()
-            if isinstance(optimizer, DPOptimizer):
-                optimizer = optimizer.original_optimizer
-            optimizer_class = get_optimizer_class("randomized", distributed=distributed)
-            dp_optimizer = optimizer_class(
-                optimizer,
-                grad_sample_module=gsm,
-                noise_multiplier=float(noise_multiplier),
-                max_grad_norm=float(max_grad_norm),  # type: ignore[arg-type]
-                expected_batch_size=expected_batch_size,
-                loss_reduction=loss_reduction,
-                generator=self.secure_rng if self.secure_mode else noise_generator,
-                secure_mode=self.secure_mode,
-            )
-            dp_optimizer.attach_step_hook(
-                self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
-            )
-            dp_criterion = DPLossRandomizedClipping(gsm, dp_optimizer, criterion, loss_reduction)
-            if gsm.sketch_spec != spec:  # pragma: no cover - defensive
-                raise RuntimeError(f"module uses {gsm.sketch_spec}, validated {spec}")
-        except BaseException:
-            if gsm is not None:
-                gsm.cleanup()
-            strip_grad_sample_hooks(module)
-            self.dataset = previous_dataset
-            raise
-        logger.info(
-            "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
-            spec,
-            sample_rate,
-            gsm.bookkeeping,
-        )
-        return self._attach_post_processing(
-            (gsm, dp_optimizer, dp_criterion, data_loader), post, module=module
-        )
+        request = self._request(**_shared_options(locals()))
+        return self._make_private(request, noise_multiplier=noise_multiplier)
 
     def make_private_with_epsilon(
         self,
@@ -389,6 +339,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         noise_generator: torch.Generator | None = None,
         grad_sample_mode: str = "hooks",
         wrap_model: bool = True,
+        rand_on_empty: bool = False,
         sketch: str | None = None,
         sketch_dim: int | None = None,
         sketch_head_dim: int | None = None,
@@ -402,127 +353,377 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
 
-        With ``clipping="randomized"`` the noise multiplier is searched with
-        ``opacus_rc.accountants.get_noise_multiplier`` and this engine's accountant, for the
-        exact :class:`SketchSpec` the module will use (so the search and the later
-        ``get_epsilon`` agree). Other ``clipping`` values are Opacus' own method.
+        Takes every argument of :meth:`make_private` except ``noise_multiplier``. Everything is
+        validated before the (slow) noise search. With ``clipping="randomized"`` the noise
+        multiplier is searched with ``opacus_rc.accountants.get_noise_multiplier`` and this
+        engine's accountant, for the exact :class:`~opacus_rc.sketching.SketchSpec` the module
+        will use (so the search and the later ``get_epsilon`` agree). Other ``clipping`` values
+        search as Opacus' ``make_private_with_epsilon`` does (Opacus' ``get_noise_multiplier``
+        with this accountant's mechanism and ``**kwargs``).
 
         Args:
             target_epsilon: Target epsilon after ``epochs`` epochs.
             target_delta: Target delta.
-            epochs: Number of epochs (``epochs / sample_rate`` steps).
-            bookkeeping: Randomized clipping only: one backward pass per step where the model
-                allows it (default ``True``), or always two (``False``); see
-                :meth:`make_private`. Does not change the noise multiplier found.
+            epochs: Number of epochs (``epochs / sample_rate`` steps) the search assumes: the
+                training loop must run that many passes over the returned data loader.
             (others): As in :meth:`make_private`.
 
         Returns:
             As :meth:`make_private`.
 
         Raises:
-            ValueError: As :meth:`make_private`, raised before the (slow) noise search.
+            ValueError: As :meth:`make_private`, raised before the noise search; also if the
+                search fails (the target is out of reach).
             TypeError, NotImplementedError: As :meth:`make_private`, before the search.
         """
-        if criterion is None:
-            criterion = nn.CrossEntropyLoss()
+        request = self._request(**_shared_options(locals()))
+        noise_multiplier = self._search_noise_multiplier(
+            request, target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs
+        )
+        return self._make_private(request, noise_multiplier=noise_multiplier)
+
+    # ------------------------------------------------------------------------------------------
+    # Opacus' seams
+    # ------------------------------------------------------------------------------------------
+
+    def _prepare_model(
+        self,
+        module: nn.Module,
+        *,
+        batch_first: bool = True,
+        max_grad_norm: float | list[float] = 1.0,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+    ) -> Any:
+        """Opacus' seam; for randomized clipping, the module built from the configuration."""
+        build = self._build
+        if build is None:
+            return super()._prepare_model(
+                module,
+                batch_first=batch_first,
+                max_grad_norm=max_grad_norm,
+                loss_reduction=loss_reduction,
+                grad_sample_mode=grad_sample_mode,
+                wrap_model=wrap_model,
+            )
+        # The module checks this too, but Opacus' validator would first reject an eval-mode
+        # model with a message that does not say what to do.
+        check_training_mode(module)
+        self.validate(module=module, optimizer=None, data_loader=None)
+        module_class = (
+            GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
+        )
+        build.module = module_class(module, **build.config.module_kwargs())
+        if build.module.sketch_spec != build.config.sketch_spec:  # pragma: no cover - defensive
+            raise RuntimeError(
+                f"module uses {build.module.sketch_spec}, configured {build.config.sketch_spec}"
+            )
+        return build.module
+
+    def _prepare_data_loader(
+        self,
+        data_loader: DataLoader,
+        *,
+        poisson_sampling: bool,
+        distributed: bool,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+    ) -> DataLoader:
+        """Opacus' seam; a distributed randomized run gets :class:`DistributedDPDataLoader`.
+
+        Opacus' distributed Poisson sampler drops a rank's empty batch, so that rank runs one
+        step less (its all-reduces misalign, its accountant counts fewer steps);
+        :class:`DistributedDPDataLoader` yields it as a noise-only step.
+        """
+        if self._build is None or not (distributed and poisson_sampling):
+            return super()._prepare_data_loader(
+                data_loader,
+                poisson_sampling=poisson_sampling,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        # Opacus' method without sampling: it records (or checks) the engine's dataset.
+        super()._prepare_data_loader(
+            data_loader,
+            poisson_sampling=False,
+            distributed=True,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
+        return DistributedDPDataLoader.from_data_loader(
+            data_loader,
+            distributed=True,
+            generator=self.secure_rng,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
+
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer: optim.Optimizer,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        expected_batch_size: int,
+        loss_reduction: str = "mean",
+        distributed: bool = False,
+        clipping: str = "flat",
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> DPOptimizer:
+        """Opacus' seam; for randomized clipping, the registry's optimizer for the module."""
+        build = self._build
+        if build is None:
+            return super()._prepare_optimizer(
+                optimizer=optimizer,
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                expected_batch_size=expected_batch_size,
+                loss_reduction=loss_reduction,
+                distributed=distributed,
+                clipping=clipping,
+                noise_generator=noise_generator,
+                grad_sample_mode=grad_sample_mode,
+                **kwargs,
+            )
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        optimizer_class = get_optimizer_class(clipping, distributed=distributed)
+        return optimizer_class(
+            optimizer,
+            grad_sample_module=build.module,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            generator=self.secure_rng if self.secure_mode else noise_generator,
+            **build.config.optimizer_kwargs(),
+        )
+
+    def _prepare_criterion(
+        self,
+        *,
+        module: Any,
+        optimizer: DPOptimizer,
+        criterion: Any,
+        loss_reduction: str = "mean",
+        **kwargs: Any,
+    ) -> Any:
+        """Opacus' seam; for randomized clipping, :class:`DPLossRandomizedClipping`."""
+        if self._build is None:
+            return super()._prepare_criterion(
+                module=module,
+                optimizer=optimizer,
+                criterion=criterion,
+                loss_reduction=loss_reduction,
+                **kwargs,
+            )
+        return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)
+
+    # ------------------------------------------------------------------------------------------
+    # Helpers
+    # ------------------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        *,
+        sketch: str | None,
+        sketch_dim: int | None,
+        sketch_head_dim: int | None,
+        sketch_generator: torch.Generator | None,
+        bookkeeping: bool,
+        denoise: str | None,
+        denoise_kappa: float | None,
+        denoise_options: dict[str, Any] | None,
+        check_lora_update: bool,
+        kwargs: dict[str, Any],
+        **opacus_options: Any,
+    ) -> _Request:
+        """Validate one call's options (attaching nothing) and build its configuration."""
+        module = opacus_options["module"]
         post = self._prepare_post_processing(
             module=module,
-            grad_sample_mode=grad_sample_mode,
+            grad_sample_mode=opacus_options["grad_sample_mode"],
             denoise=denoise,
             denoise_kappa=denoise_kappa,
             denoise_options=denoise_options,
             check_lora_update=check_lora_update,
         )
-        _check_bookkeeping(bookkeeping, clipping)
+        if opacus_options["criterion"] is None:
+            opacus_options["criterion"] = nn.CrossEntropyLoss()
+        clipping = opacus_options["clipping"]
         if clipping != "randomized":
-            self._reject_sketch_options(
-                clipping, sketch, sketch_dim, sketch_head_dim, sketch_generator
-            )
-            out = self._delegate(
-                super().make_private_with_epsilon,
-                module=module,
-                optimizer=optimizer,
-                criterion=criterion,
-                data_loader=data_loader,
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                epochs=epochs,
-                max_grad_norm=max_grad_norm,
-                batch_first=batch_first,
-                loss_reduction=loss_reduction,
-                poisson_sampling=poisson_sampling,
-                clipping=clipping,
-                noise_generator=noise_generator,
-                grad_sample_mode=grad_sample_mode,
-                wrap_model=wrap_model,
-                **kwargs,
-            )
-            return self._attach_post_processing(out, post, module=module)
+            if any(o is not None for o in (sketch, sketch_dim, sketch_head_dim, sketch_generator)):
+                raise ValueError(
+                    "sketch, sketch_dim, sketch_head_dim and sketch_generator only apply to "
+                    f"clipping='randomized' (got clipping={clipping!r})"
+                )
+            if bookkeeping is not True:
+                raise ValueError(
+                    f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
+                )
+            return _Request(opacus_options, dict(kwargs), None, post)
 
-        spec = self._validate_randomized(
-            module=module,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=data_loader,
-            max_grad_norm=max_grad_norm,
-            loss_reduction=loss_reduction,
-            noise_generator=noise_generator,
-            grad_sample_mode=grad_sample_mode,
-            sketch=sketch,
-            sketch_dim=sketch_dim,
+        if kwargs:
+            raise TypeError(
+                f"unexpected keyword arguments for clipping='randomized': {sorted(kwargs)}"
+            )
+        if not getattr(type(self.accountant), "supports_randomized_clipping", False):
+            raise ValueError(_ACCOUNTANT_ERROR)
+        config = RandomizedClippingConfig(
+            max_grad_norm=opacus_options["max_grad_norm"],
+            sketch=DEFAULT_SKETCH if sketch is None else sketch,
+            sketch_dim=DEFAULT_SKETCH_DIM if sketch_dim is None else sketch_dim,
             sketch_head_dim=sketch_head_dim,
             sketch_generator=sketch_generator,
-            kwargs=kwargs,
+            secure_mode=self.secure_mode,
+            batch_first=opacus_options["batch_first"],
+            loss_reduction=opacus_options["loss_reduction"],
+            bookkeeping=bookkeeping,
         )
-        sample_rate = 1 / len(data_loader)
+        criterion_reduction = getattr(opacus_options["criterion"], "reduction", None)
+        if criterion_reduction is not None and criterion_reduction != config.loss_reduction:
+            raise ValueError(
+                f"the criterion has reduction={criterion_reduction!r} but "
+                f"loss_reduction={config.loss_reduction!r}; they must match"
+            )
+        grad_sample_mode = opacus_options["grad_sample_mode"]
+        if grad_sample_mode not in _RANDOMIZED_GRAD_SAMPLE_MODES:
+            raise ValueError(
+                f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
+                f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
+            )
+        if isinstance(module, FSDPModule):
+            raise NotImplementedError(
+                "clipping='randomized' does not support FSDP yet; use DPDDP or DDP"
+            )
+        _sample_rate(opacus_options["data_loader"])  # refuses an empty loader
+        # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.
+        opacus_options["grad_sample_mode"] = "ghost"
+        return _Request(opacus_options, {}, config, post)
+
+    def _make_private(self, request: _Request, *, noise_multiplier: Any) -> tuple[Any, ...]:
+        """Opacus' ``make_private`` on a validated request; undo everything if it raises."""
+        if request.config is not None:
+            noise_multiplier = validate_noise_multiplier(noise_multiplier)
+        self._check_zero_noise(request, noise_multiplier)
+        module = request.opacus_options["module"]
+        had_hooks = hasattr(module, "autograd_grad_sample_hooks")
+        previous_dataset = self.dataset
+        build = None if request.config is None else _RandomizedBuild(request.config)
+        self._build = build
+        try:
+            out = super().make_private(
+                noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
+            )
+        except BaseException:
+            if build is not None and build.module is not None:
+                build.module.cleanup()
+            if not had_hooks:
+                strip_grad_sample_hooks(module)
+            self.dataset = previous_dataset
+            raise
+        finally:
+            self._build = None
+        if build is not None:
+            logger.info(
+                "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
+                build.config.sketch_spec,
+                1 / len(out[-1]),
+                build.module.bookkeeping,
+            )
+        return self._attach_post_processing(out, request.post, module=module)
+
+    def _check_zero_noise(self, request: _Request, noise_multiplier: Any) -> None:
+        """``noise_multiplier=0``: refuse it unless the accountant records it; then warn once.
+
+        The accountant decides whether a step can be accounted, so it is asked with a probe: a
+        copy of it records one noiseless step through its optimizer hook (as every real step
+        would) and must then report an infinite epsilon. An accountant that refuses the step
+        (today's ``RCAccountant``) would make every ``optimizer.step()`` raise, and one that
+        reports a finite epsilon for a run without noise would claim a guarantee that does not
+        hold: both are refused here, before any hook is attached.
+
+        Raises:
+            ValueError: As described, saying what to do.
+        """
+        try:
+            zero = float(noise_multiplier) == 0.0
+        except (TypeError, ValueError):
+            return  # Opacus' concern (non-numeric noise multipliers are not checked here)
+        if not zero:
+            return
+        mechanism = self.accountant.mechanism()
+        sample_rate = _sample_rate(request.opacus_options["data_loader"])
+        probe = copy.deepcopy(self.accountant)
+        probe.history = []
+        step = SimpleNamespace(noise_multiplier=0.0, accumulated_iterations=1)
+        if request.config is not None:
+            step.sketch_spec = request.config.sketch_spec
+        with warnings.catch_warnings():  # the probe's own warnings are not the user's concern
+            warnings.simplefilter("ignore")
+            try:
+                probe.get_optimizer_hook_fn(sample_rate=sample_rate)(step)
+            except Exception as err:
+                raise ValueError(
+                    f"noise_multiplier=0: the {mechanism!r} accountant cannot record a step "
+                    f"without noise ({type(err).__name__}: {err}), so every optimizer step "
+                    "would fail. Pass a noise_multiplier > 0, or, for a debugging run without "
+                    "noise, an accountant that records sigma = 0 with an infinite epsilon."
+                ) from err
+            try:
+                epsilon = float(probe.get_epsilon(_PROBE_DELTA))
+            except Exception:  # noqa: BLE001 - no epsilon at all is not a false claim
+                epsilon = math.inf
+        if math.isfinite(epsilon):
+            raise ValueError(
+                f"noise_multiplier=0: the {mechanism!r} accountant reports a finite epsilon "
+                f"({epsilon:g} at delta={_PROBE_DELTA:g}) for a step without noise, whose "
+                "epsilon is infinite; pass a noise_multiplier > 0"
+            )
+        warnings.warn(
+            "noise_multiplier=0: no noise is added, so this run is not differentially private "
+            "and its epsilon is infinite; use it for debugging only",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _search_noise_multiplier(
+        self, request: _Request, *, target_epsilon: float, target_delta: float, epochs: int
+    ) -> float:
+        """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``."""
+        sample_rate = _sample_rate(request.opacus_options["data_loader"])
         if len(self.accountant) > 0:
             warnings.warn(
                 "make_private_with_epsilon is called with privacy budget already spent; the "
                 "noise multiplier assumes a zero starting point, so the total epsilon will be "
                 "higher than the target",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        from opacus_rc.accountants import get_noise_multiplier
-
-        noise_multiplier = get_noise_multiplier(
+        if request.config is None:
+            # Opacus' make_private_with_epsilon, including where it sends **kwargs.
+            return opacus_get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                sample_rate=sample_rate,
+                epochs=epochs,
+                accountant=self.accountant.mechanism(),
+                **request.kwargs,
+            )
+        # Looked up at call time (the package is imported lazily, see __init__).
+        accountants = importlib.import_module("opacus_rc.accountants")
+        return accountants.get_noise_multiplier(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             sample_rate=sample_rate,
             epochs=epochs,
             steps=None,
-            sketch_spec=spec,
+            sketch_spec=request.config.sketch_spec,
             accountant=self.accountant,
             epsilon_tolerance=0.01,
         )
-        return self.make_private(
-            module=module,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=data_loader,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            poisson_sampling=poisson_sampling,
-            clipping="randomized",
-            noise_generator=noise_generator,
-            grad_sample_mode=grad_sample_mode,
-            wrap_model=wrap_model,
-            sketch=spec.estimator,
-            sketch_dim=spec.sketch_dim,
-            sketch_head_dim=spec.head_dim,
-            sketch_generator=sketch_generator,
-            denoise=denoise,
-            denoise_kappa=denoise_kappa,
-            denoise_options=denoise_options,
-            check_lora_update=check_lora_update,
-            bookkeeping=bookkeeping,
-        )
-
-    # ------------------------------------------------------------------------------------------
-    # Helpers
-    # ------------------------------------------------------------------------------------------
 
     def _prepare_post_processing(
         self,
@@ -593,114 +794,3 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.lora_update_guard = post.lora_guard
         logger.info("post-processing: denoiser=%r, lora guard=%s", post.denoiser, post.lora_guard)
         return out
-
-    @staticmethod
-    def _reject_sketch_options(clipping: str, *options: Any) -> None:
-        if any(o is not None for o in options):
-            raise ValueError(
-                "sketch, sketch_dim, sketch_head_dim and sketch_generator only apply to "
-                f"clipping='randomized' (got clipping={clipping!r})"
-            )
-
-    def _delegate(self, method: Any, *, module: nn.Module, **kwargs: Any) -> Any:
-        """Call an Opacus method; on failure, strip any hook it left on ``module``."""
-        had_hooks = hasattr(module, "autograd_grad_sample_hooks")
-        previous_dataset = self.dataset
-        try:
-            return method(module=module, **kwargs)
-        except BaseException:
-            if not had_hooks:
-                strip_grad_sample_hooks(module)
-            self.dataset = previous_dataset
-            raise
-
-    def _validate_randomized(
-        self,
-        *,
-        module: nn.Module,
-        optimizer: optim.Optimizer,
-        criterion: Any,
-        data_loader: DataLoader,
-        max_grad_norm: Any,
-        loss_reduction: str,
-        noise_generator: torch.Generator | None,
-        grad_sample_mode: str,
-        sketch: str | None,
-        sketch_dim: int | None,
-        sketch_head_dim: int | None,
-        sketch_generator: torch.Generator | None,
-        kwargs: dict[str, Any],
-    ) -> SketchSpec:
-        """Check every input of a randomized-clipping ``make_private``; attach nothing.
-
-        Returns:
-            The :class:`SketchSpec` the module will use.
-        """
-        if kwargs:
-            raise TypeError(
-                f"unexpected keyword arguments for clipping='randomized': {sorted(kwargs)}"
-            )
-        if not getattr(type(self.accountant), "supports_randomized_clipping", False):
-            raise ValueError(_ACCOUNTANT_ERROR)
-        if noise_generator is not None and self.secure_mode:
-            raise ValueError("Passing seed is prohibited in secure mode")
-        if sketch_generator is not None and self.secure_mode:
-            raise ValueError(
-                "passing a sketch_generator is prohibited in secure mode: the sketch must come "
-                "from the operating system's CSPRNG"
-            )
-        spec = resolve_sketch_spec(
-            sketch=_DEFAULT_SKETCH if sketch is None else sketch,
-            sketch_dim=_DEFAULT_SKETCH_DIM if sketch_dim is None else sketch_dim,
-            sketch_head_dim=sketch_head_dim,
-            sketch_generator=sketch_generator,
-        )
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
-            raise TypeError(
-                "clipping='randomized' needs one float max_grad_norm (flat clipping), got "
-                f"{type(max_grad_norm).__name__}"
-            )
-        if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        criterion_reduction = getattr(criterion, "reduction", None)
-        if criterion_reduction is not None and criterion_reduction != loss_reduction:
-            raise ValueError(
-                f"the criterion has reduction={criterion_reduction!r} but "
-                f"loss_reduction={loss_reduction!r}; they must match"
-            )
-        if grad_sample_mode not in _RANDOMIZED_GRAD_SAMPLE_MODES:
-            raise ValueError(
-                f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
-                f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
-            )
-        if isinstance(module, FSDPModule):
-            raise NotImplementedError(
-                "clipping='randomized' does not support FSDP yet; use DPDDP or DDP"
-            )
-        if isinstance(module, AbstractGradSampleModule) or hasattr(
-            module, "autograd_grad_sample_hooks"
-        ):
-            raise ValueError(
-                "the model already has Opacus grad-sample hooks; pass the plain nn.Module"
-            )
-        model_parameters = set(module.parameters())
-        for p in chain.from_iterable(group["params"] for group in optimizer.param_groups):
-            if p not in model_parameters:
-                raise ValueError("Module parameters are different than optimizer Parameters")
-        check_training_mode(module)
-        self.validate(module=module, optimizer=None, data_loader=None)
-        if len(data_loader) == 0:
-            raise ValueError("the data loader is empty")
-        return spec
-
-
-def _check_bookkeeping(bookkeeping: Any, clipping: str) -> None:
-    """Validate ``bookkeeping`` (a bool; ``False`` only with ``clipping="randomized"``)."""
-    if not isinstance(bookkeeping, bool):
-        raise TypeError(f"bookkeeping must be a bool, got {type(bookkeeping).__name__}")
-    if not bookkeeping and clipping != "randomized":
-        raise ValueError(
-            f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
-        )

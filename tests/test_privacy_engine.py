@@ -7,8 +7,11 @@ skipped until it is importable.
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -451,3 +454,74 @@ def test_opacus_module_validation_runs_before_hooks(
             clipping="randomized",
         )
     assert_no_hooks(model)
+
+
+# --------------------------------------------------------------------------------------------
+# The README's Usage section (issue 14, items 5, 10 and 11)
+# --------------------------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_usage() -> str:
+    """The README's Usage section (up to the next level-2 heading)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n## Usage\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_make_private_with_epsilon_takes_every_option_of_make_private() -> None:
+    """Both methods share one option list (issue 14, item 5: rand_on_empty was missing from
+    make_private_with_epsilon): same names, same defaults, all keyword-only."""
+    own = {"noise_multiplier"}
+    epsilon_only = {"target_epsilon", "target_delta", "epochs"}
+    plain = inspect.signature(pe.PrivacyEngine.make_private).parameters
+    with_eps = inspect.signature(pe.PrivacyEngine.make_private_with_epsilon).parameters
+    shared = {n: (p.kind, p.default) for n, p in plain.items() if n not in own}
+    assert {n: (p.kind, p.default) for n, p in with_eps.items() if n not in epsilon_only} == shared
+    assert "rand_on_empty" in shared
+    for params in (plain, with_eps):
+        kinds = {p.kind for n, p in params.items() if n not in ("self", "kwargs")}
+        assert kinds == {inspect.Parameter.KEYWORD_ONLY}
+
+
+@needs_rc_accountant
+def test_readme_usage_snippet_trains_for_the_epochs_it_budgets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 14, item 11: the snippet searched sigma for ``epochs=3`` but looped once. Run it
+    (with a small model and loader) and check that it takes ``epochs * len(loader)`` steps and
+    ends at most at its target epsilon."""
+    code = re.search(r"```python\n(.*?)```", readme_usage(), re.S)
+    assert code is not None
+    snippet = code.group(1)
+    torch.manual_seed(0)
+    namespace: dict[str, Any] = {
+        "MyTransformer": TinyTransformer,
+        "train_loader": DataLoader(token_task(64, 0), batch_size=16),
+    }
+    exec(compile(snippet, str(README), "exec"), namespace)  # the README's own code
+    epochs = eval(re.search(r"epochs=(\w+)", snippet).group(1), namespace)
+    target = float(re.search(r"target_epsilon=([\d.]+)", snippet).group(1))
+    assert epochs == 3
+    assert len(namespace["engine"].accountant) == epochs * len(namespace["train_loader"]) == 12
+    printed = float(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.9 * target < printed <= target  # the search aims within 0.01 below the target
+
+
+def test_readme_says_what_forgetting_import_opacus_rc_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 14, item 10. Opacus has no plug-in mechanism for accountants (its registry is a
+    dict that ``create_accountant`` reads), so ``import opacus_rc`` must register "rc". Without
+    the registration Opacus raises the error the README quotes; opacus_rc.PrivacyEngine
+    registers the accountant itself."""
+    import opacus
+    from opacus.accountants import registry
+
+    monkeypatch.delitem(registry._ACCOUNTANTS, "rc")  # as if opacus_rc had not been imported
+    with pytest.raises(ValueError, match="^Unexpected accounting mechanism: rc$") as info:
+        opacus.PrivacyEngine(accountant="rc")
+    usage = readme_usage()
+    assert f"ValueError: {info.value}" in usage and "import opacus_rc" in usage
+    assert pe.PrivacyEngine().accountant.mechanism() == "rc"
