@@ -175,6 +175,21 @@ def _check_probes(
     return probes
 
 
+def _scale_views(
+    scale: tuple[torch.Tensor, torch.Tensor] | None, batch: int, *, swap: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(s_A, s_G)`` as ``(B, 1, 1)`` views (swapped with the factors), or ``(None, None)``."""
+    if scale is None:
+        return None, None
+    s_a, s_g = (t.reshape(batch, 1, 1) for t in scale)
+    return (s_g, s_a) if swap else (s_a, s_g)
+
+
+def _scaled(t: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """``t * s`` (per-sample power of two, broadcast over the batch), or ``t``."""
+    return t if s is None else t * s.to(t.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Probes
 # ----------------------------------------------------------------------------------------------
@@ -229,6 +244,7 @@ def hutchinson_sqnorm(
     generator: torch.Generator | None = None,
     probes: torch.Tensor | None = None,
     side: str = "auto",
+    scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""Hutchinson estimate of the per-sample squared Frobenius norm ``||G_i^T A_i||_F^2``.
 
@@ -256,6 +272,10 @@ def hutchinson_sqnorm(
             ``N(0, 1/k)``). For testing: the result is then exactly ``tr(Omega^T O Omega)``.
         side: ``"output"`` (``p`` side), ``"input"`` (``d`` side) or ``"auto"`` (the smaller
             one; with ``probes``, the side their shape matches).
+        scale: Optional per-sample powers of two ``(s_A, s_G)``, each of shape ``(B,)``: the
+            estimate is then that of ``(s_A A, s_G G)``, formed without scaled copies of the
+            factors (the small operands are scaled instead, which is exact in floating point).
+            Used to keep float32 intermediates in range (:mod:`opacus_rc.grad_sample.linear`).
 
     Returns:
         Tensor of shape ``(B,)``: estimates of ``||G_i^T A_i||_F^2`` (squared units of the
@@ -272,6 +292,7 @@ def hutchinson_sqnorm(
     side = _resolve_side(side, p, d, probes)
     # The input side of M = G^T A is the output side of M^T = A^T G: swap the factors.
     A, G = (activations, backprops) if side == "output" else (backprops, activations)
+    s_a, s_g = _scale_views(scale, B, swap=side != "output")
     rows = G.shape[2]
     dtype = _compute_dtype(A, G)
     if probes is None:
@@ -281,8 +302,9 @@ def hutchinson_sqnorm(
     else:
         omega = _check_probes(probes, batch=B, rows=rows).to(device=G.device, dtype=dtype)
     with torch.autocast(device_type=G.device.type, enabled=False):
-        U = torch.bmm(G.to(dtype), omega)  # (B, T, k)
-        V = torch.bmm(A.to(dtype).transpose(1, 2), U)  # (B, d, k)
+        # Scaling the small operand by a power of two equals scaling the large one, exactly.
+        U = torch.bmm(G.to(dtype), _scaled(omega, s_g))  # (B, T, k)
+        V = torch.bmm(A.to(dtype).transpose(1, 2), _scaled(U, s_a))  # (B, d, k)
         return V.pow(2).sum(dim=(1, 2))
 
 
@@ -295,6 +317,7 @@ def hutchpp_sqnorm(
     generator: torch.Generator | None = None,
     probes: torch.Tensor | None = None,
     head_probes: torch.Tensor | None = None,
+    scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head (THEORY.md A.3).
 
@@ -323,6 +346,8 @@ def hutchpp_sqnorm(
             default generator.
         probes: Explicit tail sketch, ``(B, p, k)`` or ``(p, k)``, entries ``N(0, 1/k)``.
         head_probes: Explicit head sketch, ``(B, d, s)`` or ``(d, s)`` (any law).
+        scale: Optional per-sample powers of two ``(s_A, s_G)``, as in
+            :func:`hutchinson_sqnorm`.
 
     Returns:
         Tensor of shape ``(B,)``; dtype as in :func:`hutchinson_sqnorm`.
@@ -346,15 +371,18 @@ def hutchpp_sqnorm(
         )
     else:
         omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    s_a, s_g = _scale_views(scale, B, swap=False)
     with torch.autocast(device_type=device.type, enabled=False):
         A = activations.to(dtype)
         G = backprops.to(dtype)
         At = A.transpose(1, 2)
         Gt = G.transpose(1, 2)
-        Y = torch.bmm(At, torch.bmm(G, torch.bmm(Gt, torch.bmm(A, S))))  # (B, d, s)
-        Q = torch.linalg.qr(Y, mode="reduced").Q  # (B, d, min(d, s))
-        head = torch.bmm(Gt, torch.bmm(A, Q)).pow(2).sum(dim=(1, 2))
-        Z = torch.bmm(torch.bmm(G, omega).transpose(1, 2), A)  # (B, k, d)
+        # Each product scales its small operand (exact for powers of two; see hutchinson_sqnorm).
+        X = torch.bmm(G, _scaled(torch.bmm(Gt, _scaled(torch.bmm(A, _scaled(S, s_a)), s_g)), s_g))
+        Y = torch.bmm(At, _scaled(X, s_a))  # (B, d, s)
+        Q = torch.linalg.qr(Y, mode="reduced").Q  # (B, d, min(d, s)); scale-invariant
+        head = torch.bmm(Gt, _scaled(torch.bmm(A, _scaled(Q, s_a)), s_g)).pow(2).sum(dim=(1, 2))
+        Z = torch.bmm(_scaled(torch.bmm(G, _scaled(omega, s_g)), s_a).transpose(1, 2), A)
         resid = Z - torch.bmm(torch.bmm(Z, Q), Q.transpose(1, 2))
         tail = resid.pow(2).sum(dim=(1, 2))
         return head + tail

@@ -180,7 +180,7 @@ def test_empty_poisson_batch_is_noised_and_counted(fake_engine: Any) -> None:
     loader = DataLoader(token_task(4, 2), batch_size=1)
     module, optimizer, criterion, dp_loader = fake_engine.make_private(
         module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),  # lr=1, sigma=1 diverges to NaN
         data_loader=loader,
         noise_multiplier=1.0,
         max_grad_norm=1.0,

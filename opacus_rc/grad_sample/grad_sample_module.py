@@ -3,50 +3,34 @@
 :class:`GradSampleModuleRandomizedClipping` wraps a model like Opacus'
 ``GradSampleModuleFastGradientClipping`` (ghost clipping); :class:`GradSampleHooksRandomizedClipping`
 attaches the same hooks without wrapping (``wrap_model=False``). Both share
-:class:`_RandomizedClippingMixin`, which changes three things:
+:class:`_RandomizedClippingMixin`, which holds the hooks only; the rest lives in one module
+each:
 
-1. Norms. In the backward hook, a layer type registered in
-   :data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS` gets a sketched per-sample
-   norm (fresh Gaussian probes from the module's generator for every step, sample and layer;
-   THEORY.md A.2 and B.2). Every other layer uses Opacus' exact path unchanged: the ghost norm
-   of ``nn.Embedding``, per-sample gradients for ``LayerNorm``/``RMSNorm``/Conv, functorch for
-   the rest.
-2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a trainable
-   parameter used outside the forward of the module that owns it raises before the first
-   backward pass (:meth:`~_RandomizedClippingMixin.check_parameter_uses`, called by the DP
-   criterion), and a parameter that received a gradient without a per-sample norm raises
-   instead of passing unclipped; stale norms of a previous step are never reused; tied or
-   reused sketched modules raise naming the module; eval-mode models are rejected, and a module
-   switched to eval mode that still receives a gradient raises naming it; per-sample norms of
-   different batch sizes (a batch-broadcast input such as ``position_ids`` of shape ``[1, T]``,
-   Opacus issue 841) raise naming the parameters. (tests/reliability/CATALOGUE.md lists all.)
-3. Sketch randomness. One ``torch.Generator`` owned by the module, seeded from the operating
-   system's CSPRNG (:mod:`secrets`) unless the caller passes one. Probes are drawn inside the
-   backward hook and never stored or logged.
+* :mod:`~opacus_rc.grad_sample.routing`: how each module's norm is computed (sketched, exact,
+  Opacus' per-sample gradients, functorch, or refused), decided once and used by the hooks,
+  book-keeping, the log line and the report;
+* :mod:`~opacus_rc.grad_sample.step`: the :class:`~opacus_rc.grad_sample.step.StepState` that
+  records one step and enforces its invariant (every gradient the optimizer releases got a
+  per-sample norm and a clip factor in this step's private backward);
+* :mod:`~opacus_rc.grad_sample.bookkeeping`: the one-backward clipped sum (Bu, Wang, Zha and
+  Karypis, ICML 2023);
+* :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable parameters,
+  parameters used outside their module's forward.
+
+Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
+tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
+caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
+fresh for every step, sample and layer (THEORY.md A.2, B.2), and never stored or logged.
 
 The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
 over parameters of the squared per-parameter norms (THEORY.md B.1), the same form as Opacus'
 ghost clipping so that exact and sketched runs are comparable.
-
-Book-keeping (``bookkeeping=True``, the default; Bu, Wang, Zha and Karypis, "Differentially
-Private Optimization on Large Model at Small Cost", ICML 2023). Ghost clipping needs a second
-backward pass of ``sum_i c_i loss_i`` once the clip factors ``c`` are known. In book-keeping mode
-the first (only) backward pass keeps, for each sketched layer with a clipped-sum function
-(:data:`~opacus_rc.grad_sample.registry.CLIPPED_SUM_FUNCTIONS`, e.g. ``nn.Linear``), its input
-and output gradient, and for each layer on Opacus' per-sample-gradient path (``LayerNorm``,
-``RMSNorm``, functorch) the per-sample gradients Opacus computes for the norm anyway;
-:meth:`~_RandomizedClippingMixin.apply_clipped_sum` then writes ``p.grad = sum_i c_i grad_p
-loss_i`` from them, which is exactly what the second backward pass gives. The probes are drawn
-in the first pass only, in both modes, so the sketch randomness and the privacy analysis are
-unchanged. Modules with an Opacus ghost norm (``nn.Embedding``) have no per-sample gradient:
-with any of them trainable, or in distributed training, the module uses two passes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import secrets
 import warnings
 from collections.abc import Callable
@@ -62,77 +46,43 @@ from opacus.grad_sample.grad_sample_module import (
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
-    create_norm_sample,
 )
-from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
-from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
-from opacus.utils.module_utils import trainable_modules, trainable_parameters
+from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.nn.parallel import DistributedDataParallel
 
+from opacus_rc.config import RandomizedClippingConfig
+from opacus_rc.grad_sample.bookkeeping import BookkeepingStash, write_clipped_sums
+from opacus_rc.grad_sample.checks import (
+    ParameterUseCheck,
+    TrainableSetGuard,
+    check_tied_parameters,
+    check_training_mode,
+    strip_grad_sample_hooks,
+)
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
+    EXACT_NORM_TYPES,
     SKETCHED_NORM_SAMPLERS,
     ClippedSumFunction,
     SketchedNormSampler,
 )
-from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
+from opacus_rc.grad_sample.routing import (
+    NormPath,
+    NormRoute,
+    refuse_unsupported,
+    resolve_norm_routes,
+)
+from opacus_rc.grad_sample.step import StepState
+from opacus_rc.sketching import SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 
 logger = logging.getLogger(__name__)
 
-_LOSS_REDUCTIONS = ("mean", "sum")
-
-#: Module attribute holding a book-keeping stash between the backward pass and the clipped sum.
-_STASH_ATTR = "_rc_bookkeeping_stash"
-
-
-def strip_grad_sample_hooks(module: nn.Module) -> None:
-    """Remove every Opacus/opacus_rc hook and attribute from ``module``.
-
-    For failure paths, where no hooks object may exist to call ``cleanup()`` on. Opacus keeps
-    the hook handles in ``module.autograd_grad_sample_hooks`` and adds the attributes in
-    ``OPACUS_PARAM_MONKEYPATCH_ATTRS`` to parameters and ``activations``/``max_batch_len``/
-    ``ft_compute_sample_grad`` to submodules; this package adds its book-keeping stash.
-    """
-    handles = getattr(module, "autograd_grad_sample_hooks", None)
-    if handles is not None:
-        while handles:
-            handles.pop().remove()
-        delattr(module, "autograd_grad_sample_hooks")
-    for p in module.parameters():
-        for attr in OPACUS_PARAM_MONKEYPATCH_ATTRS:
-            if hasattr(p, attr):
-                delattr(p, attr)
-    for sub in module.modules():
-        for attr in ("activations", "max_batch_len", "ft_compute_sample_grad", _STASH_ATTR):
-            if attr in sub.__dict__:
-                delattr(sub, attr)
-
-
-def check_training_mode(module: nn.Module) -> None:
-    """Raise if ``module`` or any submodule with trainable parameters is in eval mode.
-
-    Opacus' forward hook skips modules with ``training=False``, so their gradients would have
-    no per-sample norm.
-
-    Raises:
-        ValueError: Naming the offending modules and telling the caller to call ``train()``.
-    """
-    if not module.training:
-        raise ValueError(
-            "the model is in eval mode; randomized clipping needs per-sample norms that are "
-            "only recorded in training mode: call model.train() before make_private / before "
-            "wrapping the model"
-        )
-    in_eval = [name or "<root>" for name, sub in trainable_modules(module) if not sub.training]
-    if in_eval:
-        raise ValueError(
-            f"submodules with trainable parameters are in eval mode: {in_eval[:5]}; call "
-            "model.train() (or freeze their parameters) before make_private"
-        )
+#: Paths whose norm comes from a per-module norm sampler (no tied weights, one use per step).
+_NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
 
 
 def resolve_sketch_spec(
@@ -144,75 +94,34 @@ def resolve_sketch_spec(
 ) -> SketchSpec:
     """The :class:`SketchSpec` a randomized-clipping module built with these options uses.
 
-    Used by the module itself and by ``PrivacyEngine.make_private_with_epsilon`` (noise search
-    before the module exists), so both always agree.
-
-    Args:
-        sketch: Estimator name (see :data:`opacus_rc.sketching.ESTIMATORS`).
-        sketch_dim: ``k``, Gaussian (tail) columns.
-        sketch_head_dim: Hutch++ head columns ``s`` (default ``sketch_dim``); must be ``None``
-            for other estimators.
-        sketch_generator: The user's generator, if any (the spec is then not ``secret``).
-
-    Returns:
-        The spec: per-sample sketches, ``secret`` iff no generator was passed.
+    A thin view of :class:`~opacus_rc.config.RandomizedClippingConfig`, which validates.
 
     Raises:
         ValueError: Unknown estimator, dimension < 1, or a head dimension without Hutch++.
         TypeError: Non-integer dimension.
     """
-    get_estimator(sketch)
-    validate_sketch_dim(sketch_dim)
-    if sketch == "hutch++":
-        head_dim = sketch_dim if sketch_head_dim is None else sketch_head_dim
-        validate_sketch_dim(head_dim, "sketch_head_dim")
-    elif sketch_head_dim is not None:
-        raise ValueError(f"sketch_head_dim is only used by sketch='hutch++', not {sketch!r}")
-    else:
-        head_dim = None
-    return SketchSpec(
-        estimator=sketch,
+    return RandomizedClippingConfig(
+        max_grad_norm=1.0,
+        sketch=sketch,
         sketch_dim=sketch_dim,
-        head_dim=head_dim,
-        per_sample=True,
-        secret=sketch_generator is None,
-    )
+        sketch_head_dim=sketch_head_dim,
+        sketch_generator=sketch_generator,
+    ).sketch_spec
 
 
-class _BookkeepingStash:
-    """What one module's first backward pass leaves for its clipped gradient sum (book-keeping).
+def _strided_index(t: Any) -> bool:
+    """A non-contiguous integer tensor (e.g. expanded token or position ids)."""
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
 
-    Either ``activations``/``backprops`` (a sketched layer with a clipped-sum function, fed to
-    that function) or ``grad_samples`` (per-sample gradients from Opacus' exact path). Every
-    tensor is detached.
 
-    Attributes:
-        params: The trainable parameters this stash gives a gradient to.
-        activations: The layer's forward inputs, batch first (e.g. ``[A]`` with ``A`` of shape
-            ``(B, ..., d)``), or None.
-        backprops: The output gradient ``G``, batch first, already rescaled to per-sample losses
-            (``(B, ..., p)``), or None.
-        grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
-    """
-
-    __slots__ = ("activations", "backprops", "grad_samples", "params")
-
-    def __init__(
-        self,
-        params: tuple[nn.Parameter, ...],
-        *,
-        activations: list[torch.Tensor] | None = None,
-        backprops: torch.Tensor | None = None,
-        grad_samples: dict[nn.Parameter, torch.Tensor] | None = None,
-    ) -> None:
-        self.params = params
-        self.activations = activations
-        self.backprops = backprops
-        self.grad_samples = grad_samples
+def _module_device(m: nn.Module) -> torch.device:
+    for p in m.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 class _RandomizedClippingMixin:
-    """Shared logic of the wrapping and the hooks-only randomized-clipping classes.
+    """Shared hooks of the wrapping and the hooks-only randomized-clipping classes.
 
     Must come before an Opacus ``...FastGradientClipping`` class in the bases.
     """
@@ -221,48 +130,28 @@ class _RandomizedClippingMixin:
     SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = SKETCHED_NORM_SAMPLERS
     #: Clipped-sum functions of the sketched types (book-keeping), by exact module type.
     CLIPPED_SUM_FUNCTIONS: dict[type[nn.Module], ClippedSumFunction] = CLIPPED_SUM_FUNCTIONS
+    #: Types of SKETCHED_NORM_SAMPLERS whose sampler is exact.
+    EXACT_NORM_TYPES: set[type[nn.Module]] = EXACT_NORM_TYPES
 
-    # Book-keeping state (instance attributes once constructed; class defaults for hooks that
-    # could fire before __init__ ends).
+    # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
-    _bk_ready: list[tuple[nn.Module, _BookkeepingStash]] | None = None
+    _step: StepState | None = None
 
     def __init__(
         self,
         m: nn.Module,
         *,
-        max_grad_norm: float,
-        sketch: str = "hutchinson",
-        sketch_dim: int = 32,
-        sketch_head_dim: int | None = None,
-        sketch_generator: torch.Generator | None = None,
-        secure_mode: bool = False,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        force_functorch: bool = False,
-        bookkeeping: bool = True,
+        config: RandomizedClippingConfig | None = None,
+        **options: Any,
     ) -> None:
-        # Everything is validated before Opacus attaches a single hook.
-        spec = resolve_sketch_spec(
-            sketch=sketch,
-            sketch_dim=sketch_dim,
-            sketch_head_dim=sketch_head_dim,
-            sketch_generator=sketch_generator,
-        )
-        _validate_max_grad_norm(max_grad_norm)
-        if loss_reduction not in _LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if not isinstance(bookkeeping, bool):
-            raise TypeError(f"bookkeeping must be a bool, got {type(bookkeeping).__name__}")
-        if sketch_generator is not None and not isinstance(sketch_generator, torch.Generator):
+        # Everything is validated (once, by the config) before Opacus attaches a single hook.
+        if config is None:
+            config = RandomizedClippingConfig(**options)
+        elif options:
+            raise TypeError(f"pass either config= or the options, not both: {sorted(options)}")
+        elif not isinstance(config, RandomizedClippingConfig):
             raise TypeError(
-                f"sketch_generator must be a torch.Generator, got {type(sketch_generator).__name__}"
-            )
-        if secure_mode and sketch_generator is not None:
-            raise ValueError(
-                "passing a sketch_generator is prohibited with secure_mode=True: the sketch "
-                "must come from the operating system's CSPRNG"
+                f"config must be a RandomizedClippingConfig, got {type(config).__name__}"
             )
         if hasattr(m, "autograd_grad_sample_hooks"):
             raise ValueError(
@@ -270,56 +159,65 @@ class _RandomizedClippingMixin:
                 "nn.Module (call cleanup() on the previous hooks first)"
             )
         check_training_mode(m)
-        self._check_tied_parameters(m)
-
+        names = {id(sub): name for name, sub in m.named_modules()}
+        routes = resolve_norm_routes(
+            self.iterate_submodules(m),  # type: ignore[attr-defined]
+            names=names,
+            sketched=self.SKETCHED_NORM_SAMPLERS,
+            exact_types=self.EXACT_NORM_TYPES,
+            clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
+            grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
+            norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+            force_functorch=config.force_functorch,
+        )
+        refuse_unsupported(routes)
+        check_tied_parameters(
+            m, norm_sampled=lambda sub: getattr(routes.get(id(sub)), "path", None) in _NORM_SAMPLED
+        )
         try:
             super().__init__(  # type: ignore[call-arg]
                 m,
-                batch_first=batch_first,
-                loss_reduction=loss_reduction,
-                strict=strict,
-                force_functorch=force_functorch,
-                max_grad_norm=max_grad_norm,
+                batch_first=config.batch_first,
+                loss_reduction=config.loss_reduction,
+                strict=config.strict,
+                force_functorch=config.force_functorch,
+                max_grad_norm=config.max_grad_norm,
                 use_ghost_clipping=True,
             )
         except BaseException:
             strip_grad_sample_hooks(m)  # Opacus may fail after attaching some hooks
             raise
         try:
-            self._sketch_spec = spec
-            estimator = get_estimator(sketch)
-            if spec.head_dim is not None:
-                estimator = functools.partial(estimator, head_dim=spec.head_dim)
+            self._config = config
+            self._routes = routes
+            self._module_names = names
+            self._param_names = {id(p): name for name, p in trainable_parameters(m)}
+            estimator = get_estimator(config.sketch)
+            if config.sketch_spec.head_dim is not None:
+                estimator = functools.partial(estimator, head_dim=config.sketch_spec.head_dim)
             self._estimator: Callable[..., torch.Tensor] = estimator
-            self._secure_mode = secure_mode
-            if sketch_generator is None:
-                sketch_generator = torch.Generator(device=_module_device(m))
-                sketch_generator.manual_seed(secrets.randbits(63))
-            else:
+            self._user_generator = config.sketch_generator
+            self._generators: dict[torch.device, torch.Generator] = {}
+            if self._user_generator is not None:
                 warnings.warn(
                     "a sketch_generator was passed: the 'hidden' privacy guarantee of randomized "
                     "clipping then holds only if its seed stays secret; the reported SketchSpec "
                     "has secret=False",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-            self._sketch_generator = sketch_generator
-            self._module_names = {id(sub): name for name, sub in m.named_modules()}
-            self._param_names = {id(p): name for name, p in trainable_parameters(m)}
-            self._fresh_norms: set[int] = set()
-            self._grad_seen: set[int] = set()
-            self._coef_dtype = torch.float32
-            self._bk_stashed: list[nn.Module] = []
-            self._bk_edges: list[GradientEdge | torch.Tensor] = []
-            self._bk_ready = None
-            self._clip_factors_issued = False
+            self._step = StepState(name_of=self._name_of)
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
                 )
-            self._register_forward_spans(m)
+            self._uses = ParameterUseCheck(
+                m, name_of=self._name_of, active=lambda: self.hooks_enabled
+            )
+            self._uses.register(self.autograd_grad_sample_hooks)
+            self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
-            self._bookkeeping = self._resolve_bookkeeping(m, requested=bookkeeping)
+            self._bookkeeping = self._resolve_bookkeeping(m, requested=config.bookkeeping)
         except BaseException:
             self.cleanup()
             raise
@@ -329,73 +227,120 @@ class _RandomizedClippingMixin:
     # ------------------------------------------------------------------------------------------
 
     @property
+    def config(self) -> RandomizedClippingConfig:
+        """The validated options this module was built with (shared with the optimizer)."""
+        return self._config
+
+    @property
     def sketch_spec(self) -> SketchSpec:
         """The :class:`~opacus_rc.sketching.SketchSpec` this module actually uses."""
-        return self._sketch_spec
+        return self._config.sketch_spec
+
+    @property
+    def step_state(self) -> StepState:
+        """The :class:`~opacus_rc.grad_sample.step.StepState` of the current step."""
+        assert self._step is not None
+        return self._step
+
+    @property
+    def parameter_use_check(self) -> ParameterUseCheck:
+        """The check of parameters used outside their module's forward (its forward spans)."""
+        return self._uses
+
+    @property
+    def norm_routes(self) -> dict[str, NormRoute]:
+        """``{module name: NormRoute}``: how each hooked module's norm is computed."""
+        return {r.name: r for r in self._routes.values()}
+
+    @property
+    def per_sample_gradient_norms(self) -> torch.Tensor:
+        """``(B,)`` float64 norm estimates of the whole model from the last clip factors.
+
+        Readable from the clip factors of a step until the next hooked forward pass. These are
+        not privatized: for debugging and logging only.
+
+        Raises:
+            AttributeError: If no clip factors were computed since the last forward pass.
+        """
+        norms = None if self._step is None else self._step.per_sample_gradient_norms
+        if norms is None:
+            raise AttributeError(
+                "per_sample_gradient_norms is not set: they exist from the private backward "
+                "(criterion(...).backward()) of a step until the next forward pass"
+            )
+        return norms
+
+    @per_sample_gradient_norms.setter
+    def per_sample_gradient_norms(self, value: Any) -> None:
+        # Opacus' base __init__ assigns it; the value lives in the step state.
+        if self._step is not None and value is not None:
+            self._step.per_sample_gradient_norms = value
+
+    @property
+    def norm_samples(self) -> dict[str, torch.Tensor]:
+        """``{parameter name: (B,) norm}``: this step's per-parameter norms (after its backward),
+        or those of the last clip factors (until the next forward). Not privatized."""
+        return {self._name_of(p): t for p, t in self.step_state.norm_samples.items()}
+
+    def generator_for(self, device: torch.device | str) -> torch.Generator:
+        """The sketch generator for tensors on ``device`` (created and OS-seeded on first use).
+
+        A user-supplied generator serves every device (probes are then moved).
+        """
+        if self._user_generator is not None:
+            return self._user_generator
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(secrets.randbits(63))
+            self._generators[device] = gen
+        return gen
 
     @property
     def sketch_generator(self) -> torch.Generator:
-        """The generator all probes are drawn from (never the data or noise generator)."""
-        return self._sketch_generator
+        """The generator probes for the model's own device are drawn from (never the noise's)."""
+        return self.generator_for(_module_device(self._module))  # type: ignore[attr-defined]
 
     @property
     def bookkeeping(self) -> bool:
         """Whether steps use book-keeping (one backward pass) rather than two backward passes.
 
         ``True`` only if ``bookkeeping=True`` was passed, every trainable module supports it and
-        the model is not distributed (decided at construction; see the module docstring).
+        the model is not distributed (decided at construction).
         """
         return self._bookkeeping
 
     # ------------------------------------------------------------------------------------------
-    # Construction-time checks
+    # Construction-time decisions
     # ------------------------------------------------------------------------------------------
 
-    def _uses_norm_sampler(self, module: nn.Module) -> bool:
-        """Whether ``module``'s norm comes from a sampler that cannot handle tied weights."""
-        t = type(module)
-        return t in self.SKETCHED_NORM_SAMPLERS or t in type(self).NORM_SAMPLERS  # type: ignore[attr-defined]
-
-    def _check_tied_parameters(self, m: nn.Module) -> None:
-        """Raise if a trainable parameter is shared by a norm-sampled module and another one."""
-        owners: dict[int, list[tuple[str, nn.Module]]] = {}
-        for name, sub in m.named_modules():
-            for p in sub.parameters(recurse=False):
-                if p.requires_grad:
-                    owners.setdefault(id(p), []).append((name or "<root>", sub))
-        for users in owners.values():
-            if len(users) > 1 and any(self._uses_norm_sampler(sub) for _, sub in users):
-                names = ", ".join(f"'{n}' ({type(s).__name__})" for n, s in users)
-                raise NotImplementedError(
-                    f"a trainable parameter is tied between modules {names}; randomized and "
-                    "ghost clipping compute per-module norms and cannot combine tied weights. "
-                    "Untie the weights or freeze the shared parameter."
-                )
+    def _name_of(self, obj: Any) -> str:
+        """Qualified name of a module or trainable parameter (for messages)."""
+        name = self._param_names.get(id(obj)) or self._module_names.get(id(obj))
+        if name:
+            return name
+        return type(obj).__name__ if isinstance(obj, nn.Module) else "<unnamed>"
 
     def _log_norm_paths(self) -> None:
-        """Log once, at construction, which norm path each trainable module takes."""
+        """Log once, at construction, which norm path each hooked module takes."""
         if not logger.isEnabledFor(logging.INFO):
             return
-        for name, sub in trainable_modules(self._module):  # type: ignore[attr-defined]
-            t = type(sub)
-            if t in self.SKETCHED_NORM_SAMPLERS:
-                path = f"sketched ({self._sketch_spec.estimator}, k={self._sketch_spec.sketch_dim})"
-            elif t in type(self).NORM_SAMPLERS:  # type: ignore[attr-defined]
-                path = "exact ghost norm (Opacus)"
-            elif t in type(self).GRAD_SAMPLERS and not self.force_functorch:  # type: ignore[attr-defined]
-                path = "exact per-sample gradients (Opacus grad sampler)"
-            else:
-                path = "exact per-sample gradients (functorch fallback)"
-            logger.info("module %r (%s): %s", name, t.__name__, path)
+        for route in self._routes.values():
+            logger.info(
+                "module %r (%s): %s",
+                route.name,
+                route.module_type,
+                route.describe(self._config.sketch_spec),
+            )
 
     def _resolve_bookkeeping(self, m: nn.Module, *, requested: bool) -> bool:
         """Whether book-keeping can be used; logs once (INFO) why not if it was requested.
 
         Available iff no module of ``m`` is a (DP)DDP wrapper, the process group (if any) has
-        one rank, and every hooked trainable module is covered: a sketched type with a
-        clipped-sum function, or a type on Opacus' per-sample-gradient path (a grad sampler or
-        functorch). An Opacus ghost norm (``nn.Embedding``) or a sketched type without a
-        clipped-sum function forces two passes.
+        one rank, and every route supports it (:attr:`NormRoute.supports_bookkeeping`).
         """
         if not requested:
             return False
@@ -411,17 +356,16 @@ class _RandomizedClippingMixin:
                 "backward passes"
             )
             return False
-        blockers: list[str] = []
-        for sub in self.iterate_submodules(m):  # type: ignore[attr-defined]
-            t = type(sub)
-            if t in (DPRNN, DPLSTM, DPGRU):  # hooked through their RNNLinear children
-                continue
-            name = f"'{self._module_name(sub)}' ({t.__name__})"
-            if t in self.SKETCHED_NORM_SAMPLERS:
-                if t not in self.CLIPPED_SUM_FUNCTIONS:
-                    blockers.append(f"{name}: sketched norm without a clipped-sum function")
-            elif t in type(self).NORM_SAMPLERS:  # type: ignore[attr-defined]
-                blockers.append(f"{name}: Opacus ghost norm, no per-sample gradient")
+        blockers = [
+            f"'{r.name}' ({r.module_type}): "
+            + (
+                "Opacus ghost norm, no per-sample gradient"
+                if r.path is NormPath.GHOST
+                else "sketched norm without a clipped-sum function"
+            )
+            for r in self._routes.values()
+            if not r.supports_bookkeeping
+        ]
         if blockers:
             logger.info(
                 "book-keeping (single backward) is off, two backward passes per step; forced "
@@ -432,119 +376,172 @@ class _RandomizedClippingMixin:
         return True
 
     # ------------------------------------------------------------------------------------------
-    # Parameter uses outside their module's forward
+    # The private backward (called by the DP loss)
     # ------------------------------------------------------------------------------------------
 
-    def _register_forward_spans(self, m: nn.Module) -> None:
-        """Record, for every module owning a trainable parameter, the autograd sequence numbers
-        its forward calls span (see :meth:`check_parameter_uses`)."""
-        self._param_owners: dict[int, list[int]] = {}
-        self._forward_spans: dict[int, list[tuple[int, int]]] = {}
-        self._open_spans: dict[int, list[int]] = {}
-        self._sequence_leaf = torch.zeros((), requires_grad=True)
-        for sub in m.modules():
-            own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
-            if not own:
-                continue
-            for p in own:
-                self._param_owners.setdefault(id(p), []).append(id(sub))
-            self.autograd_grad_sample_hooks.append(  # type: ignore[attr-defined]
-                sub.register_forward_pre_hook(self._open_forward_span)
-            )
-            self.autograd_grad_sample_hooks.append(  # type: ignore[attr-defined]
-                sub.register_forward_hook(self._close_forward_span)
-            )
+    def begin_private_backward(self) -> None:
+        """Check that the step protocol allows a private backward now.
 
-    def _sequence_number(self) -> int:
-        """The autograd sequence number of a node created now (forward nodes are numbered in
-        creation order, per thread)."""
-        return self._sequence_leaf.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
-
-    def _open_forward_span(self, module: nn.Module, _args: Any) -> None:
-        if self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            self._open_spans.setdefault(id(module), []).append(self._sequence_number())
-
-    def _close_forward_span(self, module: nn.Module, _args: Any, _output: Any) -> None:
-        opened = self._open_spans.get(id(module))
-        if opened and self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            span = (opened.pop(), self._sequence_number())
-            self._forward_spans.setdefault(id(module), []).append(span)
+        Raises:
+            StepProtocolError: See :meth:`StepState.begin_backward` (a ``RuntimeError``); this
+                forward's recorded activations are dropped, the earlier state is kept.
+        """
+        try:
+            self.step_state.begin_backward()
+        except BaseException:
+            self.discard_recorded()
+            raise
 
     def check_parameter_uses(self, loss: torch.Tensor) -> None:
-        """Raise if a trainable parameter reaches ``loss`` other than through its module's forward.
+        """Check, before the private backward of ``loss``, that every gradient can be clipped.
 
-        Per-sample norms come from each module's own forward (its hooks see its input and
-        output gradient), so a parameter also used elsewhere, e.g. ``F.linear(h,
-        model.fc.weight)`` outside ``model.fc``, would get a gradient that no norm measured:
-        unclipped with two backward passes, dropped with book-keeping. This walks the autograd
-        graph of ``loss`` once (O(nodes)) and checks that every node consuming a trainable
-        parameter was created inside a forward call of a module owning it (by autograd
-        sequence numbers, recorded by forward pre- and post-hooks since the last check). The
-        recorded spans are consumed. Under ``torch.autocast`` the node consuming a weight is its
-        cast, which autocast caches for the whole region at the weight's first use; a region
-        spanning several forward passes, or an earlier use outside the module in the same
-        region, therefore raises too.
+        Raises if the set of trainable parameters changed since the hooks were attached
+        (:class:`~opacus_rc.grad_sample.checks.TrainableSetGuard`) or if a trainable parameter
+        reaches ``loss`` other than through its module's forward
+        (:class:`~opacus_rc.grad_sample.checks.ParameterUseCheck`). On error the recorded
+        activations are dropped.
 
         Args:
             loss: The loss about to be backpropagated (any shape).
 
         Raises:
-            RuntimeError: If a trainable parameter is used outside its module's forward; the
-                error names the parameters.
+            RuntimeError: See above.
         """
-        spans, self._forward_spans = self._forward_spans, {}
-        self._open_spans = {}
-        root = loss.grad_fn
-        if root is None:
-            return
-        outside: dict[int, str] = {}
-        seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            seq: int | None = None
-            for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf tensor
-                if var is not None:
-                    owners = self._param_owners.get(id(var))
-                    if owners is None:
-                        continue
-                    seq = node._sequence_nr() if seq is None else seq
-                    if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
-                        outside[id(var)] = self._param_names.get(id(var), "<unnamed>")
-                elif id(nxt) not in seen:
-                    seen[id(nxt)] = nxt
-                    stack.append(nxt)
-        if outside:
-            self._reset_step_state()
-            raise RuntimeError(
-                f"trainable parameter(s) {sorted(outside.values())} are used outside the "
-                "forward of the module that owns them (e.g. F.linear(h, model.fc.weight) "
-                "instead of model.fc(h)). Randomized clipping measures each per-sample norm "
-                "from the owning module's own forward, so that use would get a gradient no "
-                "norm accounts for. Call the module itself, give the other use its own module, "
-                "or freeze the parameter. (Under torch.autocast a weight is cast once per "
-                "autocast region, at its first use: enter autocast once per forward pass, and "
-                "not around an earlier use of the weight outside its module.)"
+        try:
+            self._trainable.check()
+            self._uses.check(loss)
+        except BaseException:
+            self.discard_recorded()
+            raise
+
+    def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
+        """The ``inputs`` of the book-keeping first backward pass (consumed), or None for all.
+
+        With book-keeping the parameters' own first-pass gradients are discarded (the clipped
+        sum replaces them), so the first pass only needs to reach every hooked module:
+        ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
+        ``G^T A`` of every layer whose input carries a gradient (Bu et al., ICML 2023, section
+        3). Modules whose inputs carry no gradient are reached through their parameters.
+        """
+        return self.step_state.take_first_pass_inputs()
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-sample gradient norm estimates of the whole model (issues nothing).
+
+        After a backward pass: the norms the step's clip factors will be made from. After the
+        clip factors: the norms they were made from, until the next hooked forward pass (as
+        Opacus' ``get_norm_sample`` is readable after ``backward()``). Not privatized.
+
+        Returns:
+            Tensor of shape ``(B,)``, float64.
+
+        Raises:
+            RuntimeError: No norms were computed since the last step.
+        """
+        pending = self.step_state.pending_norm(self.trainable_parameters)  # type: ignore[attr-defined]
+        if pending is not None:
+            return pending
+        issued = self.step_state.per_sample_gradient_norms
+        if issued is not None:
+            return issued
+        raise RuntimeError(
+            "no per-sample norms for this step: run a forward pass in training mode with "
+            "gradients enabled, then backward"
+        )
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
+
+        Called by the DP loss between the first backward pass and the clipped one. Consumes the
+        step's norms (:meth:`StepState.issue_clip_factors`); in secure mode the sketch
+        generators are reseeded from :mod:`secrets` afterwards.
+
+        Returns:
+            Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
+
+        Raises:
+            FloatingPointError: If any per-sample norm estimate is NaN or inf.
+            RuntimeError: See :meth:`StepState.issue_clip_factors`.
+        """
+        try:
+            return self.step_state.issue_clip_factors(
+                max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
+                params=self.trainable_parameters,  # type: ignore[attr-defined]
+                bookkeeping=self._bookkeeping,
             )
+        finally:
+            self._uses.clear()
+            if self._config.secure_mode:
+                for gen in self._generators.values():
+                    gen.manual_seed(secrets.randbits(63))
+
+    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
+        """Write the clipped gradient sum into ``p.grad`` (book-keeping; no second backward).
+
+        Adds ``sum_i coef_i * grad_p loss_i`` to ``p.grad`` for every parameter reached by this
+        step's backward pass (:func:`~opacus_rc.grad_sample.bookkeeping.write_clipped_sums`):
+        what a second backward pass of ``sum_i coef_i loss_i`` accumulates. The stored tensors
+        are consumed. No random number is drawn.
+
+        Args:
+            coef: The clip factors of this step, shape ``(B,)``.
+
+        Raises:
+            RuntimeError: If book-keeping is off, or no stash was handed over by
+                :meth:`get_clipping_coef` of this step.
+            ValueError: If a clipped sum has the wrong shape or misses a parameter.
+        """
+        if not self._bookkeeping:
+            raise RuntimeError(
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
+                "run the second backward pass of sum_i c_i loss_i instead"
+            )
+        ready = self.step_state.take_stashes()
+        try:
+            write_clipped_sums(
+                ready, coef, clipped_sums=self.CLIPPED_SUM_FUNCTIONS, name_of=self._name_of
+            )
+        finally:
+            ready.clear()
+        self.step_state.mark_applied()
+
+    def finish_clipped_pass(self) -> None:
+        """Mark the second (clipped) backward pass of a two-pass step as done."""
+        self.step_state.mark_applied()
+
+    def abort_step(self) -> None:
+        """The private backward failed: drop every stored tensor; ``step()`` refuses until
+        ``zero_grad()``."""
+        self.discard_recorded()
+        self.step_state.fail()
+
+    def discard_recorded(self) -> None:
+        """Drop the activations and forward counters Opacus stored, and this step's records."""
+        for sub in self._module.modules():  # type: ignore[attr-defined]
+            if hasattr(sub, "activations"):
+                sub.activations = []
+            if hasattr(sub, "max_batch_len"):
+                del sub.max_batch_len
+        for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
+            p._forward_counter = 0
+            if getattr(p, "_current_grad_sample", None) is not None:
+                del p._current_grad_sample
+            p.grad_sample = None
+        self._uses.clear()
+        self.step_state.reset()
 
     # ------------------------------------------------------------------------------------------
     # Hooks
     # ------------------------------------------------------------------------------------------
 
     def _record_gradient(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: remember that ``param`` got a gradient in the first pass."""
-        if self.hooks_enabled:  # type: ignore[attr-defined]
-            self._grad_seen.add(id(param))
-
-    def _module_name(self, module: nn.Module) -> str:
-        return self._module_names.get(id(module)) or type(module).__name__
+        """Post-accumulate-grad hook: ``param`` got a gradient in the private backward."""
+        if self.hooks_enabled and self._step is not None:  # type: ignore[attr-defined]
+            self._step.record_gradient(param)
 
     def _reuse_error(self, module: nn.Module) -> NotImplementedError:
         return NotImplementedError(
-            f"module '{self._module_name(module)}' ({type(module).__name__}) ran more than once "
+            f"module '{self._name_of(module)}' ({type(module).__name__}) ran more than once "
             "before a backward pass (a reused module or tied weights). Randomized clipping "
             "needs one forward per module per step: use separate modules, or call backward "
             "after every forward in training mode (use torch.no_grad() or model.eval() for "
@@ -558,21 +555,30 @@ class _RandomizedClippingMixin:
         _forward_output: torch.Tensor,
     ) -> None:
         """Forward hook: store inputs (Opacus) and reject a second use of a norm-sampled module."""
-        if self._bk_ready is not None and self.hooks_enabled:  # type: ignore[attr-defined]
-            self._bk_ready = None  # a new step: an unconsumed book-keeping stash is stale
+        recording = (
+            self.hooks_enabled  # type: ignore[attr-defined]
+            and torch.is_grad_enabled()
+            and module.training
+            and self._step is not None
+        )
+        if recording:
+            self._step.on_forward()
         try:
             super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
-            self._reset_step_state()
+            self.discard_recorded()
             raise self._reuse_error(module) from err
-        if self._bookkeeping and self.hooks_enabled and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            self._record_first_pass_inputs(module, forward_input)
-        if not self.hooks_enabled or not hasattr(module, "activations"):  # type: ignore[attr-defined]
+        if not recording or not hasattr(module, "activations"):
             return
-        if type(module) in self.SKETCHED_NORM_SAMPLERS and any(
-            p._forward_counter > 1 for _, p in trainable_parameters(module)
+        if self._bookkeeping:
+            self._record_first_pass_inputs(module, forward_input)
+        route = self._routes.get(id(module))
+        if (
+            route is not None
+            and route.path in _NORM_SAMPLED
+            and any(p._forward_counter > 1 for _, p in trainable_parameters(module))
         ):
-            self._reset_step_state()
+            self.discard_recorded()
             raise self._reuse_error(module)
         # Index inputs expanded over the batch (position_ids.expand(B, -1), the fix for Opacus
         # issue 841) are non-contiguous; Opacus' Embedding norm sampler calls .view() on them.
@@ -583,13 +589,9 @@ class _RandomizedClippingMixin:
     def _record_first_pass_inputs(self, module: nn.Module, forward_input: Any) -> None:
         """Book-keeping: remember where the first backward pass must reach for ``module``.
 
-        The backward hook of ``module`` fires when the gradient with respect to its input is
-        computed (or, if no input requires a gradient, with respect to its output). For an
-        input that requires a gradient we keep the graph edge just below the hook node that
-        ``register_full_backward_hook`` put on it, so that a backward pass restricted to these
-        edges runs every hook without computing any ``dL/dW`` of a layer whose input carries a
-        gradient; for a module whose inputs carry none, its trainable parameters themselves.
-        See :meth:`take_first_pass_inputs`.
+        For an input that requires a gradient, the graph edge just below the hook node that
+        ``register_full_backward_hook`` put on it; for a module whose inputs carry none, its
+        trainable parameters themselves. See :meth:`take_first_pass_inputs`.
         """
         found = False
         for t in forward_input if isinstance(forward_input, (tuple, list)) else (forward_input,):
@@ -599,28 +601,11 @@ class _RandomizedClippingMixin:
                     continue
                 node, output_nr = fn.next_functions[t.output_nr]
                 if node is not None:
-                    self._bk_edges.append(GradientEdge(node, output_nr))
+                    self.step_state.add_first_pass_input(GradientEdge(node, output_nr))
                     found = True
         if not found:
-            self._bk_edges.extend(p for _, p in trainable_parameters(module))
-
-    def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
-        """The ``inputs`` of the book-keeping first backward pass (consumed), or None for all.
-
-        With book-keeping the parameters' own first-pass gradients are discarded (the clipped
-        sum replaces them), so the first pass only needs to reach every hooked module:
-        ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
-        ``G^T A`` of every layer whose input carries a gradient, which is most of the cost a
-        second product ``(c G)^T A`` would otherwise add (Bu et al., ICML 2023, section 3).
-        Modules whose inputs carry no gradient (the lowest trainable ones) are reached through
-        their parameters, whose gradients are then computed and discarded.
-
-        Returns:
-            A list of graph edges and parameters recorded by the forward hooks since the last
-            call, or None if there are none (the caller then backpropagates to every leaf).
-        """
-        edges, self._bk_edges = self._bk_edges, []
-        return edges or None
+            for _, p in trainable_parameters(module):
+                self.step_state.add_first_pass_input(p)
 
     def capture_backprops_hook(
         self,
@@ -630,99 +615,88 @@ class _RandomizedClippingMixin:
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
-        """Backward hook: sketched norms for registered types, Opacus' exact path otherwise."""
+        """Backward hook: the module's per-sample norms, by the path its route names."""
         if not self.hooks_enabled:  # type: ignore[attr-defined]
             return
         if not getattr(module, "activations", None):
-            self._reset_step_state()
+            self.discard_recorded()
             raise self._no_activations_error(module)
-        params = [p for _, p in trainable_parameters(module)]
+        params = tuple(p for _, p in trainable_parameters(module))
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
             module.activations.pop()
             for p in params:
-                p._norm_sample = torch.zeros(0, device=p.device, dtype=torch.float32)
                 p._forward_counter -= 1
-                self._fresh_norms.add(id(p))
-            return
-        sampler = self.SKETCHED_NORM_SAMPLERS.get(type(module))
-        if sampler is None and self._bookkeeping:
-            self._exact_backprops_bookkeeping(module, forward_output, loss_reduction, batch_first)
-            return
-        if sampler is None:
-            before = {id(p): getattr(p, "_norm_sample", None) for p in params}
-            super().capture_backprops_hook(  # type: ignore[misc]
-                module, _forward_input, forward_output, loss_reduction, batch_first
+            self.step_state.record_norms(
+                {p: torch.zeros(0, device=p.device, dtype=torch.float32) for p in params}
             )
-            for p in params:
-                if getattr(p, "_norm_sample", None) is not before[id(p)]:
-                    self._fresh_norms.add(id(p))
             return
-
-        activations, backprops = self._rearranged(
-            module, forward_output, loss_reduction, batch_first
-        )
-        norms = sampler(
-            module,
-            activations,
-            backprops,
-            estimator=self._estimator,
-            sketch_dim=self._sketch_spec.sketch_dim,
-            generator=self._sketch_generator,
-        )
-        missing = [p for p in params if p not in norms]
-        if missing:
-            raise RuntimeError(
-                f"the sketched norm sampler for '{self._module_name(module)}' "
-                f"({type(module).__name__}) returned no norm for {len(missing)} trainable "
-                "parameter(s); a sampler must cover every trainable parameter of its module"
-            )
-        for p in params:
-            p._norm_sample = norms[p]
-            p._forward_counter -= 1
-            self._fresh_norms.add(id(p))
-        if self._bookkeeping and params:
-            self._stash(
-                module,
-                _BookkeepingStash(tuple(params), activations=activations, backprops=backprops),
-            )
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-
-    def _rearranged(
-        self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The module's stored activations and its detached output gradient, batch first and
-        scaled for the loss reduction (Opacus' ``rearrange_grad_samples``)."""
-        return self.rearrange_grad_samples(  # type: ignore[attr-defined]
+        route = self._routes[id(module)]
+        activations, backprops = self.rearrange_grad_samples(  # type: ignore[attr-defined]
             module=module,
             backprops=forward_output[0].detach(),
             loss_reduction=loss_reduction,
             batch_first=batch_first,
         )
+        if route.path.per_sample_gradients:
+            self._norms_from_grad_samples(module, route, params, activations, backprops)
+        else:
+            self._sampled_norms(module, route, params, activations, backprops)
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
 
-    def _exact_backprops_bookkeeping(
+    def _sampled_norms(
         self,
         module: nn.Module,
-        forward_output: Any,
-        loss_reduction: str,
-        batch_first: bool,
+        route: NormRoute,
+        params: tuple[nn.Parameter, ...],
+        activations: list[torch.Tensor],
+        backprops: torch.Tensor,
     ) -> None:
-        """Opacus' per-sample-gradient branch of the backward hook, keeping the gradients.
+        """Sketched, exact (project sampler) or ghost (Opacus) norms of one use of ``module``."""
+        if route.path is NormPath.GHOST:
+            norms = type(self).NORM_SAMPLERS[type(module)](module, activations, backprops)  # type: ignore[attr-defined]
+        else:
+            norms = self.SKETCHED_NORM_SAMPLERS[type(module)](
+                module,
+                activations,
+                backprops,
+                estimator=self._estimator,
+                sketch_dim=self._config.sketch_dim,
+                generator=self.generator_for(backprops.device),
+            )
+        missing = [p for p in params if p not in norms]
+        if missing:
+            raise RuntimeError(
+                f"the norm sampler for '{self._name_of(module)}' ({type(module).__name__}) "
+                f"returned no norm for {len(missing)} trainable parameter(s); a sampler must "
+                "cover every trainable parameter of its module"
+            )
+        for p in params:
+            p._forward_counter -= 1
+        self.step_state.record_norms({p: norms[p] for p in params})
+        if self._bookkeeping and params:
+            self.step_state.stash(
+                BookkeepingStash(module, params, activations=activations, backprops=backprops)
+            )
 
-        The same computation as the ``else`` branch of Opacus'
-        ``GradSampleHooksFastGradientClipping.capture_backprops_hook`` (per-sample gradients
-        from a grad sampler or functorch, accumulated over repeated uses, the norm taken once
-        the module's last use is processed), except that the per-sample gradients
-        ``(B, *p.shape)`` are stashed for :meth:`apply_clipped_sum` instead of dropped. Only
-        used in book-keeping mode, where no trainable module has an Opacus ghost norm.
+    def _norms_from_grad_samples(
+        self,
+        module: nn.Module,
+        route: NormRoute,
+        params: tuple[nn.Parameter, ...],
+        activations: list[torch.Tensor],
+        backprops: torch.Tensor,
+    ) -> None:
+        """Exact norms from Opacus' per-sample gradients (a grad sampler or functorch).
+
+        Per-sample gradients are accumulated over repeated uses (RNNs), as in Opacus' ghost
+        module, and the norm is taken once a parameter's last use is processed; with
+        book-keeping the per-sample gradients ``(B, *p.shape)`` are kept for the clipped sum.
         """
-        activations, backprops = self._rearranged(
-            module, forward_output, loss_reduction, batch_first
-        )
-        if not self.force_functorch and type(module) in self.GRAD_SAMPLERS:  # type: ignore[attr-defined]
-            grad_sampler_fn = self.GRAD_SAMPLERS[type(module)]  # type: ignore[attr-defined]
+        if route.path is NormPath.GRAD_SAMPLER:
+            grad_sampler_fn = type(self).GRAD_SAMPLERS[type(module)]  # type: ignore[attr-defined]
         else:
             grad_sampler_fn = ft_compute_per_sample_gradient
         grad_samples = grad_sampler_fn(module, activations, backprops)
@@ -731,42 +705,24 @@ class _RandomizedClippingMixin:
                 param=param, grad_sample=gs, max_batch_len=module.max_batch_len
             )
         del grad_samples
+        norms: dict[nn.Parameter, torch.Tensor] = {}
         done: dict[nn.Parameter, torch.Tensor] = {}
-        for _, p in trainable_parameters(module):
+        for p in params:
             p._forward_counter -= 1
             if p._forward_counter == 0:
                 promote_current_grad_sample(p)
-                create_norm_sample(
-                    param=p, grad_sample=p.grad_sample, max_batch_len=module.max_batch_len
-                )
-                done[p] = p.grad_sample.detach()
+                gs = p.grad_sample
+                norms[p] = gs.reshape(len(gs), -1).norm(2, dim=-1)
+                if self._bookkeeping:
+                    done[p] = gs.detach()
                 p.grad_sample = None
-                self._fresh_norms.add(id(p))
+        if norms:
+            self.step_state.record_norms(norms)
         if done:
-            stash = module.__dict__.get(_STASH_ATTR)
-            if stash is not None and stash.grad_samples is not None:
-                done = {**stash.grad_samples, **done}
-            self._stash(module, _BookkeepingStash(tuple(done), grad_samples=done))
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-
-    def _stash(self, module: nn.Module, stash: _BookkeepingStash) -> None:
-        """Keep ``stash`` on ``module`` until the clip factors exist (book-keeping)."""
-        if _STASH_ATTR not in module.__dict__:
-            self._bk_stashed.append(module)
-        module.__dict__[_STASH_ATTR] = stash
-
-    def _drop_stashes(self) -> None:
-        """Free every book-keeping tensor of the current step (on modules and handed over)."""
-        stashed = getattr(self, "_bk_stashed", None)
-        if stashed:
-            for module in stashed:
-                module.__dict__.pop(_STASH_ATTR, None)
-            stashed.clear()
-        self._bk_ready = None
+            self.step_state.stash(BookkeepingStash(module, tuple(done), grad_samples=done))
 
     def _no_activations_error(self, module: nn.Module) -> RuntimeError:
-        name = f"'{self._module_name(module)}' ({type(module).__name__})"
+        name = f"'{self._name_of(module)}' ({type(module).__name__})"
         if not module.training:
             return RuntimeError(
                 f"module {name} is in eval mode but received a gradient in a private backward "
@@ -788,268 +744,12 @@ class _RandomizedClippingMixin:
         tensors = [t for t in (*acts, backprops) if isinstance(t, torch.Tensor)]
         return any(t.dim() > batch_dim and t.shape[batch_dim] == 0 for t in tensors)
 
-    # ------------------------------------------------------------------------------------------
-    # Norms and clip factors
-    # ------------------------------------------------------------------------------------------
-
-    def get_norm_sample(self) -> torch.Tensor:
-        """Per-sample gradient norm estimates of the whole model for the current step.
-
-        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)`` (THEORY.md A.2, "several layers"),
-        computed in float64. Only norms computed in the current step are used (never stale
-        ones); a trainable parameter whose module did not run this step contributes 0.
-
-        Returns:
-            Tensor of shape ``(B,)``, float64.
-
-        Raises:
-            RuntimeError: If a parameter received a gradient in this step without a per-sample
-                norm (it would otherwise pass unclipped), or if no norm was computed since the
-                last :meth:`get_clipping_coef`.
-        """
-        parts: list[torch.Tensor] = []
-        sizes: dict[str, int] = {}
-        unmeasured: list[str] = []
-        self._coef_dtype = torch.float32
-        for p in self.trainable_parameters:  # type: ignore[attr-defined]
-            name = self._param_names.get(id(p), "<unnamed>")
-            if id(p) in self._fresh_norms:
-                ns = p._norm_sample
-                if ns.dtype == torch.float64:
-                    self._coef_dtype = torch.float64
-                parts.append(ns)
-                sizes[name] = ns.numel()
-            elif id(p) in self._grad_seen:
-                unmeasured.append(name)
-        if len(set(sizes.values())) > 1:
-            self._end_step()
-            batch = max(sizes.values())
-            odd = {n: b for n, b in sizes.items() if b != batch}
-            raise ValueError(
-                f"per-sample norms disagree on the batch size: the batch has {batch} samples "
-                f"but {odd}. A module whose input is broadcast across the batch (e.g. a position "
-                "Embedding fed Hugging Face position_ids of shape [1, T], Opacus issue 841) only "
-                "sees the gradient summed over samples, so its per-sample norms cannot be "
-                "computed. Expand the input to the batch size (position_ids.expand(B, -1)) or "
-                "freeze that module."
-            )
-        if unmeasured:
-            self._end_step()
-            raise RuntimeError(
-                f"parameters {unmeasured[:5]} received a gradient but no per-sample norm was "
-                "computed for them (used outside their module's forward, e.g. tied through "
-                "F.linear, or their module is in eval mode); they would not be clipped"
-            )
-        if not parts:
-            raise RuntimeError(
-                "no per-sample norms for this step: run a forward pass in training mode with "
-                "gradients enabled, then backward. (A step's norms are consumed by "
-                "get_clipping_coef(); read per_sample_gradient_norms afterwards.)"
-            )
-        device = parts[0].device
-        stacked = torch.stack([t.reshape(-1).to(device, torch.float64) for t in parts])
-        norm = stacked.norm(2, dim=0)
-        self.per_sample_gradient_norms = norm
-        return norm
-
-    def get_clipping_coef(self) -> torch.Tensor:
-        """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
-
-        Called by Opacus' ``DPTensorFastGradientClipping.backward`` between its two backward
-        passes. Consumes the step's norms: the next call needs a new backward pass. In
-        book-keeping mode it also hands the tensors the backward pass stored over to
-        :meth:`apply_clipped_sum` (dropped if this raises, or at the next forward pass).
-
-        Returns:
-            Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
-
-        Raises:
-            FloatingPointError: If any per-sample norm estimate is NaN or inf (no clip factor
-                is produced, so the step cannot proceed).
-            RuntimeError: See :meth:`get_norm_sample`; or, in book-keeping mode, a parameter
-                with a norm but no stored tensors for its clipped sum.
-        """
-        ready = None
-        try:
-            norm = self.get_norm_sample()
-            bad = ~torch.isfinite(norm)
-            if bool(bad.any()):
-                raise FloatingPointError(
-                    f"{int(bad.sum())} of {norm.numel()} per-sample gradient norm estimates are "
-                    "NaN or inf; no clip factor was produced and this step must not be taken. "
-                    "Check the loss and the inputs for NaN/inf (or lower the learning rate)."
-                )
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # type: ignore[attr-defined]
-            if self._bookkeeping:
-                ready = self._take_stashes(batch_size=norm.numel())
-        finally:
-            self._end_step()  # drops the stashes on the modules (and any left over)
-        self._bk_ready = ready
-        self._clip_factors_issued = True
-        return coef.to(self._coef_dtype)
-
-    @property
-    def clip_factors_pending(self) -> bool:
-        """Whether the current gradients can be clipped ones: clip factors were issued by
-        :meth:`get_clipping_coef` since :meth:`consume_clip_factors`, and no hooked backward
-        pass has run since (its norms would be unconsumed). The optimizer refuses a step on
-        non-zero gradients otherwise."""
-        return self._clip_factors_issued and not self._fresh_norms
-
-    def consume_clip_factors(self) -> None:
-        """Mark the issued clip factors as used (by an optimizer step or ``zero_grad``)."""
-        self._clip_factors_issued = False
-
-    def _take_stashes(self, *, batch_size: int) -> list[tuple[nn.Module, _BookkeepingStash]]:
-        """This step's stashes, after checking that every normed parameter has one."""
-        ready = [
-            (m, m.__dict__[_STASH_ATTR]) for m in self._bk_stashed if _STASH_ATTR in m.__dict__
-        ]
-        if batch_size > 0:
-            covered = {id(p) for _, stash in ready for p in stash.params}
-            lacking = [
-                self._param_names.get(id(p), "<unnamed>")
-                for p in self.trainable_parameters  # type: ignore[attr-defined]
-                if id(p) in self._fresh_norms and id(p) not in covered
-            ]
-            if lacking:
-                raise RuntimeError(
-                    f"book-keeping: parameters {lacking[:5]} have a per-sample norm but no "
-                    "stored tensors for their clipped gradient sum; this step cannot be clipped"
-                )
-        return ready
-
-    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
-        """Write the clipped gradient sum into ``p.grad`` (book-keeping; no second backward).
-
-        For every trainable parameter reached by this step's backward pass, adds
-        ``sum_i coef_i * grad_p loss_i`` to ``p.grad`` (set to it if ``p.grad`` is None): for a
-        sketched layer from its stored input and output gradient via its clipped-sum function,
-        otherwise ``einsum("b,b...->...", coef, grad_sample)`` from the stored per-sample
-        gradients (Bu, Wang, Zha and Karypis, ICML 2023). This equals what a second backward
-        pass of ``sum_i coef_i loss_i`` accumulates. The stored tensors are consumed (freed
-        before this returns or raises): a second call raises. No random number is drawn.
-
-        Call it right after :meth:`get_clipping_coef`, with the first-pass gradients zeroed,
-        as ``DPLossRandomizedClipping`` does.
-
-        Args:
-            coef: The clip factors of this step, shape ``(B,)``.
-
-        Raises:
-            RuntimeError: If book-keeping is off, or no stash was handed over by
-                :meth:`get_clipping_coef` of this step (already consumed, or dropped).
-            ValueError: If a clipped sum has the wrong shape or misses a parameter.
-        """
-        if not self._bookkeeping:
-            raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
-                "run the second backward pass of sum_i c_i loss_i instead"
-            )
-        ready, self._bk_ready = self._bk_ready, None
-        if ready is None:
-            raise RuntimeError(
-                "apply_clipped_sum(): no stored tensors for this step; call it once, right after "
-                "the backward pass and get_clipping_coef() of the same step"
-            )
-        try:
-            self._write_clipped_sums(ready, coef)
-        finally:
-            ready.clear()
-
-    def _write_clipped_sums(
-        self, ready: list[tuple[nn.Module, _BookkeepingStash]], coef: torch.Tensor
-    ) -> None:
-        with torch.no_grad():
-            for module, stash in ready:
-                if stash.grad_samples is not None:
-                    sums = {
-                        p: _per_sample_weighted_sum(coef, gs)
-                        for p, gs in stash.grad_samples.items()
-                    }
-                else:
-                    fn = self.CLIPPED_SUM_FUNCTIONS[type(module)]
-                    assert stash.backprops is not None and stash.activations is not None
-                    sums = fn(
-                        module, stash.activations, stash.backprops, coef.to(stash.backprops.device)
-                    )
-                for p in stash.params:
-                    g = sums.get(p)
-                    if g is None or g.shape != p.shape:
-                        raise ValueError(
-                            f"the clipped sum of '{self._module_name(module)}' "
-                            f"({type(module).__name__}) gave "
-                            f"{'no tensor' if g is None else f'shape {tuple(g.shape)}'} for "
-                            f"parameter '{self._param_names.get(id(p), '<unnamed>')}' of shape "
-                            f"{tuple(p.shape)}"
-                        )
-                    g = g.to(device=p.device, dtype=p.dtype)
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
-
-    def _end_step(self) -> None:
-        """Forget this step's norms, gradient marks and book-keeping stashes; reseed the sketch
-        in secure mode."""
-        self._fresh_norms.clear()
-        self._grad_seen.clear()
-        self._drop_stashes()
-        self._bk_edges = []
-        self._forward_spans, self._open_spans = {}, {}
-        if self._secure_mode:
-            self._sketch_generator.manual_seed(secrets.randbits(63))
-
-    def _reset_step_state(self) -> None:
-        """Drop stored activations and forward counters (after an error inside a hook)."""
-        for sub in self._module.modules():  # type: ignore[attr-defined]
-            if hasattr(sub, "activations"):
-                sub.activations = []
-            if hasattr(sub, "max_batch_len"):
-                del sub.max_batch_len
-        for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
-            p._forward_counter = 0
-            if getattr(p, "_current_grad_sample", None) is not None:
-                del p._current_grad_sample
-        self._fresh_norms.clear()
-        self._grad_seen.clear()
-        self._drop_stashes()
-        self._bk_edges = []
-        self._forward_spans, self._open_spans = {}, {}
-
     def cleanup(self) -> None:
         """Remove all hooks and every attribute Opacus or this class added to the model."""
-        self._drop_stashes()
+        if self._step is not None:
+            self._step.consume()  # frees every stored tensor
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
-
-
-def _validate_max_grad_norm(max_grad_norm: Any) -> None:
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
-        raise TypeError(
-            "randomized clipping needs one float max_grad_norm (flat clipping); got "
-            f"{type(max_grad_norm).__name__}"
-        )
-    if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
-
-
-def _strided_index(t: Any) -> bool:
-    """A non-contiguous integer tensor (e.g. expanded token or position ids)."""
-    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
-
-
-def _per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
-    """``einsum("b,b...->...", coef, grad_sample)`` in ``grad_sample``'s dtype, autocast off."""
-    with torch.autocast(device_type=grad_sample.device.type, enabled=False):
-        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
-        return torch.tensordot(c, grad_sample, dims=1)
-
-
-def _module_device(m: nn.Module) -> torch.device:
-    for p in m.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 class GradSampleModuleRandomizedClipping(
@@ -1065,34 +765,27 @@ class GradSampleModuleRandomizedClipping(
 
     Args:
         m: The model (in training mode).
-        max_grad_norm: ``C``, the clipping bound (> 0).
-        sketch: Estimator name, ``"hutchinson"`` or ``"hutch++"``.
-        sketch_dim: ``k``, Gaussian (tail) columns per sample and layer (>= 1). THEORY.md 0.4
-            recommends ``k >= 32``.
-        sketch_head_dim: Hutch++ head columns (default ``sketch_dim``).
-        sketch_generator: Source of the probes. ``None`` (recommended) seeds a private
-            generator from :mod:`secrets`; passing one warns and marks the spec not secret.
-        secure_mode: Reseed the sketch generator from :mod:`secrets` after every step.
-        batch_first: Whether inputs are ``(B, ...)`` (else ``(T, B, ...)``).
-        loss_reduction: ``"mean"`` or ``"sum"``, as the loss.
-        strict: Reject trainable modules with buffers (Opacus).
-        force_functorch: Use functorch for every non-sketched layer (Opacus).
-        bookkeeping: ``True`` (default): one backward pass per step (book-keeping, Bu et al.,
-            ICML 2023; see the module docstring) if every trainable module supports it, else
-            the two-pass path, logged once at INFO with the modules that forced it; never for
-            a distributed (DDP/DPDDP, world size > 1) model. ``False``: always two backward
-            passes. The :attr:`bookkeeping` property tells which is used. The clipped gradient,
-            the probes and the privacy guarantee are the same either way.
+        config: The validated options (:class:`~opacus_rc.config.RandomizedClippingConfig`),
+            or None to build them from ``**options``.
+        **options: The fields of :class:`~opacus_rc.config.RandomizedClippingConfig`
+            (``max_grad_norm`` required; ``sketch``, ``sketch_dim``, ``sketch_head_dim``,
+            ``sketch_generator``, ``secure_mode``, ``batch_first``, ``loss_reduction``,
+            ``strict``, ``force_functorch``, ``bookkeeping``), validated there.
 
     Attributes:
-        bookkeeping: Read-only; whether book-keeping (a single backward pass) is used.
+        bookkeeping: Read-only; whether book-keeping (a single backward pass) is used: only if
+            requested, every route supports it and the model is not distributed.
+        norm_routes: How each hooked module's norm is computed.
+        step_state: The step protocol's state.
 
     Raises:
-        TypeError: A non-bool ``bookkeeping`` (and the type errors of the other arguments).
-        ValueError: Unknown sketch, ``sketch_dim < 1``, eval-mode model, bad reduction or
-            ``max_grad_norm``, hooks already attached, or a generator in secure mode.
-        NotImplementedError: A trainable parameter tied between a sketched (or ghost) module
-            and another module, or (at forward time) a sketched module used twice per step.
+        TypeError: Both ``config`` and options, or invalid option types.
+        ValueError: Invalid options (see the config), an eval-mode model, hooks already
+            attached.
+        NotImplementedError: A trainable parameter tied between a norm-sampled module and
+            another module, a module whose norm cannot be computed
+            (:class:`~opacus_rc.grad_sample.routing.UnsupportedModuleError`), or (at forward
+            time) a norm-sampled module used twice per step.
     """
 
 

@@ -28,10 +28,6 @@ from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketch
 
 __all__ = ["compute_linear_clipped_sum", "compute_linear_sketched_norm_sample"]
 
-# Rescale the factors before sketching when a crude bound on ||G^T A||_F exceeds this. The
-# squared estimate then stays below ~2^100 * (chi2 fluctuation) << float32 max (~2^128).
-_SCALE_THRESHOLD = 2.0**50
-
 
 def _pow2_inverse_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample exponents ``e`` with ``amax * 2^-e`` in ``[0.5, 1)`` (``e = 0`` where 0/non-finite).
@@ -57,13 +53,15 @@ def _sketched_weight_norm(
     sketch_dim: int,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """``sqrt`` of the estimator's ``||G_i^T A_i||_F^2``, guarded against float32 overflow.
+    """``sqrt`` of the estimator's ``||G_i^T A_i||_F^2``, in range for every float32 norm.
 
-    If ``||A_i||_F ||G_i||_F`` (an upper bound on the true norm) exceeds 2^50 or overflows for
-    some sample and the computation is in float32, both factors are divided per sample by a
-    power of two (exactly) before sketching and the norm is rescaled in float64 afterwards, so
-    gradient norms up to the float32 range (e.g. 1e30) give finite estimates. The decision uses
-    the data only, never the probes, so the estimator's law is unchanged.
+    In float32 the factors of every sample are scaled by powers of two (exactly: the estimate
+    is bit-identical to the unscaled one wherever that one does not overflow) so that each
+    sample's largest entry lies in ``[0.5, 1)``; the estimator scales its small operands rather
+    than copying ``A`` and ``G`` (``scale=``), and the norm is rescaled afterwards, so gradient
+    norms up to the float32 range (e.g. 1e30) give finite estimates. The scaling depends on the
+    data only, never on the probes, so the estimator's law is unchanged, and it takes no
+    data-dependent branch (no host synchronisation).
 
     Args:
         A: ``(B, T, d)`` activations.
@@ -75,30 +73,19 @@ def _sketched_weight_norm(
     Returns:
         ``(B,)`` norm estimates in the estimator's output dtype.
     """
-    B = A.shape[0]
-    needs_scaling = False
-    if A.numel() > 0 and G.numel() > 0 and torch.float64 not in (A.dtype, G.dtype):
-        # Cheap test first: ||G_i^T A_i||_F <= ||G_i||_F ||A_i||_F. The Frobenius norms cost
-        # about a sixth of the max-abs reductions on CPU; a non-finite norm (entries near the
-        # float32 range) also sends the batch to the rescaling path.
-        fro = (
-            torch.linalg.vector_norm(A, dim=(1, 2)).double()
-            * torch.linalg.vector_norm(G, dim=(1, 2)).double()
-        )
-        needs_scaling = bool(((fro > _SCALE_THRESHOLD) | ~torch.isfinite(fro)).any())
-    if needs_scaling:
-        amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).double()
-        amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).double()
-    else:
+    if torch.float64 in (A.dtype, G.dtype) or A.numel() == 0 or G.numel() == 0:
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
-    scale_a, exp_a = _pow2_inverse_scale(amax_a)
-    scale_g, exp_g = _pow2_inverse_scale(amax_g)
-    A_s = A.to(torch.float32) * scale_a.to(torch.float32).view(B, 1, 1)
-    G_s = G.to(torch.float32) * scale_g.to(torch.float32).view(B, 1, 1)
-    sq = estimator(A_s, G_s, sketch_dim=sketch_dim, generator=generator)
-    norm = torch.ldexp(sq.double().clamp(min=0).sqrt(), (exp_a + exp_g).to(sq.device))
-    return norm.to(sq.dtype)
+    with torch.autocast(device_type=G.device.type, enabled=False):
+        amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).float()
+        amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).float()
+        scale_a, exp_a = _pow2_inverse_scale(amax_a)
+        scale_g, exp_g = _pow2_inverse_scale(amax_g)
+        sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, scale=(scale_a, scale_g))
+        # Undo the scaling on the (B,) norms; float64 only for the exponent's range (2^e can
+        # exceed float32 where the rescaled norm does not).
+        norm = torch.ldexp(sq.clamp(min=0).sqrt().double(), (exp_a + exp_g).to(sq.device))
+        return norm.to(sq.dtype)
 
 
 @register_sketched_norm_sampler(nn.Linear)

@@ -29,6 +29,7 @@ from torch import nn
 
 __all__ = [
     "CLIPPED_SUM_FUNCTIONS",
+    "EXACT_NORM_TYPES",
     "SKETCHED_NORM_SAMPLERS",
     "ClippedSumFunction",
     "SketchedNormSampler",
@@ -57,8 +58,14 @@ class SketchedNormSampler(Protocol):
 SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = {}
 
 
+#: Types in :data:`SKETCHED_NORM_SAMPLERS` whose sampler is exact (it ignores the sketch): the
+#: norm-path resolver logs and reports them as exact (``register_sketched_norm_sampler(...,
+#: exact=True)``).
+EXACT_NORM_TYPES: set[type[nn.Module]] = set()
+
+
 def register_sketched_norm_sampler(
-    *module_types: type[nn.Module], force: bool = False
+    *module_types: type[nn.Module], force: bool = False, exact: bool = False
 ) -> Callable[[SketchedNormSampler], SketchedNormSampler]:
     """Decorator registering a sketched norm sampler for one or more module types.
 
@@ -73,6 +80,8 @@ def register_sketched_norm_sampler(
     Args:
         *module_types: The exact ``nn.Module`` subclasses the sampler handles.
         force: Replace an existing registration instead of raising.
+        exact: The sampler computes the exact norm (it takes the sketch arguments but draws no
+            probe); the module is then logged and reported as exact.
 
     Returns:
         The decorator; it returns the sampler unchanged.
@@ -81,7 +90,18 @@ def register_sketched_norm_sampler(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has a sampler and ``force`` is ``False``.
     """
-    return _registration(SKETCHED_NORM_SAMPLERS, module_types, force, "a sketched norm sampler")
+    register = _registration(SKETCHED_NORM_SAMPLERS, module_types, force, "a sketched norm sampler")
+
+    def decorator(fn: SketchedNormSampler) -> SketchedNormSampler:
+        register(fn)
+        for module_type in module_types:
+            if exact:
+                EXACT_NORM_TYPES.add(module_type)
+            else:
+                EXACT_NORM_TYPES.discard(module_type)
+        return fn
+
+    return decorator
 
 
 # ----------------------------------------------------------------------------------------------

@@ -61,9 +61,9 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         *,
         grad_sample_module: Any,
         noise_multiplier: float,
-        max_grad_norm: float,
         expected_batch_size: int | None,
-        loss_reduction: str = "mean",
+        max_grad_norm: float | None = None,
+        loss_reduction: str | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
     ) -> None:

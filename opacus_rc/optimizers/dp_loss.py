@@ -71,18 +71,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     """
 
     def backward(self) -> None:  # noqa: D102 - documented in the module docstring
-        optimizer = self.optimizer
-        # Clip factors issued by an earlier backward and not yet consumed by step()/zero_grad().
-        if getattr(self.module, "clip_factors_pending", False):
-            self._reset_module()
-            raise RuntimeError(
-                "backward() was called twice without optimizer.step() or optimizer.zero_grad() "
-                "in between: the randomized-clipping loss cannot accumulate gradients "
-                "over backward calls (the first batch's clipped gradients would be dropped, "
-                "Opacus issue 683). Step after every backward, and use "
-                "opacus.utils.batch_memory_manager.BatchMemoryManager to split a logical batch "
-                "into physical ones."
-            )
+        module, optimizer = self.module, self.optimizer
         if self.loss_reduction == "mean":
             reduced_loss = torch.mean(self.loss_per_sample, dim=0)
         elif self.loss_reduction == "sum":
@@ -92,30 +81,30 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 f"loss_reduction = {self.loss_reduction}. Only 'sum' and 'mean' losses are "
                 "supported"
             )
-        bookkeeping = bool(getattr(self.module, "bookkeeping", False))
+        # Raises (dropping this forward's activations) if an earlier backward's clip factors
+        # were not consumed or the last backward failed.
+        module.begin_private_backward()
+        bookkeeping = module.bookkeeping
         try:
             error: Exception | None = None
             coeff = None
             try:
-                check_uses = getattr(self.module, "check_parameter_uses", None)
-                if check_uses is not None:
-                    check_uses(reduced_loss)
+                module.check_parameter_uses(reduced_loss)
                 if bookkeeping:
                     # One pass, graph freed; it stops at the hooked modules' inputs, so no
                     # first-pass dL/dW that the clipped sum would overwrite is computed.
-                    inputs = self.module.take_first_pass_inputs()
+                    inputs = module.take_first_pass_inputs()
                     torch.autograd.backward(reduced_loss, inputs=inputs)
                 else:
                     reduced_loss.backward(retain_graph=True)
-                optimizer.zero_grad()
-                coeff = self.module.get_clipping_coef()
+                optimizer.discard_gradients()  # the first pass's (unclipped) gradients
+                coeff = module.get_clipping_coef()
                 self._check_coefficients(coeff)
             except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
                 error = err
             # Distributed: every rank learns whether any rank failed, so that all raise
             # together instead of the healthy ranks waiting forever in a later all-reduce.
-            all_ranks_ok = getattr(optimizer, "all_ranks_ok", None)
-            if all_ranks_ok is not None and not all_ranks_ok(error is None) and error is None:
+            if not optimizer.all_ranks_ok(error is None) and error is None:
                 error = RuntimeError(
                     "the randomized-clipping backward failed on another rank; no rank takes "
                     "this step"
@@ -123,30 +112,21 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             if error is not None:
                 raise error
             if bookkeeping:
-                self.module.apply_clipped_sum(coeff)  # consumes the stored tensors
+                module.apply_clipped_sum(coeff)  # consumes the stored tensors
             else:
                 losses = self.loss_per_sample
                 second_loss = torch.sum(coeff.to(losses.device) * losses)
-                self.module.disable_hooks()
+                module.disable_hooks()
                 try:
                     second_loss.backward()
                 finally:
-                    self.module.enable_hooks()
+                    module.enable_hooks()
+                module.finish_clipped_pass()
         except BaseException:
             # No unclipped (first-pass) or partial gradient may reach optimizer.step().
-            optimizer.original_optimizer.zero_grad(set_to_none=True)
-            optimizer._rc_backward_failed = True
-            consume = getattr(self.module, "consume_clip_factors", None)
-            if consume is not None:  # factors issued before the failure clip nothing now
-                consume()
-            self._reset_module()
+            optimizer.discard_gradients()
+            module.abort_step()
             raise
-
-    def _reset_module(self) -> None:
-        """Drop activations a forward stored for a backward that will not run (or did not end)."""
-        reset = getattr(self.module, "_reset_step_state", None)
-        if reset is not None:
-            reset()
 
     def _check_coefficients(self, coeff: torch.Tensor) -> None:
         """One clip factor per per-sample loss (see the module docstring, point 2)."""

@@ -29,6 +29,8 @@ import torch
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.optim import Optimizer
 
+from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
+from opacus_rc.grad_sample.step import StepState
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
@@ -69,39 +71,38 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         *,
         grad_sample_module: Any,
         noise_multiplier: float,
-        max_grad_norm: float,
         expected_batch_size: int | None,
-        loss_reduction: str = "mean",
+        max_grad_norm: float | None = None,
+        loss_reduction: str | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
     ) -> None:
-        if not isinstance(getattr(grad_sample_module, "sketch_spec", None), SketchSpec) or not (
-            callable(getattr(grad_sample_module, "get_clipping_coef", None))
+        config = getattr(grad_sample_module, "config", None)
+        if not isinstance(config, RandomizedClippingConfig) or not isinstance(
+            getattr(grad_sample_module, "step_state", None), StepState
         ):
             raise TypeError(
                 "grad_sample_module must be a GradSampleModuleRandomizedClipping or "
                 f"GradSampleHooksRandomizedClipping, got {type(grad_sample_module).__name__}"
             )
-        if isinstance(noise_multiplier, bool) or not (
-            isinstance(noise_multiplier, (int, float))
-            and math.isfinite(noise_multiplier)
-            and noise_multiplier >= 0
-        ):
-            raise ValueError(
-                f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}"
-            )
+        noise_multiplier = validate_noise_multiplier(noise_multiplier)
+        if max_grad_norm is None:
+            max_grad_norm = grad_sample_module.max_grad_norm
+        if loss_reduction is None:
+            loss_reduction = config.loss_reduction
         if grad_sample_module.max_grad_norm != max_grad_norm:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} differs from the grad-sample module's "
                 f"max_grad_norm={grad_sample_module.max_grad_norm}: clipping and noise must use "
                 "the same bound"
             )
-        if grad_sample_module.loss_reduction != loss_reduction:
+        if config.loss_reduction != loss_reduction:
             raise ValueError(
                 f"loss_reduction={loss_reduction!r} differs from the grad-sample module's "
-                f"{grad_sample_module.loss_reduction!r}"
+                f"{config.loss_reduction!r}"
             )
         self._grad_sample_module = grad_sample_module
+        self._step_state: StepState = grad_sample_module.step_state
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -152,8 +153,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """Copy the clipped gradient sum into ``p.summed_grad``.
 
         Unlike Opacus, a parameter without ``.grad`` (not reached by this batch) counts as a
-        zero gradient, so it is still noised instead of failing. The clipped gradients of the
-        last ``backward()`` are consumed (a new ``backward()`` is allowed).
+        zero gradient, so it is still noised instead of failing. The step's clipped gradients
+        are consumed (a new ``backward()`` is allowed).
         """
         for p in self.params:
             grad = p.grad.data if p.grad is not None else torch.zeros_like(p)
@@ -161,59 +162,52 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad.add_(grad)
             else:
                 p.summed_grad = copy.deepcopy(grad)
-        self._grad_sample_module.consume_clip_factors()
+        self._step_state.consume()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Opacus' ``zero_grad``; also clears the state left by a failed or pending backward."""
+        """Opacus' ``zero_grad``; also ends the step (issued clip factors, a failed backward).
+
+        What a forward or backward recorded but no clip factor used yet is kept, so that
+        Opacus' own two-pass loss (which calls ``zero_grad()`` between its passes) works.
+        """
         super().zero_grad(set_to_none)
-        self._rc_backward_failed = False
-        self._grad_sample_module.consume_clip_factors()
+        self._step_state.consume(keep_pending=True)
+
+    def discard_gradients(self) -> None:
+        """Drop every parameter's ``.grad`` (first-pass or failed gradients) without ending the
+        step: Opacus' ``zero_grad(set_to_none=True)`` (``p.summed_grad`` of virtual steps kept)."""
+        DPOptimizerFastGradientClipping.zero_grad(self, set_to_none=True)
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """Whether every rank's backward succeeded; in one process, ``ok`` itself."""
+        return ok
 
     def check_step_allowed(self) -> None:
         """Raise unless the gradients about to be noised are clipped, finite and in sync.
 
         Called first in :meth:`pre_step`, before anything is accumulated, noised or accounted.
+        The step invariant is the step state's
+        (:meth:`~opacus_rc.grad_sample.step.StepState.check_step`); finiteness is one reduction
+        over all gradients (one host synchronisation).
 
         Raises:
-            RuntimeError: If the last ``backward()`` of the randomized-clipping loss failed
-                (its gradients may be unclipped); if a parameter has a non-zero gradient but
-                the module issued no clip factors since the last step, or a backward pass ran
-                after they were issued (a plain ``loss.backward()`` that bypassed the
-                criterion returned by ``make_private``, or a second ``step()`` after one
-                backward); or if the module's ``max_grad_norm`` was changed behind the
-                optimizer. A step whose gradients are all ``None`` or zero (a noise-only step
-                for an empty batch) is allowed.
+            StepProtocolError: See :meth:`~opacus_rc.grad_sample.step.StepState.check_step`
+                (a ``RuntimeError``).
+            RuntimeError: If the module's ``max_grad_norm`` was changed behind the optimizer.
             FloatingPointError: If a gradient is NaN or inf.
         """
-        if getattr(self, "_rc_backward_failed", False):
-            raise RuntimeError(
-                "the last backward() of the randomized-clipping loss raised; its gradients may "
-                "be unclipped, so no step is taken and nothing is accounted. Call "
-                "optimizer.zero_grad() and continue with a new batch (note that skipping a "
-                "batch because of one sample's data is itself outside the DP guarantee)."
-            )
-        if not self._grad_sample_module.clip_factors_pending:
-            unclipped = [p for p in self.params if p.grad is not None and bool(p.grad.any())]
-            if unclipped:
-                raise RuntimeError(
-                    f"optimizer.step() found non-zero gradients on {len(unclipped)} "
-                    "parameter(s) but no clip factors were computed for them: they are not "
-                    "clipped. Either the loss did not come from the criterion returned by "
-                    "make_private (e.g. a plain nn.CrossEntropyLoss()(...).backward()), or "
-                    "step() was called twice after one backward(). No step is taken and "
-                    "nothing is accounted. Use loss = criterion(model(x), y); loss.backward(); "
-                    "optimizer.step(), with optimizer.zero_grad() before each batch."
-                )
+        self._step_state.check_step(self.params)
         if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(
                 f"the grad-sample module clips at {self._grad_sample_module.max_grad_norm} but "
                 f"the optimizer noises for {self._max_grad_norm}; set optimizer.max_grad_norm "
                 "(it updates both)"
             )
-        bad = [i for i, p in enumerate(self.params) if p.grad is not None and not _finite(p.grad)]
-        if bad:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not _all_finite(grads):
+            bad = sum(1 for g in grads if not bool(torch.isfinite(g).all()))
             raise FloatingPointError(
-                f"the clipped gradients of {len(bad)} parameter(s) contain NaN or inf; no step "
+                f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
             )
 
@@ -228,5 +222,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         return super().pre_step(closure)
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: one reduction, one host synchronisation."""
+    flags = torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors])
+    return bool(flags.all())

@@ -28,7 +28,6 @@ from opacus_rc.grad_sample import (
     register_clipped_sum,
     register_sketched_norm_sampler,
 )
-from opacus_rc.grad_sample.grad_sample_module import _STASH_ATTR
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.privacy_engine import PrivacyEngine
 
@@ -171,9 +170,9 @@ def one_step(
 
 
 def assert_no_stash(model: nn.Module, gsm: Any) -> None:
+    assert not gsm.step_state.has_stashes, "book-keeping tensors left in the step state"
     for name, sub in model.named_modules():
-        assert _STASH_ATTR not in sub.__dict__, f"book-keeping stash left on {name!r}"
-    assert gsm._bk_ready is None
+        assert not any(isinstance(v, torch.Tensor) for v in vars(sub).get("activations", [])), name
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,10 +594,10 @@ def test_opacus_two_pass_loss_still_works_and_stash_does_not_survive() -> None:
     for name, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, g_2p[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert gsm._bk_ready is not None
+    assert gsm.step_state.has_stashes
     gsm(x)  # the next step's forward
-    assert gsm._bk_ready is None
-    gsm._reset_step_state()
+    assert not gsm.step_state.has_stashes
+    gsm.discard_recorded()
 
 
 @pytest.mark.parametrize("kind", ["transformer", "rank2"])
@@ -629,17 +628,17 @@ def test_cleanup_removes_the_stash(assert_no_hooks: Callable) -> None:
     model = TinyTransformer()
     gsm = GradSampleModuleRandomizedClipping(model, max_grad_norm=1.0, sketch_dim=4)
     gsm(make_input("tokens", 3)).sum().backward()
-    assert any(_STASH_ATTR in sub.__dict__ for sub in model.modules())
+    assert gsm.step_state.has_stashes
     gsm.cleanup()
-    assert not any(_STASH_ATTR in sub.__dict__ for sub in model.modules())
+    assert not gsm.step_state.has_stashes
     assert_no_hooks(model)
 
     hooks = GradSampleHooksRandomizedClipping(model, max_grad_norm=1.0, sketch_dim=4)
     model(make_input("tokens", 3)).sum().backward()
     hooks.get_clipping_coef()  # handed over, never consumed
-    assert hooks._bk_ready is not None
+    assert hooks.step_state.has_stashes
     hooks.cleanup()
-    assert hooks._bk_ready is None
+    assert not hooks.step_state.has_stashes
     assert_no_hooks(model)
 
 

@@ -131,7 +131,7 @@ def test_probes_fresh_per_sample_layer_and_step(monkeypatch: pytest.MonkeyPatch)
         draws.clear()
         rng_state = torch.get_rng_state()
         F.cross_entropy(gsm(x), y, reduction="sum").backward()  # first pass of the DP loss
-        w2 = model.lin2.weight._norm_sample.clone()
+        w2 = gsm.norm_samples["lin2.weight"].clone()
         gsm.get_clipping_coef()
         assert torch.equal(torch.get_rng_state(), rng_state)
         # Backward order: lin2 then lin1 (p = d = 6: output side). The head sees a pooled
@@ -364,8 +364,8 @@ def test_bf16_autocast_norms_are_float32_and_accurate(microbatch_norms: Callable
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = gsm(x)
     out.float().pow(2).sum().backward()
-    for p in (model[0].weight, model[2].weight):
-        assert p._norm_sample.dtype == torch.float32
+    for name in ("0.weight", "2.weight"):
+        assert gsm.norm_samples[name].dtype == torch.float32
     oracle = microbatch_norms(reference, x, lambda o: o.pow(2).sum())
     torch.testing.assert_close(gsm.get_norm_sample(), oracle["__total__"], rtol=0.05, atol=1e-6)
 
@@ -459,8 +459,7 @@ def test_exact_fallbacks_frozen_layers_and_logging(
     assert draws == [(3, 2, 4096)]  # only the registered nn.Linear (output side, p = 2)
     oracle = microbatch_norms(reference, x, lambda o: o.pow(2).sum())
     for name in ("2.w", "3.weight", "4.weight"):
-        mod, attr = name.split(".")
-        got = getattr(model[int(mod)], attr)._norm_sample.double()
+        got = gsm.norm_samples[name].double()
         torch.testing.assert_close(got, oracle[name], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsm.get_norm_sample(), oracle["__total__"], rtol=0.05, atol=0)
 

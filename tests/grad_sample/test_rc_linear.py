@@ -86,12 +86,12 @@ def test_norms_match_microbatch_oracle(
         assert gsm.get_clipping_coef().shape == (0,)
         return
     oracle = microbatch_norms(reference, x, per_sample_loss)
-    w_norm = model.lin.weight._norm_sample.double()
+    w_norm = gsm.norm_samples["lin.weight"].double()
     w_tol = 1e-5 if rank == 2 else REL_TOL
     torch.testing.assert_close(w_norm, oracle["lin.weight"], rtol=w_tol, atol=1e-6)
     if bias:
         torch.testing.assert_close(
-            model.lin.bias._norm_sample.double(), oracle["lin.bias"], rtol=1e-5, atol=1e-6
+            gsm.norm_samples["lin.bias"].double(), oracle["lin.bias"], rtol=1e-5, atol=1e-6
         )
     torch.testing.assert_close(norms, oracle["__total__"], rtol=w_tol, atol=1e-6)
 

@@ -197,7 +197,7 @@ def test_parameter_use_check_leaves_ordinary_models_alone() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(x)
         crit(out.float(), y).backward()
-        assert module._forward_spans == {}
+        assert not module.parameter_use_check.has_spans
         opt.step()
     assert len(engine.accountant) == 2
 
@@ -226,8 +226,15 @@ def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
     assert len(engine.accountant) == steps
     assert torch.equal(params(model), theta)
     opt.zero_grad()
-    for p in model.parameters():  # noise-only step: zero gradients, no backward
+    # The step protocol has no noise-only step without a private backward (issue 12): zero
+    # gradients set by hand are refused too; an empty Poisson batch goes through backward.
+    for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    opt.zero_grad()
+    crit(module(x[:0]), y[:0]).backward()  # empty batch: a noise-only step
     opt.step()
     assert len(engine.accountant) == steps + 1
     opt.zero_grad()
@@ -300,7 +307,7 @@ def test_reused_exact_module_sums_per_sample_gradients(microbatch_norms: Callabl
     gsm(x).pow(2).sum().backward()
     oracle = microbatch_norms(reference, x, lambda o: o.pow(2).sum())
     for name in ("norm.weight", "norm.bias", "lin.weight", "head.weight"):
-        got = dict(model.named_parameters())[name]._norm_sample.double()
+        got = gsm.norm_samples[name].double()
         torch.testing.assert_close(got, oracle[name], rtol=1e-5, atol=1e-7)
 
 

@@ -1,0 +1,122 @@
+"""Book-keeping: the clipped gradient sum from one backward pass (DESIGN.md section 3, step 4).
+
+Bu, Wang, Zha and Karypis, "Differentially Private Optimization on Large Model at Small Cost",
+ICML 2023. Ghost and randomized clipping need a second backward pass of ``sum_i c_i loss_i``
+once the clip factors ``c`` are known. Book-keeping instead keeps, during the first (only)
+pass, what each module's clipped sum needs (:class:`BookkeepingStash`): a sketched or exact
+layer with a clipped-sum function keeps its input and output gradient, a layer on Opacus'
+per-sample-gradient path keeps those per-sample gradients. :func:`write_clipped_sums` then
+writes ``p.grad += sum_i c_i grad_p loss_i``, exactly what the second pass accumulates. No
+random number is drawn here: the probes of the first pass are the only ones, in both modes.
+
+The stashes are owned by the step's :class:`~opacus_rc.grad_sample.step.StepState` and never
+outlive the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from opacus_rc.grad_sample.registry import ClippedSumFunction
+
+__all__ = ["BookkeepingStash", "per_sample_weighted_sum", "write_clipped_sums"]
+
+
+class BookkeepingStash:
+    """What one module's first backward pass leaves for its clipped gradient sum.
+
+    Either ``activations``/``backprops`` (a layer with a clipped-sum function) or
+    ``grad_samples`` (per-sample gradients from Opacus' exact path). Every tensor is detached.
+
+    Attributes:
+        module: The module the stash belongs to.
+        params: The trainable parameters this stash gives a gradient to.
+        activations: The layer's forward inputs, batch first (e.g. ``[A]`` with ``A`` of shape
+            ``(B, ..., d)``), or None.
+        backprops: The output gradient ``G``, batch first, already rescaled to per-sample losses
+            (``(B, ..., p)``), or None.
+        grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
+    """
+
+    __slots__ = ("activations", "backprops", "grad_samples", "module", "params")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        *,
+        activations: list[torch.Tensor] | None = None,
+        backprops: torch.Tensor | None = None,
+        grad_samples: dict[nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.activations = activations
+        self.backprops = backprops
+        self.grad_samples = grad_samples
+
+
+def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
+    """``einsum("b,b...->...", coef, grad_sample)`` in ``grad_sample``'s dtype, autocast off.
+
+    Args:
+        coef: ``(B,)`` clip factors.
+        grad_sample: ``(B, *shape)`` per-sample gradients.
+
+    Returns:
+        Tensor of shape ``shape``.
+    """
+    with torch.autocast(device_type=grad_sample.device.type, enabled=False):
+        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
+        return torch.tensordot(c, grad_sample, dims=1)
+
+
+def write_clipped_sums(
+    stashes: list[BookkeepingStash],
+    coef: torch.Tensor,
+    *,
+    clipped_sums: Mapping[type[nn.Module], ClippedSumFunction],
+    name_of: Callable[[object], str],
+) -> None:
+    """Add ``sum_i coef_i grad_p loss_i`` to ``p.grad`` for every parameter of ``stashes``.
+
+    Args:
+        stashes: This step's stashes (consumed by the caller).
+        coef: ``(B,)`` clip factors of this step.
+        clipped_sums: Module type -> clipped-sum function
+            (:data:`~opacus_rc.grad_sample.registry.CLIPPED_SUM_FUNCTIONS`).
+        name_of: Qualified name of a module or parameter, for error messages.
+
+    Raises:
+        ValueError: If a clipped-sum function gives no tensor, or one of the wrong shape, for a
+            parameter of its module.
+    """
+    with torch.no_grad():
+        for stash in stashes:
+            module = stash.module
+            if stash.grad_samples is not None:
+                sums = {
+                    p: per_sample_weighted_sum(coef, gs) for p, gs in stash.grad_samples.items()
+                }
+            else:
+                fn = clipped_sums[type(module)]
+                assert stash.backprops is not None and stash.activations is not None
+                sums = fn(
+                    module, stash.activations, stash.backprops, coef.to(stash.backprops.device)
+                )
+            for p in stash.params:
+                g = sums.get(p)
+                if g is None or g.shape != p.shape:
+                    raise ValueError(
+                        f"the clipped sum of '{name_of(module)}' ({type(module).__name__}) gave "
+                        f"{'no tensor' if g is None else f'shape {tuple(g.shape)}'} for "
+                        f"parameter '{name_of(p)}' of shape {tuple(p.shape)}"
+                    )
+                g = g.to(device=p.device, dtype=p.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)

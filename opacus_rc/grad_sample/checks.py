@@ -1,0 +1,266 @@
+"""Model hygiene and parameter-use checks of randomized clipping (tests/reliability/CATALOGUE.md).
+
+* :func:`check_training_mode`: Opacus' hooks skip eval-mode modules, whose gradients would then
+  have no per-sample norm.
+* :func:`check_tied_parameters`: a trainable parameter shared between a norm-sampled module and
+  another one cannot be measured per module.
+* :class:`TrainableSetGuard`: the set of trainable parameters, and which module owns each, is
+  recorded when the hooks are attached and compared at every private backward: a parameter
+  unfrozen, tied or replaced after ``make_private`` raises instead of training unclipped.
+* :class:`ParameterUseCheck`: a trainable parameter used outside the forward of the module that
+  owns it (``F.linear(h, model.fc.weight)``) raises before the backward pass.
+* :func:`strip_grad_sample_hooks`: remove every hook and attribute after a failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
+from opacus.utils.module_utils import trainable_modules
+from torch import nn
+
+__all__ = [
+    "ParameterUseCheck",
+    "TrainableSetGuard",
+    "check_tied_parameters",
+    "check_training_mode",
+    "strip_grad_sample_hooks",
+]
+
+#: Attributes Opacus adds to submodules.
+_MODULE_ATTRS = ("activations", "max_batch_len", "ft_compute_sample_grad")
+
+
+def strip_grad_sample_hooks(module: nn.Module) -> None:
+    """Remove every Opacus/opacus_rc hook and attribute from ``module``.
+
+    For failure paths, where no hooks object may exist to call ``cleanup()`` on. Opacus keeps
+    the hook handles in ``module.autograd_grad_sample_hooks`` and adds the attributes in
+    ``OPACUS_PARAM_MONKEYPATCH_ATTRS`` to parameters and ``activations``/``max_batch_len``/
+    ``ft_compute_sample_grad`` to submodules.
+    """
+    handles = getattr(module, "autograd_grad_sample_hooks", None)
+    if handles is not None:
+        while handles:
+            handles.pop().remove()
+        delattr(module, "autograd_grad_sample_hooks")
+    for p in module.parameters():
+        for attr in OPACUS_PARAM_MONKEYPATCH_ATTRS:
+            if hasattr(p, attr):
+                delattr(p, attr)
+    for sub in module.modules():
+        for attr in _MODULE_ATTRS:
+            if attr in sub.__dict__:
+                delattr(sub, attr)
+
+
+def check_training_mode(module: nn.Module) -> None:
+    """Raise if ``module`` or any submodule with trainable parameters is in eval mode.
+
+    Raises:
+        ValueError: Naming the offending modules and telling the caller to call ``train()``.
+    """
+    if not module.training:
+        raise ValueError(
+            "the model is in eval mode; randomized clipping needs per-sample norms that are "
+            "only recorded in training mode: call model.train() before make_private / before "
+            "wrapping the model"
+        )
+    in_eval = [name or "<root>" for name, sub in trainable_modules(module) if not sub.training]
+    if in_eval:
+        raise ValueError(
+            f"submodules with trainable parameters are in eval mode: {in_eval[:5]}; call "
+            "model.train() (or freeze their parameters) before make_private"
+        )
+
+
+def _owners(m: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """``id(trainable parameter) -> [(module name, module) owning it directly]``."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, sub in m.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            if p.requires_grad:
+                users = owners.setdefault(id(p), [])
+                if all(s is not sub for _, s in users):
+                    users.append((name or "<root>", sub))
+    return owners
+
+
+def check_tied_parameters(m: nn.Module, *, norm_sampled: Any) -> None:
+    """Raise if a trainable parameter is shared by a norm-sampled module and another one.
+
+    Args:
+        m: The model.
+        norm_sampled: Predicate on a module: whether its norm comes from a per-module norm
+            sampler (sketched, exact or ghost), which cannot combine tied weights.
+
+    Raises:
+        NotImplementedError: Naming the modules that share the parameter.
+    """
+    for users in _owners(m).values():
+        if len(users) > 1 and any(norm_sampled(sub) for _, sub in users):
+            names = ", ".join(f"'{n}' ({type(s).__name__})" for n, s in users)
+            raise NotImplementedError(
+                f"a trainable parameter is tied between modules {names}; randomized and "
+                "ghost clipping compute per-module norms and cannot combine tied weights. "
+                "Untie the weights or freeze the shared parameter."
+            )
+
+
+class TrainableSetGuard:
+    """Which parameters train, and which module owns each, as recorded when hooks were attached.
+
+    Args:
+        m: The model, right after its hooks were attached.
+        name_of: Qualified name of a parameter.
+    """
+
+    def __init__(self, m: nn.Module, *, name_of: Any) -> None:
+        self._model = m
+        self._name_of = name_of
+        self._owned = self._snapshot()
+
+    def _snapshot(self) -> dict[int, tuple[int, ...]]:
+        return {pid: tuple(id(s) for _, s in users) for pid, users in _owners(self._model).items()}
+
+    @property
+    def parameter_ids(self) -> frozenset[int]:
+        """``id`` of every parameter that was trainable when the hooks were attached."""
+        return frozenset(self._owned)
+
+    def check(self) -> None:
+        """Raise if the trainable set or its ownership changed since the hooks were attached.
+
+        O(number of parameters), host-side only. A parameter frozen since is fine (it gets no
+        gradient).
+
+        Raises:
+            RuntimeError: Naming the parameters made trainable, replaced or tied after the
+                hooks were attached: no per-sample norm would be computed for them.
+        """
+        now = self._snapshot()
+        changed = [pid for pid, owners in now.items() if self._owned.get(pid) != owners]
+        if changed:
+            names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
+            listed = sorted({names.get(pid, "<unnamed>") for pid in changed})
+            raise RuntimeError(
+                f"trainable parameter(s) {listed[:5]} were made trainable, replaced or tied "
+                "after the model was made private: no per-sample norm is computed for them, so "
+                "they would train unclipped (two backward passes) or not at all "
+                "(book-keeping). Decide which parameters train before make_private: call "
+                "cleanup() (or start from the plain model) and make_private again."
+            )
+
+
+class ParameterUseCheck:
+    """Detects trainable parameters used outside the forward of the module that owns them.
+
+    Forward pre- and post-hooks on every module owning a trainable parameter record the
+    autograd sequence numbers its forward calls span; :meth:`check` walks the loss's graph once
+    and checks that every node consuming a trainable parameter lies inside a span of an owner.
+
+    Args:
+        m: The model.
+        name_of: Qualified name of a parameter.
+        active: A callable telling whether the hooks are enabled.
+    """
+
+    def __init__(self, m: nn.Module, *, name_of: Any, active: Any) -> None:
+        self._name_of = name_of
+        self._active = active
+        self._owners: dict[int, list[int]] = {}
+        self._spans: dict[int, list[tuple[int, int]]] = {}
+        self._open: dict[int, list[int]] = {}
+        self._leaf = torch.zeros((), requires_grad=True)
+        self.owning_modules: list[nn.Module] = []
+        for sub in m.modules():
+            own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                self._owners.setdefault(id(p), []).append(id(sub))
+            self.owning_modules.append(sub)
+
+    def register(self, handles: list[Any]) -> None:
+        """Attach the span hooks to the owning modules; their handles go into ``handles``."""
+        for sub in self.owning_modules:
+            handles.append(sub.register_forward_pre_hook(self._open_span))
+            handles.append(sub.register_forward_hook(self._close_span))
+
+    def _sequence_number(self) -> int:
+        """The autograd sequence number of a node created now (forward nodes are numbered in
+        creation order, per thread)."""
+        return self._leaf.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
+
+    def _open_span(self, module: nn.Module, _args: Any) -> None:
+        if self._active() and torch.is_grad_enabled():
+            self._open.setdefault(id(module), []).append(self._sequence_number())
+
+    def _close_span(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        opened = self._open.get(id(module))
+        if opened and self._active() and torch.is_grad_enabled():
+            span = (opened.pop(), self._sequence_number())
+            self._spans.setdefault(id(module), []).append(span)
+
+    @property
+    def has_spans(self) -> bool:
+        """Whether forward spans are recorded and not yet consumed by :meth:`check`."""
+        return bool(self._spans) or any(self._open.values())
+
+    def clear(self) -> None:
+        """Forget the recorded spans."""
+        self._spans, self._open = {}, {}
+
+    def check(self, loss: torch.Tensor) -> None:
+        """Raise if a trainable parameter reaches ``loss`` other than through its module's forward.
+
+        The recorded spans are consumed. Under ``torch.autocast`` the node consuming a weight is
+        its cast, which autocast caches for the whole region at the weight's first use; a region
+        spanning several forward passes, or an earlier use outside the module in the same
+        region, therefore raises too.
+
+        Args:
+            loss: The loss about to be backpropagated (any shape).
+
+        Raises:
+            RuntimeError: If a trainable parameter is used outside its module's forward; the
+                error names the parameters.
+        """
+        spans = self._spans
+        self.clear()
+        root = loss.grad_fn
+        if root is None:
+            return
+        outside: dict[int, str] = {}
+        seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            seq: int | None = None
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf tensor
+                if var is not None:
+                    owners = self._owners.get(id(var))
+                    if owners is None:
+                        continue
+                    seq = node._sequence_nr() if seq is None else seq
+                    if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
+                        outside[id(var)] = self._name_of(var)
+                elif id(nxt) not in seen:
+                    seen[id(nxt)] = nxt
+                    stack.append(nxt)
+        if outside:
+            raise RuntimeError(
+                f"trainable parameter(s) {sorted(outside.values())} are used outside the "
+                "forward of the module that owns them (e.g. F.linear(h, model.fc.weight) "
+                "instead of model.fc(h)). Randomized clipping measures each per-sample norm "
+                "from the owning module's own forward, so that use would get a gradient no "
+                "norm accounts for. Call the module itself, give the other use its own module, "
+                "or freeze the parameter. (Under torch.autocast a weight is cast once per "
+                "autocast region, at its first use: enter autocast once per forward pass, and "
+                "not around an earlier use of the weight outside its module.)"
+            )

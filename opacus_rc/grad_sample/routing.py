@@ -1,0 +1,218 @@
+"""The norm-path resolver: how each hooked module's per-sample norm is computed (DESIGN.md 3).
+
+Every decision about *how* a module's per-sample gradient norm is obtained is made here, once,
+when the grad-sample module is built, and then used by every consumer: the backward hook
+(which function runs), book-keeping (whether one backward pass can serve), the log line (what
+the user is told) and the per-module report :attr:`NormRoute.accounted` (what the step is
+accounted for). The paths:
+
+* ``sketched``: a type registered in
+  :data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS` (e.g. ``nn.Linear``): the
+  norm is a sketch with the module's :class:`~opacus_rc.sketching.SketchSpec`;
+* ``exact``: a type registered there with ``exact=True`` (an exact norm by a project sampler);
+* ``grad_sampler``: Opacus' per-sample gradients (``LayerNorm``, ``RMSNorm``, ``Conv``...), the
+  norm exact;
+* ``ghost``: Opacus' ghost norm (no per-sample gradient: book-keeping impossible);
+* ``functorch``: Opacus' functorch fallback for a leaf module without a sampler;
+* ``refused``: a module whose per-sample norm cannot be computed faithfully; building the
+  grad-sample module raises :class:`UnsupportedModuleError` naming it.
+
+A module with trainable parameters of its own, no sampler and trainable descendants is refused:
+Opacus would compute its whole subtree with functorch (its ``nn.Linear`` children would not be
+sketched although they look it, and randomness inside it, such as dropout, cannot be replayed
+by ``vmap``). Exact norms inside a sketched step are covered by the RC accountant (THEORY.md
+section D, Lemma D), so a step mixing paths is accounted with the module's sketch spec.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
+from torch import nn
+
+from opacus_rc.sketching import SketchSpec
+
+__all__ = [
+    "NormPath",
+    "NormRoute",
+    "UnsupportedModuleError",
+    "refuse_unsupported",
+    "resolve_norm_routes",
+]
+
+#: Opacus' DP recurrent layers are hooked through their ``RNNLinear`` children.
+_RNN_CONTAINERS = (DPRNN, DPLSTM, DPGRU)
+
+
+class UnsupportedModuleError(NotImplementedError):
+    """A trainable module whose per-sample norm the library cannot compute faithfully."""
+
+
+class NormPath(str, enum.Enum):
+    """How one module's per-sample gradient norm is computed (see the module docstring)."""
+
+    SKETCHED = "sketched"
+    EXACT = "exact"
+    GRAD_SAMPLER = "grad_sampler"
+    GHOST = "ghost"
+    FUNCTORCH = "functorch"
+    REFUSED = "refused"
+
+    @property
+    def per_sample_gradients(self) -> bool:
+        """Whether this path materialises per-sample gradients (book-keeping keeps them)."""
+        return self in (NormPath.GRAD_SAMPLER, NormPath.FUNCTORCH)
+
+
+@dataclass(frozen=True)
+class NormRoute:
+    """The resolved norm path of one hooked module.
+
+    Attributes:
+        name: The module's qualified name in the model (``"<root>"`` for the model itself).
+        module_type: ``type(module).__name__``.
+        path: The :class:`NormPath`.
+        has_clipped_sum: Whether a book-keeping clipped-sum function exists for this path.
+        reason: Why the module is refused (``path`` is ``REFUSED``), else ``None``.
+    """
+
+    name: str
+    module_type: str
+    path: NormPath
+    has_clipped_sum: bool
+    reason: str | None = None
+
+    @property
+    def supports_bookkeeping(self) -> bool:
+        """Whether this module's clipped gradient sum can be formed without a second pass."""
+        return self.path.per_sample_gradients or self.has_clipped_sum
+
+    def accounted(self, spec: SketchSpec) -> SketchSpec | None:
+        """The sketch this module's norm is a sample of (``None``: an exact norm)."""
+        return spec if self.path is NormPath.SKETCHED else None
+
+    def describe(self, spec: SketchSpec) -> str:
+        """The log text for this route, e.g. ``"sketched (hutchinson, k=32)"``."""
+        if self.path is NormPath.SKETCHED:
+            return f"sketched ({spec.estimator}, k={spec.sketch_dim})"
+        return {
+            NormPath.EXACT: "exact norm (opacus_rc sampler)",
+            NormPath.GRAD_SAMPLER: "exact per-sample gradients (Opacus grad sampler)",
+            NormPath.GHOST: "exact ghost norm (Opacus)",
+            NormPath.FUNCTORCH: "exact per-sample gradients (functorch fallback)",
+            NormPath.REFUSED: f"refused: {self.reason}",
+        }[self.path]
+
+
+def _resolve_path(
+    module: nn.Module,
+    *,
+    sketched: Mapping[type, Any],
+    exact_types: Iterable[type],
+    grad_samplers: Mapping[type, Any],
+    norm_samplers: Mapping[type, Any],
+    force_functorch: bool,
+) -> NormPath:
+    t = type(module)
+    if t in sketched:
+        return NormPath.EXACT if t in exact_types else NormPath.SKETCHED
+    if t in norm_samplers:
+        return NormPath.GHOST
+    if t in grad_samplers and not force_functorch:
+        return NormPath.GRAD_SAMPLER
+    return NormPath.FUNCTORCH
+
+
+def _subtree_trainable(module: nn.Module) -> list[str]:
+    """Names of trainable parameters strictly below ``module`` (not its own)."""
+    return [
+        f"{child_name}.{pname}"
+        for child_name, child in module.named_children()
+        for pname, p in child.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def resolve_norm_routes(
+    hooked: Iterable[nn.Module],
+    *,
+    names: Mapping[int, str],
+    sketched: Mapping[type, Any],
+    exact_types: Iterable[type],
+    clipped_sums: Mapping[type, Any],
+    grad_samplers: Mapping[type, Any],
+    norm_samplers: Mapping[type, Any],
+    force_functorch: bool,
+) -> dict[int, NormRoute]:
+    """Resolve the norm path of every hooked module (the one place such decisions are made).
+
+    Args:
+        hooked: The modules Opacus attaches hooks to (``iterate_submodules``).
+        names: ``id(module) -> qualified name``.
+        sketched: The project's sampler registry (type -> sampler).
+        exact_types: Types in ``sketched`` whose sampler is exact.
+        clipped_sums: The project's clipped-sum registry (type -> function).
+        grad_samplers: Opacus' per-sample gradient samplers (type -> sampler).
+        norm_samplers: Opacus' ghost norm samplers (type -> sampler).
+        force_functorch: Opacus' ``force_functorch`` (functorch for every non-sketched type).
+
+    Returns:
+        ``{id(module): NormRoute}``; Opacus' recurrent containers (``DPRNN``...), hooked
+        through their children, are left out.
+    """
+    exact = frozenset(exact_types)
+    routes: dict[int, NormRoute] = {}
+    for module in hooked:
+        if isinstance(module, _RNN_CONTAINERS):
+            continue
+        path = _resolve_path(
+            module,
+            sketched=sketched,
+            exact_types=exact,
+            grad_samplers=grad_samplers,
+            norm_samplers=norm_samplers,
+            force_functorch=force_functorch,
+        )
+        reason = None
+        if path is NormPath.FUNCTORCH:
+            below = _subtree_trainable(module)
+            if below:
+                path = NormPath.REFUSED
+                own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+                reason = (
+                    f"it owns trainable parameter(s) {own[:3]} directly and has trainable "
+                    f"submodule parameters ({below[:3]}); its per-sample gradient would need "
+                    "functorch over the whole subtree, which neither sketches its layers nor "
+                    "replays randomness such as dropout. Move the direct parameter(s) into a "
+                    "leaf module of their own, freeze them, or register a grad sampler for "
+                    f"{type(module).__name__}"
+                )
+        t = type(module)
+        has_sum = t in clipped_sums if path in (NormPath.SKETCHED, NormPath.EXACT) else False
+        routes[id(module)] = NormRoute(
+            name=names.get(id(module)) or "<root>",
+            module_type=t.__name__,
+            path=path,
+            has_clipped_sum=has_sum,
+            reason=reason,
+        )
+    return routes
+
+
+def refuse_unsupported(routes: Mapping[int, NormRoute]) -> None:
+    """Raise :class:`UnsupportedModuleError` if any route is refused.
+
+    Raises:
+        UnsupportedModuleError: Naming every refused module and why.
+    """
+    refused = [r for r in routes.values() if r.path is NormPath.REFUSED]
+    if refused:
+        lines = "; ".join(f"'{r.name}' ({r.module_type}): {r.reason}" for r in refused[:3])
+        raise UnsupportedModuleError(
+            f"randomized clipping cannot compute the per-sample norm of {len(refused)} "
+            f"module(s): {lines}"
+        )
