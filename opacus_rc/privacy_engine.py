@@ -414,11 +414,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         module_class = (
             GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
         )
-        build.module = module_class(module, **build.config.module_kwargs())
-        if build.module.sketch_spec != build.config.sketch_spec:  # pragma: no cover - defensive
-            raise RuntimeError(
-                f"module uses {build.module.sketch_spec}, configured {build.config.sketch_spec}"
-            )
+        build.module = module_class(module, config=build.config)
         return build.module
 
     def _prepare_data_loader(
@@ -498,7 +494,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
             generator=self.secure_rng if self.secure_mode else noise_generator,
-            **build.config.optimizer_kwargs(),
+            secure_mode=build.config.secure_mode,
         )
 
     def _prepare_criterion(

@@ -74,7 +74,7 @@ from opacus_rc.grad_sample.routing import (
     refuse_unsupported,
     resolve_norm_routes,
 )
-from opacus_rc.grad_sample.step import StepState
+from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.sketching import SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -227,8 +227,11 @@ class _RandomizedClippingMixin:
     # ------------------------------------------------------------------------------------------
 
     @property
-    def config(self) -> RandomizedClippingConfig:
-        """The validated options this module was built with (shared with the optimizer)."""
+    def clipping_config(self) -> RandomizedClippingConfig:
+        """The validated options this module was built with (shared with the optimizer).
+
+        (Not ``config``: a wrapped Hugging Face model's ``config`` is forwarded to the model.)
+        """
         return self._config
 
     @property
@@ -562,12 +565,20 @@ class _RandomizedClippingMixin:
             and self._step is not None
         )
         if recording:
+            if self._step.phase is StepPhase.IDLE:
+                # Once per step, at its first hooked forward: a parameter unfrozen, replaced or
+                # tied since make_private raises here, before Opacus' counters trip over it.
+                self._trainable.check()
             self._step.on_forward()
         try:
             super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
             self.discard_recorded()
             raise self._reuse_error(module) from err
+        except AttributeError:
+            self.discard_recorded()
+            self._trainable.check()  # a parameter Opacus never saw: the clear error
+            raise
         if not recording or not hasattr(module, "activations"):
             return
         if self._bookkeeping:
@@ -757,7 +768,9 @@ class GradSampleModuleRandomizedClipping(
 ):
     """Wraps a model to compute sketched per-sample norms and clip factors (DP-SGD-RC).
 
-    Use it like Opacus' ``GradSampleModuleFastGradientClipping``: with
+    Attributes the wrapper does not have are read from the wrapped model (``generate``, a
+    Hugging Face ``config``...), so the wrapped model behaves as the model. Use it like Opacus'
+    ``GradSampleModuleFastGradientClipping``: with
     :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` and
     :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, whose ``backward()`` runs one
     backward pass and :meth:`apply_clipped_sum` when :attr:`bookkeeping` is true, else both
@@ -777,6 +790,7 @@ class GradSampleModuleRandomizedClipping(
             requested, every route supports it and the model is not distributed.
         norm_routes: How each hooked module's norm is computed.
         step_state: The step protocol's state.
+        clipping_config: The validated options.
 
     Raises:
         TypeError: Both ``config`` and options, or invalid option types.
@@ -787,6 +801,15 @@ class GradSampleModuleRandomizedClipping(
             (:class:`~opacus_rc.grad_sample.routing.UnsupportedModuleError`), or (at forward
             time) a norm-sampled module used twice per step.
     """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Our own attributes (and a property that raised) are not forwarded.
+            if name == "_module" or hasattr(type(self), name) or "_module" not in self._modules:
+                raise
+            return getattr(self._modules["_module"], name)
 
 
 class GradSampleHooksRandomizedClipping(

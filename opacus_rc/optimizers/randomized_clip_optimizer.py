@@ -77,7 +77,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
     ) -> None:
-        config = getattr(grad_sample_module, "config", None)
+        config = getattr(grad_sample_module, "clipping_config", None)
         if not isinstance(config, RandomizedClippingConfig) or not isinstance(
             getattr(grad_sample_module, "step_state", None), StepState
         ):
