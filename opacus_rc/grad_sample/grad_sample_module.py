@@ -8,9 +8,9 @@ attaches the same hooks without wrapping (``wrap_model=False``). Both share
 1. Norms. In the backward hook, a layer type registered in
    :data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS` gets a sketched per-sample
    norm (fresh Gaussian probes from the module's generator for every step, sample and layer;
-   THEORY.md A.2 and B.2). Every other layer uses Opacus' exact path unchanged: the ghost norm
-   of ``nn.Embedding``, per-sample gradients for ``LayerNorm``/``RMSNorm``/Conv, functorch for
-   the rest.
+   THEORY.md A.2 and B.2); a type registered there with ``exact=True`` (``nn.Embedding``) gets
+   an exact norm from that registry. Every other layer uses Opacus' exact path unchanged:
+   per-sample gradients for ``LayerNorm``/``RMSNorm``/Conv, functorch for the rest.
 2. Safety checks. Non-finite norm estimates raise before a clip factor exists; a trainable
    parameter used outside the forward of the module that owns it raises before the first
    backward pass (:meth:`~_RandomizedClippingMixin.check_parameter_uses`, called by the DP
@@ -38,8 +38,9 @@ and output gradient, and for each layer on Opacus' per-sample-gradient path (``L
 :meth:`~_RandomizedClippingMixin.apply_clipped_sum` then writes ``p.grad = sum_i c_i grad_p
 loss_i`` from them, which is exactly what the second backward pass gives. The probes are drawn
 in the first pass only, in both modes, so the sketch randomness and the privacy analysis are
-unchanged. Modules with an Opacus ghost norm (``nn.Embedding``) have no per-sample gradient:
-with any of them trainable, or in distributed training, the module uses two passes.
+unchanged. A module with an Opacus ghost norm and no entry in this package's registries has no
+per-sample gradient: with any of them trainable, or in distributed training, the module uses
+two passes.
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
+    EXACT_NORM_TYPES,
     SKETCHED_NORM_SAMPLERS,
     ClippedSumFunction,
     SketchedNormSampler,
+    check_modules,
 )
 from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
 
@@ -270,6 +273,7 @@ class _RandomizedClippingMixin:
                 "nn.Module (call cleanup() on the previous hooks first)"
             )
         check_training_mode(m)
+        check_modules(m)  # e.g. nn.Embedding(max_norm=...), refused before any forward
         self._check_tied_parameters(m)
 
         try:
@@ -378,7 +382,9 @@ class _RandomizedClippingMixin:
             return
         for name, sub in trainable_modules(self._module):  # type: ignore[attr-defined]
             t = type(sub)
-            if t in self.SKETCHED_NORM_SAMPLERS:
+            if t in EXACT_NORM_TYPES and t in self.SKETCHED_NORM_SAMPLERS:
+                path = "exact (opacus_rc sampler, no sketch)"
+            elif t in self.SKETCHED_NORM_SAMPLERS:
                 path = f"sketched ({self._sketch_spec.estimator}, k={self._sketch_spec.sketch_dim})"
             elif t in type(self).NORM_SAMPLERS:  # type: ignore[attr-defined]
                 path = "exact ghost norm (Opacus)"
