@@ -45,6 +45,7 @@ section B.3, Lemma D).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -124,6 +125,13 @@ def _pow2_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
     exponent = torch.where(ok, exponent, torch.zeros_like(exponent)).clamp(min=-_MAX_UP)
     return torch.ldexp(torch.ones_like(amax), -exponent), exponent
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast disabled on ``device`` (a no-op where autocast does not exist, e.g. ``meta``)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _padding_index(layer: nn.Embedding) -> int | None:
@@ -212,7 +220,7 @@ def compute_embedding_norm_sample(
     if G.numel() == 0:  # B = 0, no position, or d = 0: every gradient is zero
         return {layer.weight: torch.zeros(B, device=G.device, dtype=out_dtype)}
     acc = torch.promote_types(G.dtype, torch.float32)
-    with torch.autocast(device_type=G.device.type, enabled=False):
+    with _autocast_off(G.device):
         # Per-sample power-of-two scale: max |entry| in [0.5, 1) (or below, for tiny gradients),
         # so a group sum is <= T in absolute value and its float32 square cannot overflow, nor a
         # nonzero square underflow. Exact, no host sync.
@@ -281,7 +289,7 @@ def compute_embedding_clipped_sum(
     pad = _padding_index(layer)
     B, T, d = G.shape
     acc = torch.promote_types(G.dtype, torch.float32)
-    with torch.autocast(device_type=G.device.type, enabled=False):
+    with _autocast_off(G.device):
         rows = G.to(acc) * coef.to(device=G.device, dtype=acc).view(B, 1, 1)
         if pad is not None:
             rows.masked_fill_((ids == pad).unsqueeze(-1), 0)
