@@ -6,8 +6,8 @@ attaches the same hooks without wrapping (``wrap_model=False``). Both share
 :class:`_RandomizedClippingMixin`, which holds the hooks only; the rest lives in one module
 each:
 
-* :mod:`~opacus_rc.grad_sample.routing`: how each module's norm is computed (sketched, exact,
-  Opacus' per-sample gradients, functorch, or refused), decided once and used by the hooks,
+* :mod:`~opacus_rc.grad_sample.routing`: how each module's norm is computed (sketched, exact
+  such as ``nn.Embedding``'s, Opacus' per-sample gradients, functorch, or refused), decided once and used by the hooks,
   book-keeping, the log line and the report;
 * :mod:`~opacus_rc.grad_sample.step`: the :class:`~opacus_rc.grad_sample.step.StepState` that
   records one step and enforces its invariant (every gradient the optimizer releases got a
@@ -67,6 +67,7 @@ from opacus_rc.grad_sample.registry import (
     SKETCHED_NORM_SAMPLERS,
     ClippedSumFunction,
     SketchedNormSampler,
+    check_modules,
 )
 from opacus_rc.grad_sample.routing import (
     NormPath,
@@ -159,6 +160,7 @@ class _RandomizedClippingMixin:
                 "nn.Module (call cleanup() on the previous hooks first)"
             )
         check_training_mode(m)
+        check_modules(m)  # e.g. nn.Embedding(max_norm=...), refused before any forward
         names = {id(sub): name for name, sub in m.named_modules()}
         routes = resolve_norm_routes(
             self.iterate_submodules(m),  # type: ignore[attr-defined]

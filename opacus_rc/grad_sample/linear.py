@@ -40,7 +40,8 @@ def _pow2_inverse_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     ok = torch.isfinite(amax) & (amax > 0)
     _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    exponent = torch.where(ok, exponent, torch.zeros_like(exponent))
+    # Scale up by at most 2^100: a subnormal maximum would otherwise ask for 2^149 (inf).
+    exponent = torch.where(ok, exponent.clamp(min=-100), torch.zeros_like(exponent))
     scale = torch.ldexp(torch.ones_like(amax), -exponent)
     return scale, exponent
 

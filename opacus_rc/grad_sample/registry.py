@@ -15,8 +15,17 @@ the gradient of the layer's output, already rescaled to per-sample losses (batch
 each returned tensor has shape ``(B,)``: the per-sample gradient **norm** (not squared) of one
 trainable parameter. Opacus combines them with ``torch.stack(...).norm(2, dim=0)``.
 
+A sampler registered with ``exact=True`` computes the norm exactly and ignores ``estimator``,
+``sketch_dim`` and ``generator`` (it draws no probe); its types are listed in
+:data:`EXACT_NORM_TYPES`. An exact layer inside a sketched step needs no change to the
+accountant (THEORY.md section B.3, Lemma D: deterministic parts never worsen the envelope).
+
 :data:`CLIPPED_SUM_FUNCTIONS` (:func:`register_clipped_sum`) holds, for the same module types,
 the clipped gradient sum used by the single-backward book-keeping path (Bu et al., ICML 2023).
+
+:data:`MODULE_CHECKS` (:func:`register_module_check`) holds configuration checks that the
+randomized-clipping module runs on every submodule before attaching hooks
+(:func:`check_modules`), e.g. to refuse ``nn.Embedding(max_norm=...)``.
 """
 
 from __future__ import annotations
@@ -30,10 +39,14 @@ from torch import nn
 __all__ = [
     "CLIPPED_SUM_FUNCTIONS",
     "EXACT_NORM_TYPES",
+    "MODULE_CHECKS",
     "SKETCHED_NORM_SAMPLERS",
     "ClippedSumFunction",
+    "ModuleCheck",
     "SketchedNormSampler",
+    "check_modules",
     "register_clipped_sum",
+    "register_module_check",
     "register_sketched_norm_sampler",
 ]
 
@@ -58,9 +71,8 @@ class SketchedNormSampler(Protocol):
 SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = {}
 
 
-#: Types in :data:`SKETCHED_NORM_SAMPLERS` whose sampler is exact (it ignores the sketch): the
-#: norm-path resolver logs and reports them as exact (``register_sketched_norm_sampler(...,
-#: exact=True)``).
+#: The types of :data:`SKETCHED_NORM_SAMPLERS` whose sampler is exact (registered with
+#: ``exact=True``): no probe is drawn, and the module logs their norm path as exact.
 EXACT_NORM_TYPES: set[type[nn.Module]] = set()
 
 
@@ -80,16 +92,20 @@ def register_sketched_norm_sampler(
     Args:
         *module_types: The exact ``nn.Module`` subclasses the sampler handles.
         force: Replace an existing registration instead of raising.
-        exact: The sampler computes the exact norm (it takes the sketch arguments but draws no
-            probe); the module is then logged and reported as exact.
+        exact: The sampler computes exact norms and ignores ``estimator``, ``sketch_dim`` and
+            ``generator`` (e.g. ``nn.Embedding``); the types are then in
+            :data:`EXACT_NORM_TYPES` (removed from it when re-registered with ``False``).
 
     Returns:
         The decorator; it returns the sampler unchanged.
 
     Raises:
-        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
+        TypeError: If no module type is given, one is not an ``nn.Module`` subclass, or
+            ``exact`` is not a bool.
         ValueError: If a type already has a sampler and ``force`` is ``False``.
     """
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
     register = _registration(SKETCHED_NORM_SAMPLERS, module_types, force, "a sketched norm sampler")
 
     def decorator(fn: SketchedNormSampler) -> SketchedNormSampler:
@@ -165,6 +181,65 @@ def register_clipped_sum(
         ValueError: If a type already has a function and ``force`` is ``False``.
     """
     return _registration(CLIPPED_SUM_FUNCTIONS, module_types, force, "a clipped-sum function")
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction-time checks of a module's configuration
+# ----------------------------------------------------------------------------------------------
+
+
+class ModuleCheck(Protocol):
+    """Signature of a module check (see :func:`register_module_check`)."""
+
+    def __call__(self, layer: nn.Module) -> None: ...
+
+
+#: Exact module type -> check that raises for a configuration of that type which randomized
+#: clipping cannot make private (e.g. ``nn.Embedding(max_norm=...)``).
+MODULE_CHECKS: dict[type[nn.Module], ModuleCheck] = {}
+
+
+def register_module_check(
+    *module_types: type[nn.Module], force: bool = False
+) -> Callable[[ModuleCheck], ModuleCheck]:
+    """Decorator registering a configuration check for one or more module types.
+
+    :func:`check_modules` calls it on every submodule of a registered type (trainable or not)
+    before any hook is attached, so that a configuration whose forward pass or gradient cannot be
+    made private is refused before the first forward pass. A check raises (``ValueError`` with
+    what to change) or returns ``None``; it must not modify the module. Example::
+
+        @register_module_check(MyLayer)
+        def check_my_layer(layer):
+            if layer.some_option:
+                raise ValueError("MyLayer(some_option=True) is not supported: ...")
+
+    Args:
+        *module_types: The exact ``nn.Module`` subclasses the check handles.
+        force: Replace an existing registration instead of raising.
+
+    Returns:
+        The decorator; it returns the check unchanged.
+
+    Raises:
+        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
+        ValueError: If a type already has a check and ``force`` is ``False``.
+    """
+    return _registration(MODULE_CHECKS, module_types, force, "a module check")
+
+
+def check_modules(module: nn.Module) -> None:
+    """Run the registered check (:data:`MODULE_CHECKS`) of every submodule of ``module``.
+
+    Lookup is by exact type, as for the samplers.
+
+    Raises:
+        ValueError: From a registered check, naming the unsupported option and what to do.
+    """
+    for sub in module.modules():
+        check = MODULE_CHECKS.get(type(sub))
+        if check is not None:
+            check(sub)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

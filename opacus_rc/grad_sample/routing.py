@@ -100,7 +100,7 @@ class NormRoute:
         if self.path is NormPath.SKETCHED:
             return f"sketched ({spec.estimator}, k={spec.sketch_dim})"
         return {
-            NormPath.EXACT: "exact norm (opacus_rc sampler)",
+            NormPath.EXACT: "exact (opacus_rc sampler, no sketch)",
             NormPath.GRAD_SAMPLER: "exact per-sample gradients (Opacus grad sampler)",
             NormPath.GHOST: "exact ghost norm (Opacus)",
             NormPath.FUNCTORCH: "exact per-sample gradients (functorch fallback)",
