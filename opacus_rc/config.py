@@ -99,8 +99,12 @@ class RandomizedClippingConfig:
         loss_reduction: ``"mean"`` or ``"sum"``, as the criterion's ``reduction``.
         strict: Opacus' ``strict`` (reject trainable modules with buffers).
         force_functorch: Use functorch for every layer without a sketched sampler.
-        bookkeeping: Request one backward pass per step (book-keeping); the module decides
-            whether the model allows it.
+        bookkeeping: ``True`` (default): one backward pass per step (book-keeping) where the
+            model allows it, except in steps whose forward ran activation-checkpointed regions,
+            which take two passes (book-keeping keeps every layer's input and output gradient
+            until the clip factors exist, which would undo checkpointing's memory saving).
+            ``"always"``: book-keeping in those steps too (faster, more memory). ``False``: two
+            backward passes always. The clipped gradient and the guarantee are the same.
 
     Attributes:
         sketch_spec: The :class:`~opacus_rc.sketching.SketchSpec` that every step of a module
@@ -123,7 +127,7 @@ class RandomizedClippingConfig:
     loss_reduction: str = "mean"
     strict: bool = True
     force_functorch: bool = False
-    bookkeeping: bool = True
+    bookkeeping: bool | str = True
     sketch_spec: SketchSpec = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +143,12 @@ class RandomizedClippingConfig:
             )
         else:
             head_dim = None
-        for name in ("secure_mode", "batch_first", "strict", "force_functorch", "bookkeeping"):
+        if not (isinstance(self.bookkeeping, bool) or self.bookkeeping == "always"):
+            raise TypeError(
+                f"bookkeeping must be a bool or 'always', got {type(self.bookkeeping).__name__} "
+                f"{self.bookkeeping!r}"
+            )
+        for name in ("secure_mode", "batch_first", "strict", "force_functorch"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

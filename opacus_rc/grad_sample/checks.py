@@ -21,6 +21,8 @@ from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
+from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
+
 __all__ = [
     "ParameterUseCheck",
     "TrainableSetGuard",
@@ -213,7 +215,7 @@ class ParameterUseCheck:
         """Forget the recorded spans."""
         self._spans, self._open = {}, {}
 
-    def check(self, loss: torch.Tensor) -> None:
+    def check(self, loss: torch.Tensor) -> bool:
         """Raise if a trainable parameter reaches ``loss`` other than through its module's forward.
 
         The recorded spans are consumed. Under ``torch.autocast`` the node consuming a weight is
@@ -221,8 +223,15 @@ class ParameterUseCheck:
         spanning several forward passes, or an earlier use outside the module in the same
         region, therefore raises too.
 
+        Parameters used inside a reentrant activation-checkpoint region are not visible in the
+        graph before the backward (the region is one node), so they are not checked.
+
         Args:
             loss: The loss about to be backpropagated (any shape).
+
+        Returns:
+            Whether the graph contains a reentrant checkpoint region (book-keeping's first pass
+            must then reach every leaf; see :mod:`~opacus_rc.grad_sample.checkpointing`).
 
         Raises:
             RuntimeError: If a trainable parameter is used outside its module's forward; the
@@ -232,7 +241,8 @@ class ParameterUseCheck:
         self.clear()
         root = loss.grad_fn
         if root is None:
-            return
+            return False
+        reentrant = has_reentrant_checkpoint(root)
         outside: dict[int, str] = {}
         seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
         stack = [root]
@@ -253,6 +263,7 @@ class ParameterUseCheck:
                 elif id(nxt) not in seen:
                     seen[id(nxt)] = nxt
                     stack.append(nxt)
+                    reentrant = reentrant or has_reentrant_checkpoint(nxt)
         if outside:
             raise RuntimeError(
                 f"trainable parameter(s) {sorted(outside.values())} are used outside the "
@@ -264,3 +275,4 @@ class ParameterUseCheck:
                 "autocast region, at its first use: enter autocast once per forward pass, and "
                 "not around an earlier use of the weight outside its module.)"
             )
+        return reentrant

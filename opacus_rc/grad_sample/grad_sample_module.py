@@ -54,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash, write_clipped_sums
+from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_checkpointed_forward
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
     TrainableSetGuard,
@@ -136,6 +137,7 @@ class _RandomizedClippingMixin:
 
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
+    _step_bookkeeping: bool = False
     _step: StepState | None = None
 
     def __init__(
@@ -217,9 +219,14 @@ class _RandomizedClippingMixin:
                 m, name_of=self._name_of, active=lambda: self.hooks_enabled
             )
             self._uses.register(self.autograd_grad_sample_hooks)
+            self._full_first_pass = False
+            NoEarlyStop(m, self.autograd_grad_sample_hooks, active=lambda: self.hooks_enabled)
             self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
-            self._bookkeeping = self._resolve_bookkeeping(m, requested=config.bookkeeping)
+            self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
+            self._step_bookkeeping = self._bookkeeping
+            self._step_checkpointed = False
+            self._told_checkpointing = False
         except BaseException:
             self.cleanup()
             raise
@@ -311,12 +318,20 @@ class _RandomizedClippingMixin:
 
     @property
     def bookkeeping(self) -> bool:
-        """Whether steps use book-keeping (one backward pass) rather than two backward passes.
+        """Whether steps can use book-keeping (one backward pass) rather than two passes.
 
-        ``True`` only if ``bookkeeping=True`` was passed, every trainable module supports it and
-        the model is not distributed (decided at construction).
+        ``True`` only if book-keeping was requested, every trainable module supports it and the
+        model is not distributed (decided at construction). A step whose forward ran
+        activation-checkpointed regions takes two passes unless ``bookkeeping="always"``
+        (:attr:`step_bookkeeping`).
         """
         return self._bookkeeping
+
+    @property
+    def step_bookkeeping(self) -> bool:
+        """Whether the current step uses book-keeping (decided when its private backward
+        starts, :meth:`check_parameter_uses`)."""
+        return self._step_bookkeeping
 
     # ------------------------------------------------------------------------------------------
     # Construction-time decisions
@@ -414,10 +429,21 @@ class _RandomizedClippingMixin:
         """
         try:
             self._trainable.check()
-            self._uses.check(loss)
+            self._full_first_pass = self._uses.check(loss)
         except BaseException:
             self.discard_recorded()
             raise
+        checkpointed = self._step_checkpointed or self._full_first_pass
+        self._step_bookkeeping = self._bookkeeping and (
+            self._config.bookkeeping == "always" or not checkpointed
+        )
+        if self._bookkeeping and not self._step_bookkeeping and not self._told_checkpointing:
+            self._told_checkpointing = True
+            logger.info(
+                "activation checkpointing: two backward passes per step (book-keeping would "
+                "keep every layer's input and output gradient until the clip factors exist); "
+                "pass bookkeeping='always' for one pass"
+            )
 
     def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
         """The ``inputs`` of the book-keeping first backward pass (consumed), or None for all.
@@ -427,8 +453,11 @@ class _RandomizedClippingMixin:
         ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
         ``G^T A`` of every layer whose input carries a gradient (Bu et al., ICML 2023, section
         3). Modules whose inputs carry no gradient are reached through their parameters.
+        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``: the
+        pass then reaches every leaf (None).
         """
-        return self.step_state.take_first_pass_inputs()
+        edges = self.step_state.take_first_pass_inputs()
+        return None if self._full_first_pass else edges
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norm estimates of the whole model (issues nothing).
@@ -472,7 +501,7 @@ class _RandomizedClippingMixin:
             return self.step_state.issue_clip_factors(
                 max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
                 params=self.trainable_parameters,  # type: ignore[attr-defined]
-                bookkeeping=self._bookkeeping,
+                bookkeeping=self._step_bookkeeping,
             )
         finally:
             self._uses.clear()
@@ -496,9 +525,9 @@ class _RandomizedClippingMixin:
                 :meth:`get_clipping_coef` of this step.
             ValueError: If a clipped sum has the wrong shape or misses a parameter.
         """
-        if not self._bookkeeping:
+        if not self._step_bookkeeping:
             raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
+                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         ready = self.step_state.take_stashes()
@@ -559,19 +588,30 @@ class _RandomizedClippingMixin:
         forward_input: list[torch.Tensor],
         _forward_output: torch.Tensor,
     ) -> None:
-        """Forward hook: store inputs (Opacus) and reject a second use of a norm-sampled module."""
+        """Forward hook: store inputs (Opacus) and reject a second use of a norm-sampled module.
+
+        Under activation checkpointing the inputs are stored by the recomputation inside the
+        backward, not by the original forward (:mod:`~opacus_rc.grad_sample.checkpointing`).
+        """
         recording = (
             self.hooks_enabled  # type: ignore[attr-defined]
             and torch.is_grad_enabled()
             and module.training
             and self._step is not None
         )
-        if recording:
-            if self._step.phase is StepPhase.IDLE:
+        recomputing = recording and in_backward()
+        if recording and not recomputing:
+            if self._step.phase in (StepPhase.IDLE, StepPhase.NORMED):
                 # Once per step, at its first hooked forward: a parameter unfrozen, replaced or
                 # tied since make_private raises here, before Opacus' counters trip over it.
                 self._trainable.check()
+                self._step_checkpointed = False
+                self._step_bookkeeping = self._bookkeeping
             self._step.on_forward()
+            self._record_first_pass_inputs(module, forward_input)
+            if in_checkpointed_forward():
+                self._step_checkpointed = True
+                return  # the recomputation inside the backward records the inputs
         try:
             super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
@@ -583,8 +623,6 @@ class _RandomizedClippingMixin:
             raise
         if not recording or not hasattr(module, "activations"):
             return
-        if self._bookkeeping:
-            self._record_first_pass_inputs(module, forward_input)
         route = self._routes.get(id(module))
         if (
             route is not None
@@ -689,7 +727,7 @@ class _RandomizedClippingMixin:
         for p in params:
             p._forward_counter -= 1
         self.step_state.record_norms({p: norms[p] for p in params})
-        if self._bookkeeping and params:
+        if self._step_bookkeeping and params:
             self.step_state.stash(
                 BookkeepingStash(module, params, activations=activations, backprops=backprops)
             )
@@ -726,7 +764,7 @@ class _RandomizedClippingMixin:
                 promote_current_grad_sample(p)
                 gs = p.grad_sample
                 norms[p] = gs.reshape(len(gs), -1).norm(2, dim=-1)
-                if self._bookkeeping:
+                if self._step_bookkeeping:
                     done[p] = gs.detach()
                 p.grad_sample = None
         if norms:

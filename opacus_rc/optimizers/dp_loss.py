@@ -84,19 +84,21 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         # Raises (dropping this forward's activations) if an earlier backward's clip factors
         # were not consumed or the last backward failed.
         module.begin_private_backward()
-        bookkeeping = module.bookkeeping
+        bookkeeping = False
         try:
             error: Exception | None = None
             coeff = None
             try:
                 module.check_parameter_uses(reduced_loss)
-                if bookkeeping:
-                    # One pass, graph freed; it stops at the hooked modules' inputs, so no
-                    # first-pass dL/dW that the clipped sum would overwrite is computed.
-                    inputs = module.take_first_pass_inputs()
-                    torch.autograd.backward(reduced_loss, inputs=inputs)
-                else:
-                    reduced_loss.backward(retain_graph=True)
+                bookkeeping = module.step_bookkeeping
+                # The first pass stops at the hooked modules' inputs, so no dL/dW is computed
+                # that the clipped sum or the second pass replaces; with book-keeping the graph
+                # is freed, else kept for the second pass.
+                torch.autograd.backward(
+                    reduced_loss,
+                    inputs=module.take_first_pass_inputs(),
+                    retain_graph=not bookkeeping,
+                )
                 optimizer.discard_gradients()  # the first pass's (unclipped) gradients
                 coeff = module.get_clipping_coef()
                 self._check_coefficients(coeff)
