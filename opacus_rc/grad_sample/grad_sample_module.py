@@ -111,6 +111,20 @@ def resolve_sketch_spec(
     ).sketch_spec
 
 
+def _fallback_warning(why: str) -> None:
+    """Tell the user (once per module) that book-keeping was requested but two passes run.
+
+    A warning, not a log line: Opacus configures the root logger at import, which hides INFO.
+    """
+    warnings.warn(
+        f"book-keeping (one backward pass) is off, two backward passes per step: {why}. The "
+        "clipped gradient and the guarantee are the same; pass bookkeeping=False to choose two "
+        "passes explicitly (this warning then goes away).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def _strided_index(t: Any) -> bool:
     """A non-contiguous integer tensor (e.g. expanded token or position ids)."""
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
@@ -371,10 +385,7 @@ class _RandomizedClippingMixin:
             else 1
         )
         if world > 1 or any(isinstance(sub, ddp) for sub in m.modules()):
-            logger.info(
-                "book-keeping (single backward) is off: distributed training keeps two "
-                "backward passes"
-            )
+            _fallback_warning("distributed training (DDP/DPDDP) keeps two backward passes")
             return False
         blockers = [
             f"'{r.name}' ({r.module_type}): "
@@ -387,11 +398,7 @@ class _RandomizedClippingMixin:
             if not r.supports_bookkeeping
         ]
         if blockers:
-            logger.info(
-                "book-keeping (single backward) is off, two backward passes per step; forced "
-                "by: %s",
-                "; ".join(blockers),
-            )
+            _fallback_warning("forced by " + "; ".join(blockers[:5]))
             return False
         return True
 
@@ -841,6 +848,30 @@ class GradSampleModuleRandomizedClipping(
             (:class:`~opacus_rc.grad_sample.routing.UnsupportedModuleError`), or (at forward
             time) a norm-sampled module used twice per step.
     """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; an in-place change of a hooked module's output is explained."""
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as err:
+            if "BackwardHookFunction is a view and is being modified inplace" not in str(err):
+                raise
+            inplace = [
+                name or "<root>"
+                for name, sub in self._module.named_modules()
+                if getattr(sub, "inplace", False) is True
+            ]
+            raise RuntimeError(
+                "an in-place operation modified the output (or input) of a module whose "
+                "per-sample norm is measured: its backward hook must see that tensor unchanged. "
+                + (
+                    f"Modules with inplace=True: {inplace[:5]}: set inplace=False. "
+                    if inplace
+                    else ""
+                )
+                + "Replace in-place updates such as h += x by h = h + x. (Opacus' "
+                "ModuleValidator.fix does not change inplace=True.)"
+            ) from err
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -39,6 +39,9 @@ module's ``get_clipping_coef``), and book-keeping tensors never outlive their st
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,11 +97,12 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 # The first pass stops at the hooked modules' inputs, so no dL/dW is computed
                 # that the clipped sum or the second pass replaces; with book-keeping the graph
                 # is freed, else kept for the second pass.
-                torch.autograd.backward(
-                    reduced_loss,
-                    inputs=module.take_first_pass_inputs(),
-                    retain_graph=not bookkeeping,
-                )
+                with _no_output_hook_warning():
+                    torch.autograd.backward(
+                        reduced_loss,
+                        inputs=module.take_first_pass_inputs(),
+                        retain_graph=not bookkeeping,
+                    )
                 optimizer.discard_gradients()  # the first pass's (unclipped) gradients
                 coeff = module.get_clipping_coef()
                 self._check_coefficients(coeff)
@@ -120,7 +124,8 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 second_loss = torch.sum(coeff.to(losses.device) * losses)
                 module.disable_hooks()
                 try:
-                    second_loss.backward()
+                    with _no_output_hook_warning():
+                        second_loss.backward()
                 finally:
                     module.enable_hooks()
                 module.finish_clipped_pass()
@@ -141,6 +146,22 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 "Face position_ids of shape [1, T], Opacus issue 841: expand it to [B, T]), or "
                 "the loss is per token (pass shape=logits.shape to the criterion)"
             )
+
+
+@contextlib.contextmanager
+def _no_output_hook_warning() -> Iterator[None]:
+    """Silence PyTorch's "Full backward hook is firing when gradients are computed with respect
+    to module outputs" during the private backward: it fires for every hooked module whose
+    inputs need no gradient (the lowest trainable layers), where the output gradient is exactly
+    what the per-sample norm needs, so there is nothing for the user to act on (issue 14, 9)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="Full backward hook is firing when gradients are computed with respect to "
+            "module outputs",
+            category=UserWarning,
+        )
+        yield
 
 
 def _keep_class(name: str) -> Any:
@@ -164,6 +185,11 @@ for _name in _ARITHMETIC:
 class DPLossRandomizedClipping(DPLossFastGradientClipping):
     """Opacus' ``DPLossFastGradientClipping`` returning :class:`DPTensorRandomizedClipping`.
 
+    Per-token losses (``criterion(logits, targets, shape=(B, T, ...))``) are reduced per sample
+    as in Opacus: the mean over the positions whose target is not ``criterion.ignore_index``
+    (``nn.CrossEntropyLoss``, ``nn.NLLLoss``), or over all positions for a criterion without
+    that attribute, which warns once (issue 14, item 7).
+
     Args:
         module: The randomized-clipping grad-sample module (or hooks object).
         optimizer: Its :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
@@ -171,7 +197,27 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
         loss_reduction: ``"mean"`` or ``"sum"``.
     """
 
+    _warned_no_ignore_index = False
+
     def __call__(self, *args: Any, shape: Any = None, **kwargs: Any) -> DPTensorRandomizedClipping:
+        if (
+            shape is not None
+            and self.loss_reduction == "mean"
+            and getattr(self.criterion, "ignore_index", None) is None
+            and not self._warned_no_ignore_index
+        ):
+            # Opacus averages a per-token loss over the positions whose target differs from
+            # criterion.ignore_index; without that attribute, over all T positions.
+            self._warned_no_ignore_index = True
+            warnings.warn(
+                f"{type(self.criterion).__name__} has no ignore_index attribute: with shape=, "
+                "each sample's loss is the mean over all of its positions. If the criterion "
+                "masks positions itself (padding), their zero losses still count in that mean; "
+                "give the criterion an ignore_index (nn.CrossEntropyLoss has one) so that "
+                "masked positions leave the denominator.",
+                UserWarning,
+                stacklevel=2,
+            )
         out = super().__call__(*args, shape=shape, **kwargs)
         return DPTensorRandomizedClipping(
             out.module, out.optimizer, out.loss_per_sample, out.loss_reduction

@@ -412,9 +412,7 @@ def test_bookkeeping_false_is_silent_and_off(caplog: pytest.LogCaptureFixture) -
     gsm.cleanup()
 
 
-def test_sketched_type_without_clipped_sum_uses_two_passes(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_sketched_type_without_clipped_sum_uses_two_passes() -> None:
     """A user's sketched sampler for a custom layer, without a clipped-sum function: two passes
     (and still the right gradients); registering the clipped sum enables book-keeping."""
 
@@ -437,13 +435,12 @@ def test_sketched_type_without_clipped_sum_uses_two_passes(
     y = torch.randint(0, CLASSES, (6,))
     try:
         register_sketched_norm_sampler(MyLinear)(compute_linear_sketched_norm_sample)
-        with caplog.at_level(logging.INFO, logger="opacus_rc.grad_sample.grad_sample_module"):
+        # A UserWarning, not an INFO line: Opacus' logging setup hides INFO (issue 14, item 9).
+        with pytest.warns(
+            UserWarning, match=r"'inner.0' \(MyLinear\): sketched norm without a clipped-sum"
+        ):
             gsm = GradSampleModuleRandomizedClipping(copy.deepcopy(base), max_grad_norm=1.0)
         assert gsm.bookkeeping is False
-        assert any(
-            "'inner.0' (MyLinear): sketched norm without a clipped-sum function" in r.getMessage()
-            for r in caplog.records
-        )
         gsm.cleanup()
         c_2p, _, g_2p, _ = one_step(base, x, y, bookkeeping=False, max_grad_norm=0.2)
         register_clipped_sum(MyLinear)(compute_linear_clipped_sum)

@@ -976,3 +976,96 @@ def test_unwrapped_hf_model_generates_with_wrap_model_false() -> None:
     """The workaround for item 4 until the wrapper forwards: wrap_model=False keeps the model's
     class, so generate() works, and training afterwards is clipped and accounted."""
     _generate_then_train(_tiny_llama(), wrap_model=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 14, items 3, 7 and 9 (lead)
+# ----------------------------------------------------------------------------------------------
+
+
+class _InplaceReLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(D, H)
+        self.act = nn.ReLU(inplace=True)
+        self.lin2 = nn.Linear(H, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.act(self.lin1(x))).mean(1)
+
+
+class _InplaceAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(D, D)
+        self.lin2 = nn.Linear(D, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin1(x)
+        h += x
+        return self.lin2(h).mean(1)
+
+
+@pytest.mark.parametrize(
+    ("factory", "advice"),
+    [(_InplaceReLU, r"\['act'\]: set inplace=False"), (_InplaceAdd, "h = h \\+ x")],
+)
+def test_inplace_ops_on_hooked_outputs_get_a_clear_error(factory: Any, advice: str) -> None:
+    """Issue 14, item 3: PyTorch's 'Output 0 of BackwardHookFunction is a view and is being
+    modified inplace' (whose advice does not apply) becomes an error naming the inplace=True
+    modules and the fix; nothing is stepped or accounted."""
+    torch.manual_seed(0)
+    engine, module, opt, crit, _ = private(factory())
+    x, y = batch()
+    with pytest.raises(RuntimeError, match=advice):
+        crit(module(x), y).backward()
+    assert len(engine.accountant) == 0
+
+
+def test_private_backward_does_not_warn_about_output_hooks() -> None:
+    """Issue 14, item 9: the lowest hooked layer's inputs need no gradient, so PyTorch warned
+    'Full backward hook is firing when gradients are computed with respect to module outputs'
+    at every step, from our own loss; nothing for the user to act on, so it is silenced there."""
+    torch.manual_seed(0)
+    engine, module, opt, crit, _ = private(SeqMLP())
+    x, y = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        crit(module(x), y).backward()
+        opt.step()
+    assert not [w for w in caught if "Full backward hook is firing" in str(w.message)]
+    assert len(engine.accountant) == 1
+
+
+class _MaskedCE(nn.Module):
+    """A criterion that masks padding itself and has no ignore_index attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(logits, target.clamp(min=0), reduction="none")
+        loss = loss * (target >= 0)
+        return loss if self.reduction == "none" else loss.mean()
+
+
+def test_criterion_without_ignore_index_warns_once() -> None:
+    """Issue 14, item 7: with shape=, Opacus averages a per-token loss over all positions when
+    the criterion has no ignore_index (masked positions' zero losses count in the mean); this
+    warns once, naming the fix. nn.CrossEntropyLoss does not warn."""
+    torch.manual_seed(0)
+    model = SeqMLP()
+    x, y = batch()
+    per_token = torch.full((4, 3), -1, dtype=torch.long)
+    per_token[:, 0] = y
+    for criterion, warns in ((nn.CrossEntropyLoss(ignore_index=-1), False), (_MaskedCE(), True)):
+        engine, module, opt, crit, _ = private(copy.deepcopy(model), criterion=criterion)
+        logits = module(x).unsqueeze(1).expand(4, 3, CLASSES)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                crit(logits.reshape(-1, CLASSES), per_token.reshape(-1), shape=(4, 3))
+        hits = [w for w in caught if "has no ignore_index attribute" in str(w.message)]
+        assert len(hits) == (1 if warns else 0)
+        module.discard_recorded()
