@@ -318,7 +318,8 @@ class _SchurLaw(_Law):
         with np.errstate(divide="ignore", invalid="ignore"):
             y = _conditional_mean(special.gammaincinv(self.a, pp) / self.a, self.a)
             s_up = np.where(pp >= 1.0, 1.0, 1.0 / np.sqrt(y))
-        s_tail = self._chi2.isf(np.minimum(p, max(tail, np.finfo(float).tiny)))
+        # k <= 2: no chi2 part
+        s_tail = self._chi2.isf(np.minimum(p, tail)) if tail > 0.0 else np.full_like(p, math.inf)
         return np.where(p <= tail, s_tail, np.where(p <= top, self.s_star, s_up))
 
     def breaks(self) -> tuple[float, ...]:
