@@ -31,7 +31,7 @@ import opacus_rc  # noqa: E402
 
 project = "opacus_rc"
 author = "the opacus_rc authors"
-copyright = "the opacus_rc authors, Apache-2.0"  # noqa: A001
+copyright = "the opacus_rc authors, Apache-2.0"
 release = opacus_rc.__version__
 version = release
 
@@ -111,7 +111,7 @@ def _data_doc(package: str, attr: str, obj: object) -> str:
             continue
         try:
             docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
-        except Exception:  # noqa: BLE001 (a C or namespace module: no source to analyse)
+        except Exception:  # a C or namespace module: no source to analyse
             continue
         if ("", attr) in docs:
             return " ".join(line.strip() for line in docs[("", attr)] if line.strip())
