@@ -3,36 +3,38 @@
 Randomized clipping scales sample ``i`` by ``c_i = min(1, C / sqrt(n_hat_i))`` where
 ``n_hat_i = n_i W_i`` is a Gaussian sketch (Hutchinson, ``k`` columns) of the squared gradient
 norm ``n_i``. The contribution of the differing record has norm at most ``S = C W^{-1/2}``
-(THEORY.md B.1), so the sensitivity is a random variable. Its law depends on the (unknown)
-spectrum of the per-sample gradient; this module implements upper bounds ``F_env(y)`` on
-``sup P(W <= y)`` over all spectra, the *envelopes*, and the law of ``S = W_env^{-1/2}`` they
-induce, in units of the clipping bound ``C`` (THEORY.md B.3; proofs in the documentation,
-``docs/privacy/envelope.md``). Every envelope is 1 for ``y >= 1`` (item 1, proved). Below 1:
+(``docs/privacy/mechanism.md#mechanism-sensitivity``), so the sensitivity is a random
+variable. Its law depends on the (unknown) spectrum of the per-sample gradient; this module
+implements upper bounds ``F_env(y)`` on ``sup P(W <= y)`` over all spectra, the *envelopes*,
+and the law of ``S = W_env^{-1/2}`` they induce, in units of the clipping bound ``C``
+(definitions and proofs: ``docs/privacy/envelope.md``). Every envelope is 1 for ``y >= 1``
+(``#envelope-above-one``). Below 1:
 
 * ``envelope="chi2"`` (default): ``F_env(y) = P(chi2_k <= k y)``, the exact supremum, attained
-  by rank-one gradients ("Claim L"). **Proved for k >= 2** (docs section
-  ``envelope-claim-l``, THEORY.md B.3 item 2). At ``k = 1`` the proof does not apply: the law is
-  still computed (numerical checks support it) but a :class:`UserWarning` says it is not
-  proved there; pass ``"schur"`` or ``"chernoff"`` for a proved bound at ``k = 1``.
-  Law: an atom ``P(S = 1) = P(chi2_k >= k)`` and the density
+  by rank-one gradients ("Claim L"). **Proved for k >= 2**
+  (``docs/privacy/envelope.md#envelope-claim-l``). At ``k = 1`` the proof does not apply
+  (``#envelope-k1``): the law is still computed, but its accounting uses (:meth:`quadrature`,
+  :func:`envelope_cdf`) raise a :class:`UserWarning` saying so; ``"schur"`` and ``"chernoff"``
+  are proved at ``k = 1``. Law: an atom ``P(S = 1) = P(chi2_k >= k)`` and the density
   ``rho(s) = (2k / s^3) f_{chi2_k}(k / s^2)`` on ``s > 1``; ``P(S > s) = P(chi2_k < k / s^2)``.
-* ``envelope="schur"`` (the proved fallback, docs section ``envelope-schur``, B.3 item 2):
-  ``P(chi2_k <= k y)`` for ``y < y0 = 1 - 2/k`` (Schur-convexity region, ``k >= 3``; empty for
-  ``k <= 2``) and, on ``[y0, 1)``, the convex-order hinge bound
-  ``h(y) = inf_{c > y} E(c - Y)_+ / (c - y)`` with ``Y = chi2_k / k``, capped by the Chernoff bound
-  (``h`` never exceeds it; the ``min`` only guards rounding). ``h(y) = P(Y <= c*)`` where ``c*``
-  solves ``E[Y | Y <= c*] = y``, i.e. ``P(chi2_{k+2} <= k c*) = y P(chi2_k <= k c*)``. Law: no
-  atom at 1, an atom at ``s* = y0^{-1/2}`` of mass ``h(y0) - P(chi2_k <= k y0)``, the
-  ``"chi2"`` density above ``s*``.
-* ``envelope="chernoff"`` (proved for every ``k``, B.3 item 5; the independent cross-check): no
-  atom, ``P(S > s) = (s^{-2} e^{1 - s^{-2}})^{k/2}`` for ``s >= 1``.
+* ``envelope="schur"`` (the proved fallback, ``docs/privacy/envelope.md#envelope-schur``):
+  ``P(chi2_k <= k y)`` for ``y < y0 = 1 - 2/k`` (the Schur-convexity region, ``k >= 3``; empty
+  for ``k <= 2``) and, on ``[y0, 1)``, the convex-order hinge bound
+  ``h(y) = inf_{c > y} E(c - Y)_+ / (c - y)`` with ``Y = chi2_k / k``, which never exceeds the
+  Chernoff bound. ``h(y) = P(Y <= c*)`` where ``c*`` solves ``E[Y | Y <= c*] = y``, i.e.
+  ``P(chi2_{k+2} <= k c*) = y P(chi2_k <= k c*)``. Law: no atom at 1, an atom at
+  ``s* = y0^{-1/2}`` of mass ``h(y0) - P(chi2_k <= k y0)``, the ``"chi2"`` density above ``s*``.
+* ``envelope="chernoff"`` (proved for every ``k``, ``docs/privacy/envelope.md#envelope-chernoff``;
+  the independent cross-check): no atom, ``P(S > s) = (s^{-2} e^{1 - s^{-2}})^{k/2}`` for
+  ``s >= 1``.
 * ``sketch_dim=None`` is exact clipping: ``S = 1`` almost surely.
 
 Assumptions, stated first as in the monotone-loss classes this module imitates: ``S >= 1``
 always; a stochastically larger ``S`` is a worse mechanism in both threat models and both
-adjacency directions (THEORY.md B.4), which is what makes an envelope (a pointwise upper bound
-on ``P(S > s)``) a valid replacement for the true, spectrum-dependent law. The right tail is
-polynomial, ``P(S > s) ~ c_k s^{-k}`` (B.6), so every Renyi divergence is infinite.
+adjacency directions (``docs/privacy/dominance.md``), which is what makes an envelope (a
+pointwise upper bound on ``P(S > s)``) a valid replacement for the true, spectrum-dependent law.
+The right tail is polynomial, ``P(S > s) ~ c_k s^{-k}`` (``docs/privacy/heavy_tails.md``), so
+every Renyi divergence is infinite.
 
 Pure numpy/scipy; no Opacus import.
 """
@@ -54,7 +56,7 @@ __all__ = [
     "envelope_cdf",
 ]
 
-#: Default capped tail mass of the quadrature (THEORY.md C.3 item 1).
+#: Default capped tail mass of the quadrature (``docs/privacy/prv.md#prv-quadrature``).
 DEFAULT_ETA = 1e-15
 
 
@@ -82,7 +84,8 @@ def _validate_sketch_dim(sketch_dim: int | None) -> None:
 
 
 class _Law:
-    """Shared parts of the laws: the default quadrature (THEORY.md C.3 item 1) and mean."""
+    """Shared parts of the laws: the default quadrature (``docs/privacy/prv.md#prv-quadrature``)
+    and the mean."""
 
     def mean(self) -> float:
         """``E S = 1 + integral_1^inf P(S > s) ds`` by adaptive quadrature."""
@@ -101,7 +104,7 @@ class _Law:
 
 
 class _Chi2Law(_Law):
-    """``W_env = min(chi2_k / k, 1)`` (THEORY.md B.3 items 2 and 4)."""
+    """``W_env = min(chi2_k / k, 1)`` (``docs/privacy/envelope.md#envelope-law``)."""
 
     def __init__(self, k: int) -> None:
         self.k = float(k)
@@ -158,7 +161,7 @@ class _Chi2Law(_Law):
 
 
 class _ChernoffLaw(_Law):
-    """``P(W_env <= y) = (y e^{1-y})^{k/2}`` (THEORY.md B.3 item 5)."""
+    """``P(W_env <= y) = (y e^{1-y})^{k/2}`` (``docs/privacy/envelope.md#envelope-chernoff``)."""
 
     def __init__(self, k: int) -> None:
         self.k = float(k)
@@ -243,14 +246,14 @@ def _gauss_legendre(lo: float, hi: float, panels: int, order: int) -> tuple[np.n
 
 def _log_s_quadrature(law, s_lo: float, s_hi: float, panels: int, order: int):
     """Nodes and weights of the continuous part of ``S`` on ``[s_lo, s_hi]``, Gauss-Legendre
-    in ``u = log s`` with weight ``rho(s) s du`` (THEORY.md C.3 item 1)."""
+    in ``u = log s`` with weight ``rho(s) s du`` (``docs/privacy/prv.md#prv-quadrature``)."""
     u, du = _gauss_legendre(math.log(s_lo), math.log(s_hi), panels, order)
     s = np.exp(u)
     return s, np.exp(law.logpdf(s) + u) * du
 
 
 class _SchurLaw(_Law):
-    """The fallback envelope of THEORY.md B.3 item 2 ("schur"); see the module docstring.
+    """The fallback envelope "schur" (``docs/privacy/envelope.md#envelope-schur``).
 
     With ``y0 = 1 - 2/k`` (0 for ``k <= 2``) and the hinge bound ``h``: ``F_env(y) =
     P(chi2_k <= k y)`` for ``y < y0`` and ``h(y)`` on ``[y0, 1)``. It is non-decreasing and
@@ -351,7 +354,8 @@ class _SchurLaw(_Law):
           (``k <= 2``, the hinge part then reaches ``s_max``). Gauss-Legendre in ``log c`` on
           ``[c_lo, c_hi]``, weight ``f_Y(c) c d(log c)``: smooth, unlike the density of ``S``
           near 1. The mass ``P(Y > c_hi) = 1e-17`` (``S`` in ``(1, E[Y | Y <= c_hi]^{-1/2})``)
-          sits at that interval's top, which can only be conservative (B.4).
+          sits at that interval's top, which can only be conservative
+          (``docs/privacy/dominance.md``).
         * The atom at ``s*``.
         * The "chi2" part on ``[s*, s_max]``, Gauss-Legendre in ``log s``.
 
@@ -408,7 +412,7 @@ def _warn_if_unproved(sketch_dim: int | None, envelope: str) -> None:
 def envelope_cdf(y: float | np.ndarray, *, sketch_dim: int, envelope: str = "chi2") -> np.ndarray:
     """The envelope ``F_env(y) >= sup_W P(W <= y)`` of the ratio ``W = n_hat / n``.
 
-    THEORY.md B.3 (proofs: ``docs/privacy/envelope.md``): ``F_env(y) = 1`` for ``y >= 1``
+    ``docs/privacy/envelope.md`` (definitions and proofs): ``F_env(y) = 1`` for ``y >= 1``
     (item 1); for ``y < 1`` it is ``P(chi2_k <= k y)`` ("chi2", item 2, proved for ``k >= 2``:
     then it is the supremum itself), the Schur/hinge fallback ("schur", item 2) or the Chernoff
     bound ``(y e^{1-y})^{k/2}`` ("chernoff", item 5).
@@ -437,7 +441,9 @@ def envelope_cdf(y: float | np.ndarray, *, sketch_dim: int, envelope: str = "chi
 
 @dataclass(frozen=True)
 class EnvelopeQuadrature:
-    """Riemann-Stieltjes quadrature of the envelope law on ``[1, s_max]`` (THEORY.md C.3 item 1).
+    """Riemann-Stieltjes quadrature of the envelope law on ``[1, s_max]``.
+
+    ``docs/privacy/prv.md#prv-quadrature``.
 
     ``integral f dF_S ~= sum_j weights[j] f(nodes[j])`` for ``S <= s_max``; the mass above
     ``s_max``, ``tail_mass``, is not represented by any node: the accountant treats it as a
@@ -463,7 +469,8 @@ class SensitivityEnvelope:
 
     Parameter domains: ``sketch_dim`` in ``{1, 2, ...}`` or ``None`` (exact clipping, ``S = 1``);
     ``envelope`` in :data:`ENVELOPES`. For Hutch++ pass the number of *tail* columns
-    (THEORY.md D, Theorem H). ``"chi2"`` is proved for ``k >= 2``; at ``k = 1`` it warns (see
+    (``docs/privacy/hutchpp.md#hutchpp-theorem-h``). ``"chi2"`` is proved for ``k >= 2``; at
+    ``k = 1`` it warns (see
     the module docstring) and ``"schur"`` or ``"chernoff"`` give proved bounds.
 
     Example:
@@ -512,7 +519,7 @@ class SensitivityEnvelope:
         return self._law.atoms()
 
     def logsf(self, s: float | np.ndarray) -> np.ndarray:
-        """``log P(S > s)`` for ``s`` in units of ``C`` (B.3 items 2, 4 and 5)."""
+        """``log P(S > s)`` for ``s`` in units of ``C`` (``docs/privacy/envelope.md``)."""
         s = np.asarray(s, dtype=float)
         if self.exact:
             return np.where(s < 1.0, 0.0, -np.inf)
@@ -534,7 +541,7 @@ class SensitivityEnvelope:
     def logpdf(self, s: float | np.ndarray) -> np.ndarray:
         """Log density of the continuous part of ``S`` on ``s > 1`` (``-inf`` elsewhere).
 
-        "chi2": ``rho(s) = (2k / s^3) f_{chi2_k}(k / s^2)`` (B.3 item 4). "chernoff":
+        "chi2": ``rho(s) = (2k / s^3) f_{chi2_k}(k / s^2)`` (``#envelope-law``). "chernoff":
         ``rho(s) = (k / s)(1 - s^{-2})(s^{-2} e^{1 - s^{-2}})^{k/2}``, the derivative of the
         survival function of item 5. "schur": ``(2 / s^3) b'(s^{-2})`` on ``(1, s*)`` (``b`` the
         hinge bound, ``b' = b / (c* - y)``), the "chi2" density above ``s*``.
@@ -595,7 +602,7 @@ class SensitivityEnvelope:
         return self._law.mean()
 
     def s_max(self, eta: float = DEFAULT_ETA) -> float:
-        """The cap ``s_max`` with ``P(S > s_max) = eta`` (THEORY.md C.3 item 1 table)."""
+        """The cap ``s_max`` with ``P(S > s_max) = eta`` (``docs/privacy/prv.md#prv-quadrature``)."""
         if self.exact:
             return 1.0
         return float(self.isf(eta))
@@ -604,7 +611,9 @@ class SensitivityEnvelope:
     def quadrature(
         self, *, eta: float = DEFAULT_ETA, panels: int = 40, order: int = 16
     ) -> EnvelopeQuadrature:
-        """Quadrature nodes and weights of the law of ``S`` on ``[1, s_max]`` (THEORY.md C.3).
+        """Quadrature nodes and weights of the law of ``S`` on ``[1, s_max]``.
+
+        ``docs/privacy/prv.md#prv-quadrature``.
 
         Atoms are nodes of their own; the continuous part uses composite Gauss-Legendre in
         ``u = log s`` on ``[0, log s_max]``, ``panels`` panels of ``order`` nodes, weight
