@@ -142,7 +142,7 @@ def write_api_pages() -> None:
         for attr, obj in own:
             kind = _directive(obj)
             if kind == "data":
-                lines += [f".. py:data:: {package}.{attr}", ""]
+                lines += [f".. py:data:: {attr}", f"   :module: {package}", ""]
                 doc = _data_doc(package, attr, obj)
                 if isinstance(obj, (str, int, float, tuple)) and len(repr(obj)) < 200:
                     lines[-1:] = [f"   :value: {obj!r}", ""]
