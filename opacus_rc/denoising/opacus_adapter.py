@@ -167,10 +167,6 @@ class SpectralDenoiser:
         generator: Generator for the randomized SVD's test matrices; ``None`` uses torch's
             global generator.
 
-    Attributes:
-        last_report: :class:`~opacus_rc.denoising.DenoiseReport` of the last call (``None``
-            before the first).
-
     Raises:
         ValueError: at construction, for ``kappa < 1`` (message explains the bulk edge), an
             unknown ``svd``, ``min_dim`` or ``rank`` < 1, ``oversampling`` or
