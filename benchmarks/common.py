@@ -214,6 +214,50 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+_LIBRARY_ROOTS: tuple[str, ...] | None = None
+
+
+def _library_roots() -> tuple[str, ...]:
+    """Source folders of ``opacus_rc`` and ``opacus`` (for :func:`call_site`)."""
+    global _LIBRARY_ROOTS  # noqa: PLW0603 - a cache of two paths, filled on first use
+    if _LIBRARY_ROOTS is None:
+        import opacus
+
+        import opacus_rc
+
+        _LIBRARY_ROOTS = tuple(
+            str(Path(m.__file__).resolve().parent) + os.sep for m in (opacus_rc, opacus)
+        )
+    return _LIBRARY_ROOTS
+
+
+def call_site(skip: int = 1) -> str:
+    """Where the current op was called from: ``path:line (function)`` of the innermost Python
+    frame inside ``opacus_rc`` or ``opacus``; failing that, the innermost frame outside torch
+    and the benchmark scripts (``benchmarks/*.py``), prefixed ``other:``. Library paths are
+    relative to the package's parent folder, others to ``site-packages`` where inside it.
+    """
+    import sys
+
+    roots = _library_roots()
+    torch_root = str(Path(torch.__file__).resolve().parent) + os.sep
+    bench_dir = str(BENCH_DIR)
+    frame = sys._getframe(skip)
+    other = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+        for root in roots:
+            if path.startswith(root):
+                return where.removeprefix(str(Path(root).parent) + os.sep)
+        skipped = path.startswith(torch_root) or os.path.dirname(path) == bench_dir
+        if other is None and not skipped and "<" not in path:
+            marker = f"{os.sep}site-packages{os.sep}"
+            other = "other: " + (where.split(marker, 1)[1] if marker in where else where)
+        frame = frame.f_back
+    return other or "other: unknown"
+
+
 def _cpu_attention_flops() -> dict[Any, Callable[..., int]]:
     """FLOP formulas for the CPU flash-attention kernels, which FlopCounterMode lacks.
 
