@@ -486,11 +486,17 @@ def first_line(err: BaseException) -> str:
 
 
 def measure_meta(
-    cfg: dict[str, Any], checkpointing: str, T: int, B: int, log: Any = print
+    cfg: dict[str, Any],
+    checkpointing: str,
+    T: int,
+    B: int,
+    log: Any = print,
+    device: str = "meta",
 ) -> list[dict[str, Any]]:
-    """FLOPs and peak memory of one step of every method on the meta device."""
+    """FLOPs and peak memory of one step of every method, on the meta device by default
+    (``device="cpu"`` measures real tensors the same way: the tests compare the two)."""
     common.quiet_warnings()
-    meta = torch.device("meta")
+    meta = torch.device(device)
     probe, _ = build_base(cfg, T, B, meta)
     vocab = probe.config.vocab_size
     trainable = sum(p.numel() for p in probe.parameters() if p.requires_grad)
@@ -531,7 +537,7 @@ def measure_meta(
                 step_flops=result["flops"],
                 step_extra_bytes=extra,
                 persistent_bytes=method.persistent_bytes(),
-                scalar_reads=sum(oracle.answered.values()),
+                scalar_reads=sum(oracle.answered.values()) if meta.type == "meta" else None,
             )
             row["peak_bytes"] = row["step_extra_bytes"] + row["persistent_bytes"]
             if method.mixed is not None:
@@ -644,23 +650,41 @@ def floors(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> list[dict[str, An
 # ----------------------------------------------------------------------------------------------
 
 
-def _cell(rows: list[dict], key: tuple, col: str, fmt: Callable[[Any], str]) -> str:
+def _failure_codes(rows: list[dict]) -> dict[str, int]:
+    """A footnote number for each distinct failure status (meta or timing), in row order."""
+    codes: dict[str, int] = {}
+    for r in rows:
+        for col in ("status", "time_status"):
+            status = str(r.get(col) or "")
+            if status.startswith("failed") and status not in codes:
+                codes[status] = len(codes) + 1
+    return codes
+
+
+def _cell(
+    rows: list[dict], key: tuple, col: str, fmt: Callable[[Any], str], codes: dict[str, int]
+) -> str:
     r = next((x for x in rows if (x["checkpointing"], x["T"], x["B"], x["method"]) == key), None)
     if r is None:
         return ""
     if r.get(col) is None:
-        status = r.get("time_status" if col.startswith("time") else "status") or ""
-        return status if status.startswith("failed") else ""
+        status = str(r.get("time_status" if col.startswith("time") else "status") or "")
+        return f"FAILED [{codes[status]}]" if status in codes else ""
     return fmt(r[col])
 
 
 def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) -> str:
     ratio = lambda v: f"{float(v):.3g}x"  # noqa: E731
+    codes = _failure_codes(rows)
+    arch = (
+        "the SmolLM2-135M architecture"
+        if cfg["model"] == "smollm2"
+        else f"the `{cfg['model']}` architecture (quick profile)"
+    )
     parts = [
         "# Long-context whole-model DP fine-tuning (issue 13, item 6)",
         "",
-        f"`LlamaForCausalLM` with the SmolLM2-135M architecture (`{cfg['model']}`, "
-        f"{cfg['layers']} blocks), random init; **all blocks and the final norm trainable; the "
+        f"`LlamaForCausalLM` with {arch} ({cfg['layers']} blocks), random init; **all blocks and the final norm trainable; the "
         "tied input embedding / LM head frozen** (tied parameters are not supported by "
         "randomized clipping today, issue 13 item 3). Next-token loss over the full B x T x V "
         f"logits, one privacy unit per sequence. SGD, sigma = 1, C = 1; Hutchinson k = "
@@ -688,9 +712,10 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         parts.append("|---|---|---|---|---|")
         for c in crit:
             value = "" if c["value"] is None else f"{c['value']:.3g}"
+            status = f"FAILED [{codes[c['status']]}]" if c["status"] in codes else c["status"]
             parts.append(
                 f"| {c['requirement']} | {value} | {c['bound']} | "
-                f"{'PASS' if c['passed'] else 'FAIL'} | {c['status']} |"
+                f"{'PASS' if c['passed'] else 'FAIL'} | {status} |"
             )
         parts.append("")
     methods = cfg["methods"]
@@ -707,7 +732,7 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
                 for T in cfg["T"]:
                     line = {"checkpointing": ckpt, "B": B, "T": T}
                     for m in methods:
-                        line[m] = _cell(rows, (ckpt, T, B, m), col, fmt)
+                        line[m] = _cell(rows, (ckpt, T, B, m), col, fmt, codes)
                     table.append(line)
         parts += [common.markdown_table(table, ["checkpointing", "B", "T", *methods]), ""]
     timed = [r for r in rows if r.get("time_status")]
@@ -717,9 +742,9 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         for ckpt, T, B in cfg["time_cells"]:
             line = {"checkpointing": ckpt, "B": B, "T": T}
             for m in methods:
-                t = _cell(rows, (ckpt, T, B, m), "time_median_s", common.fmt_seconds)
-                q = _cell(rows, (ckpt, T, B, m), "time_ratio", ratio)
-                line[m] = f"{t} ({q})" if q and not t.startswith("failed") else t
+                t = _cell(rows, (ckpt, T, B, m), "time_median_s", common.fmt_seconds, codes)
+                q = _cell(rows, (ckpt, T, B, m), "time_ratio", ratio, codes)
+                line[m] = f"{t} ({q})" if q and not t.startswith("FAILED") else t
             r = next((x for x in timed if (x["checkpointing"], x["T"], x["B"]) == (ckpt, T, B)), {})
             line["load"] = r.get("load_average", "")
             table.append(line)
@@ -729,10 +754,18 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         ]
     if cfg.get("grid_note"):
         parts += ["## Grid", "", cfg["grid_note"], ""]
-    failures = sorted({r["status"] for r in rows if str(r.get("status", "")).startswith("failed")})
-    if failures:
-        parts += ["## Failures (first line of each distinct error)", ""]
-        parts += [f"* {f}" for f in failures] + [""]
+    if codes:
+        parts += ["## Failures (first line of each distinct error, and where it happens)", ""]
+        for status, n in codes.items():
+            where = sorted(
+                {
+                    f"{r['method']} ({r['checkpointing']})"
+                    for r in rows
+                    if status in (r.get("status"), r.get("time_status"))
+                }
+            )
+            parts.append(f"{n}. {status.removeprefix('failed: ')} -- {', '.join(where)}")
+        parts.append("")
     return "\n".join(parts)
 
 
@@ -787,11 +820,38 @@ def _merge(rows: list[dict], new: list[dict]) -> None:
             index[key] = r
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a results CSV with numbers as numbers and empty cells left out."""
+    ints = {"T", "B", "step_flops", "peak_bytes", "step_extra_bytes", "persistent_bytes"}
+    ints |= {"logits_bytes", "scalar_reads", "repeats", "trainable_params", "k"}
+    rows = []
+    for raw in common.read_csv(path):
+        row: dict[str, Any] = {}
+        for key, value in raw.items():
+            if value == "":
+                continue
+            if key in ints:
+                row[key] = int(float(value))
+            elif key.endswith(("_ratio", "_s")):
+                row[key] = float(value)
+            else:
+                row[key] = value
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.arg_parser(__doc__)
     parser.add_argument("--no-time", action="store_true", help="meta measurements only")
     parser.add_argument("--T", type=int, nargs="*", default=None, help="override the T list")
     parser.add_argument("--B", type=int, nargs="*", default=None, help="override the B list")
+    parser.add_argument(
+        "--from-csv",
+        type=Path,
+        default=None,
+        help="measure nothing: rewrite the Markdown and plot from this CSV (with the profile's "
+        "settings)",
+    )
     args = parser.parse_args(argv)
     cfg, out, device = common.resolve(args, NAME)
     if device.type != "cpu":
@@ -806,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     info["uptime_load_average"] = load_average()
     stem = common.result_stem(NAME, cfg, device)
     rows: list[dict] = []
+    if args.from_csv:
+        rows = read_rows(args.from_csv)
+        info = {"measured": "see the CSV's run (" + str(args.from_csv.name) + ")"}
 
     def write() -> list[dict]:
         add_ratios(rows)
@@ -814,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         common.write_text(out / f"{stem}.md", summary_markdown(rows, cfg, info, crit))
         return crit
 
-    for ckpt in cfg["checkpointing"]:
+    for ckpt in cfg["checkpointing"] if not args.from_csv else ():
         for B in cfg["B"]:
             for T in cfg["T"]:
                 _merge(rows, measure_meta(cfg, ckpt, T, B))
@@ -828,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 write()  # after every cell: an interrupted run keeps what it measured
-    for ckpt, T, B in cfg["time_cells"]:
+    for ckpt, T, B in cfg["time_cells"] if not args.from_csv else ():
         _merge(rows, time_cell(cfg, ckpt, T, B))
         write()
     crit = write()
