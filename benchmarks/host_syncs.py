@@ -333,23 +333,24 @@ def summary_markdown(result: HostSyncResult, cfg: dict, info: dict) -> str:
 
 def plot(result: HostSyncResult, path: Path) -> None:
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [1, 2.4]})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
     lib = [result.library_per_phase[p] for p in PHASES]
     other = [result.per_phase[p] - result.library_per_phase[p] for p in PHASES]
     axes[0].bar(PHASES, lib, label="opacus_rc / opacus")
     axes[0].bar(PHASES, other, bottom=lib, label="other")
     axes[0].set_ylabel("host syncs per step")
-    axes[0].legend(fontsize=8)
+    axes[0].tick_params(axis="x", labelrotation=30)
+    axes[0].legend(fontsize=8, loc="upper left")
     axes[0].set_title(f"{result.layers} blocks, T={result.T}, B={result.B}", fontsize=9)
     sites: Counter = Counter()
     for (_ph, _k, _op, site), n in result.per_site.items():
-        sites[site] += n
+        sites[site.split(" <- ")[0].split(" via ")[0]] += n  # the innermost frame only
     top = sites.most_common(12)[::-1]
     if top:
         axes[1].barh([s for s, _ in top], [n for _, n in top])
     axes[1].set_xlabel("host syncs per step")
     axes[1].tick_params(axis="y", labelsize=7)
-    axes[1].set_title("by call site (all phases)", fontsize=9)
+    axes[1].set_title("by call site (innermost frame; all phases)", fontsize=9)
     fig.tight_layout()
     common.save_figure(fig, path)
 
