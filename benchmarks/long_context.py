@@ -793,12 +793,31 @@ def plot(rows: list[dict], cfg: dict, path: Path) -> None:
             ax.set_ylabel(label)
             ax.set_title(f"checkpointing {ckpt}, B={B}", fontsize=9)
             ax.grid(True, alpha=0.3)
+            failed = sorted(
+                {
+                    r["method"]
+                    for r in rows
+                    if (r["checkpointing"], r["B"]) == (ckpt, B)
+                    and str(r.get("status", "")).startswith("failed")
+                }
+            )
+            if failed:
+                ax.text(
+                    0.02,
+                    0.98,
+                    "failed: " + ", ".join(failed),
+                    transform=ax.transAxes,
+                    va="top",
+                    fontsize=7,
+                    color="crimson",
+                    wrap=True,
+                )
             if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-            else:
-                ax.text(0.5, 0.5, "every DP method failed", ha="center", transform=ax.transAxes)
+                ax.legend(fontsize=7, loc="center right")
     fig.suptitle(
-        f"{cfg['model']} architecture, {cfg['layers']} blocks trainable (meta)", fontsize=10
+        f"{cfg['model']} architecture, all {cfg['layers']} blocks trainable, B={B}; FLOPs and "
+        "memory on meta, ratios to the non-private step with the same checkpointing",
+        fontsize=10,
     )
     fig.tight_layout()
     common.save_figure(fig, path)
