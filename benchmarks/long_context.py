@@ -51,6 +51,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -699,12 +700,14 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         "cell (`benchmarks/long_context.py` docstring: attention runs the CPU flash kernel on "
         "meta too; data-dependent scalar reads are answered with the healthy branch; "
         "`torch.autocast` is a no-op for meta during the measurement). Wall time: CPU, "
-        f"{info.get('torch_threads')} thread(s), the cells in `time_cells`, every method in one "
+        f"{cfg.get('threads') or 'default'} thread(s), the cells in `time_cells`, every method in one "
         "process; load average next to it. A cell whose method raises shows the error's first "
         "line: those are today's failures, not omissions; re-running the script after a fix "
-        "fills them.",
+        "fills them. `ok` means the step ran and every trainable tensor got a gradient; whether "
+        "the per-sample norms are right under checkpointing is not checked here (issue 13's "
+        "tests do that).",
         "",
-        common.machine_markdown(info),
+        info["machine_line"] if "machine_line" in info else common.machine_markdown(info),
         "",
     ]
     if crit:
@@ -883,13 +886,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg["time_cells"] = [tuple(c) for c in cfg["time_cells"]]
     info = common.machine_info(device)
     info["uptime_load_average"] = load_average()
+    started = time.perf_counter()
     stem = common.result_stem(NAME, cfg, device)
     rows: list[dict] = []
     if args.from_csv:
         rows = read_rows(args.from_csv)
-        info = {"measured": "see the CSV's run (" + str(args.from_csv.name) + ")"}
+        # The machine line of the run that measured the CSV, if its report is beside it.
+        old_md = args.from_csv.with_suffix(".md")
+        lines = old_md.read_text().splitlines() if old_md.exists() else []
+        line = next((x for x in lines if x.startswith("Machine: ")), None)
+        info = {"machine_line": line or f"Machine: not recorded (rendered from {args.from_csv})"}
 
     def write() -> list[dict]:
+        if not args.from_csv:
+            info["run_minutes"] = round((time.perf_counter() - started) / 60, 1)
         add_ratios(rows)
         crit = floors(rows, cfg)
         common.write_csv(out / f"{stem}.csv", rows, COLUMNS)
