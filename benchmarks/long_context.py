@@ -675,7 +675,7 @@ def _cell(
 
 
 def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) -> str:
-    ratio = lambda v: f"{float(v):.3g}x"  # noqa: E731
+    ratio = lambda v: f"{float(v):.3f}x"  # noqa: E731
     codes = _failure_codes(rows)
     arch = (
         "the SmolLM2-135M architecture"
@@ -722,6 +722,62 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
             )
         parts.append("")
     methods = cfg["methods"]
+    where = cfg["floor"]
+    parts += [
+        f"## At T = {where['T']}, B = {where['B']}: every method and checkpointing mode",
+        "",
+        "Ratios to the non-private step **without** checkpointing (the floors above use the "
+        "non-private step with the same checkpointing).",
+        "",
+    ]
+    table = []
+    for ckpt in cfg["checkpointing"]:
+        plain = next(
+            (
+                x
+                for x in rows
+                if (x["checkpointing"], x["T"], x["B"], x["method"])
+                == ("off", where["T"], where["B"], BASELINE)
+            ),
+            {},
+        )
+        for m in methods:
+            r = next(
+                (
+                    x
+                    for x in rows
+                    if (x["checkpointing"], x["T"], x["B"], x["method"])
+                    == (ckpt, where["T"], where["B"], m)
+                ),
+                None,
+            )
+            if r is None:
+                continue
+            line = {"checkpointing": ckpt, "method": m}
+            if r.get("peak_bytes"):
+                line["peak"] = common.fmt_bytes(r["peak_bytes"])
+                line["flops"] = common.fmt_flops(r["step_flops"])
+                if plain.get("peak_bytes"):
+                    line["mem_off"] = ratio(r["peak_bytes"] / plain["peak_bytes"])
+                    line["flops_off"] = ratio(r["step_flops"] / plain["step_flops"])
+            else:
+                line["peak"] = f"FAILED [{codes[r['status']]}]" if r.get("status") in codes else ""
+            table.append(line)
+    parts += [
+        common.markdown_table(
+            table,
+            ["checkpointing", "method", "peak", "mem_off", "flops", "flops_off"],
+            [
+                "checkpointing",
+                "method",
+                "peak memory",
+                "/ non-private (off)",
+                "FLOPs",
+                "/ non-private (off)",
+            ],
+        ),
+        "",
+    ]
     for title, col, fmt in (
         ("FLOPs per step / non-private (same checkpointing)", "flops_ratio", ratio),
         ("Peak memory", "peak_bytes", common.fmt_bytes),
