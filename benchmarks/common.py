@@ -214,6 +214,79 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+_LIBRARY_ROOTS: tuple[str, ...] | None = None
+
+
+def _library_roots() -> tuple[str, ...]:
+    """Source folders of ``opacus_rc`` and ``opacus`` (for :func:`call_site`)."""
+    global _LIBRARY_ROOTS  # noqa: PLW0603 - a cache of two paths, filled on first use
+    if _LIBRARY_ROOTS is None:
+        import opacus
+
+        import opacus_rc
+
+        _LIBRARY_ROOTS = tuple(
+            str(Path(m.__file__).resolve().parent) + os.sep for m in (opacus_rc, opacus)
+        )
+    return _LIBRARY_ROOTS
+
+
+def call_site(skip: int = 1, *, callers: int = 0) -> str:
+    """Where the current op was called from, as ``path:line (function)``.
+
+    The innermost Python frame outside torch and the benchmark scripts (``benchmarks/*.py``).
+    Inside ``opacus_rc`` or ``opacus`` its path is relative to the package's parent folder;
+    otherwise it is prefixed ``other:`` (relative to ``site-packages`` where inside it) and
+    followed by ``via <frame>``, the innermost ``opacus_rc``/``opacus`` frame on the stack, if
+    any (e.g. a transformers line reached through Opacus' ``forward`` wrapper). With
+    ``callers = n`` a library site is followed by up to ``n`` further ``opacus_rc``/``opacus``
+    frames of other functions, outwards, each as `` <- path:line (function)`` (who called a
+    helper).
+    """
+    import sys
+
+    roots = _library_roots()
+    torch_root = str(Path(torch.__file__).resolve().parent) + os.sep
+    bench_dir = str(BENCH_DIR)
+    marker = f"{os.sep}site-packages{os.sep}"
+
+    def library(path: str, where: str) -> str | None:
+        for root in roots:
+            if path.startswith(root):
+                return where.removeprefix(str(Path(root).parent) + os.sep)
+        return None
+
+    frame = sys._getframe(skip)
+    site = None
+    chain: list[str] = []
+    while frame is not None:
+        path = frame.f_code.co_filename
+        where = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        lib = library(path, where)
+        if chain:
+            if len(chain) > callers:
+                break
+            comprehension = frame.f_code.co_name.startswith("<")  # <listcomp>, <genexpr>
+            if (
+                lib is not None
+                and not comprehension
+                and not lib.endswith(chain[-1].rsplit(" ", 1)[-1])
+            ):
+                chain.append(lib)
+        elif site is None:
+            skipped = path.startswith(torch_root) or os.path.dirname(path) == bench_dir
+            if lib is not None:
+                chain.append(lib)
+            elif not skipped and "<" not in path:
+                site = "other: " + (where.split(marker, 1)[1] if marker in where else where)
+        elif lib is not None:
+            return f"{site} via {lib}"
+        frame = frame.f_back
+    if chain:
+        return " <- ".join(chain)
+    return site or "other: unknown"
+
+
 def _cpu_attention_flops() -> dict[Any, Callable[..., int]]:
     """FLOP formulas for the CPU flash-attention kernels, which FlopCounterMode lacks.
 

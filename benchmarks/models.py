@@ -124,3 +124,67 @@ def freeze_all_but_last(model: nn.Module, trainable_layers: int) -> dict[str, in
     from tutorials.rc_models import freeze_all_but
 
     return freeze_all_but(model, trainable_layers=trainable_layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# The SmolLM2-135M architecture as a causal LM, randomly initialised (issues 12 and 13)
+# ----------------------------------------------------------------------------------------------
+
+SMOLLM2_ARCH = {  # SmolLM2-135M's shapes (the packaged model's config)
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def causal_lm_config(arch: str = "smollm2", **overrides: Any) -> Any:
+    """A ``LlamaConfig`` for a causal LM: ``"smollm2"`` (SmolLM2-135M's shapes, tied
+    embeddings) or ``"tiny-llama"`` (:func:`tiny_llama_config`, tied too), with ``overrides``.
+    """
+    from transformers import LlamaConfig
+
+    if arch == "smollm2":
+        kwargs = dict(SMOLLM2_ARCH, max_position_embeddings=8192, use_cache=False)
+        kwargs.update(overrides)
+        return LlamaConfig(**kwargs)
+    if arch == "tiny-llama":
+        return tiny_llama_config(**{"tie_word_embeddings": True, **overrides})
+    raise ValueError(f"unknown architecture {arch!r}; use 'smollm2' or 'tiny-llama'")
+
+
+def build_causal_lm(
+    config: Any, *, device: torch.device | str = "cpu", seed: int = 0, attn: str = "sdpa"
+) -> nn.Module:
+    """``LlamaForCausalLM(config)``, randomly initialised on ``device`` (``"meta"``: shapes
+    only, no memory), in train mode, float32, with every block and the final norm trainable
+    and the (tied) input embedding and LM head frozen (``freeze_all_but(train_head=False)``).
+    """
+    from transformers import LlamaForCausalLM
+
+    from tutorials.rc_models import freeze_all_but
+
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.train()
+    freeze_all_but(model, trainable_layers=config.num_hidden_layers, train_head=False)
+    return model
+
+
+def random_tokens(
+    *, batch_size: int, seq_len: int, vocab_size: int, seed: int, device: torch.device | str
+) -> torch.Tensor:
+    """``(B, T)`` token ids drawn uniformly from ``[1, vocab_size)`` (0 is the pad id); on
+    ``meta`` only the shape is made."""
+    if torch.device(device).type == "meta":
+        return torch.empty(batch_size, seq_len, dtype=torch.long, device="meta")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (batch_size, seq_len), generator=gen)
+    return ids.to(device)

@@ -1,8 +1,12 @@
-"""Run the whole benchmark set (issue 5, items 1-4) in sequence, one process per item.
+"""Run the whole benchmark set in sequence, one process per item.
+
+Items: issue 5's 1-4 (``layer_norm_cost``, ``estimate_quality``, ``training_step``,
+``privacy_cost``), issue 12's ``host_syncs`` and issue 13's ``long_context`` (its full grid takes
+about an hour on the 2-core CPU machine; ``--only`` picks items).
 
 Examples::
 
-    python -m benchmarks.run_all                 # full CPU set -> benchmarks/results (~25 min)
+    python -m benchmarks.run_all                 # full CPU set -> benchmarks/results (~1.5 h)
     python -m benchmarks.run_all --quick         # CI size, about a minute
     python -m benchmarks.run_all --only layer_norm_cost privacy_cost
 
@@ -19,7 +23,14 @@ import time
 
 from benchmarks import common
 
-ITEMS = ("layer_norm_cost", "estimate_quality", "training_step", "privacy_cost")
+ITEMS = (
+    "layer_norm_cost",
+    "estimate_quality",
+    "training_step",
+    "privacy_cost",
+    "host_syncs",
+    "long_context",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

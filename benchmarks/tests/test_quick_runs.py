@@ -15,14 +15,25 @@ import pytest
 from benchmarks import (
     common,
     estimate_quality,
+    host_syncs,
     layer_norm_cost,
+    long_context,
     privacy_cost,
     run_all,
     summary_table,
     training_step,
 )
 
-SCRIPTS = [layer_norm_cost, estimate_quality, training_step, privacy_cost, summary_table, run_all]
+SCRIPTS = [
+    layer_norm_cost,
+    estimate_quality,
+    training_step,
+    privacy_cost,
+    summary_table,
+    run_all,
+    host_syncs,
+    long_context,
+]
 
 
 def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:
