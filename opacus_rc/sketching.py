@@ -17,6 +17,7 @@ Every estimator in :data:`ESTIMATORS` has the signature
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,9 +27,12 @@ import torch
 
 __all__ = [
     "ESTIMATORS",
+    "MAX_UPSCALE_EXPONENT",
     "SketchSpec",
     "draw_gaussian_probes",
+    "autocast_off",
     "get_estimator",
+    "pow2_scale",
     "hutchinson_sqnorm",
     "hutchpp_sqnorm",
     "validate_sketch_dim",
@@ -191,6 +195,45 @@ def _scaled(t: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
+# Numerics shared by the samplers
+# ----------------------------------------------------------------------------------------------
+
+#: Largest upward scaling ``2^MAX_UPSCALE_EXPONENT`` of a sample with tiny entries: finite in
+#: float32 (a subnormal maximum would otherwise ask for 2^149).
+MAX_UPSCALE_EXPONENT = 100
+
+
+def pow2_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``(2^-e, e)`` with ``amax * 2^-e`` in ``[0.5, 1)`` and ``e >= -100``.
+
+    Scaling by a power of two is exact in floating point, so a sketch of the scaled factors is
+    the scaled sketch. ``e = 0`` where ``amax`` is 0 or not finite (a non-finite factor then
+    gives a non-finite norm, which the module refuses).
+
+    Args:
+        amax: ``(B,)`` largest absolute entry per sample (float32 or float64).
+
+    Returns:
+        ``(scale, exponent)``: ``scale = 2^-e`` in ``amax``'s dtype and ``e`` as int32, each
+        ``(B,)``.
+    """
+    ok = torch.isfinite(amax) & (amax > 0)
+    _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
+    exponent = torch.where(ok, exponent, torch.zeros_like(exponent)).clamp(
+        min=-MAX_UPSCALE_EXPONENT
+    )
+    return torch.ldexp(torch.ones_like(amax), -exponent), exponent
+
+
+def autocast_off(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Autocast disabled on ``device`` (a no-op where autocast does not exist, e.g. ``meta``)."""
+    device_type = torch.device(device).type
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
 # Probes
 # ----------------------------------------------------------------------------------------------
 
@@ -301,7 +344,7 @@ def hutchinson_sqnorm(
         )
     else:
         omega = _check_probes(probes, batch=B, rows=rows).to(device=G.device, dtype=dtype)
-    with torch.autocast(device_type=G.device.type, enabled=False):
+    with autocast_off(G.device):
         # Scaling the small operand by a power of two equals scaling the large one, exactly.
         U = torch.bmm(G.to(dtype), _scaled(omega, s_g))  # (B, T, k)
         V = torch.bmm(A.to(dtype).transpose(1, 2), _scaled(U, s_a))  # (B, d, k)
@@ -372,7 +415,7 @@ def hutchpp_sqnorm(
     else:
         omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
     s_a, s_g = _scale_views(scale, B, swap=False)
-    with torch.autocast(device_type=device.type, enabled=False):
+    with autocast_off(device):
         A = activations.to(dtype)
         G = backprops.to(dtype)
         At = A.transpose(1, 2)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from opacus_rc.grad_sample.registry import ClippedSumFunction
+from opacus_rc.sketching import autocast_off
 
 __all__ = ["BookkeepingStash", "per_sample_weighted_sum", "write_clipped_sums"]
 
@@ -69,7 +70,7 @@ def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> to
     Returns:
         Tensor of shape ``shape``.
     """
-    with torch.autocast(device_type=grad_sample.device.type, enabled=False):
+    with autocast_off(grad_sample.device):
         c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
         return torch.tensordot(c, grad_sample, dims=1)
 

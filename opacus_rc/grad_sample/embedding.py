@@ -45,7 +45,6 @@ section B.3, Lemma D).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 
@@ -57,6 +56,7 @@ from opacus_rc.grad_sample.registry import (
     register_module_check,
     register_sketched_norm_sampler,
 )
+from opacus_rc.sketching import autocast_off, pow2_scale
 
 __all__ = ["check_embedding", "compute_embedding_clipped_sum", "compute_embedding_norm_sample"]
 
@@ -102,36 +102,6 @@ def check_embedding(layer: nn.Embedding) -> None:
             "DP-SGD is added to every row, so the private gradient is dense anyway. Use "
             "sparse=False (and a dense optimizer), or freeze the embedding."
         )
-
-
-# Largest upward scaling 2^_MAX_UP of a sample with tiny gradients: finite in float32 (< 2^127),
-# and enough that any nonzero float32 entry (>= 2^-149) squares to a normal number.
-_MAX_UP = 100
-
-
-def _pow2_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``(2^-e, e)`` with ``amax * 2^-e`` in ``[0.5, 1)`` and ``e >= -_MAX_UP``.
-
-    A power of two scales exactly. ``e = 0`` where ``amax`` is 0 or not finite (a non-finite
-    gradient then gives a non-finite norm, which the module refuses).
-
-    Args:
-        amax: ``(B,)`` largest absolute gradient entry per sample (float32 or float64).
-
-    Returns:
-        ``scale`` in ``amax``'s dtype and the exponent ``e`` as int32, each ``(B,)``.
-    """
-    ok = torch.isfinite(amax) & (amax > 0)
-    _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    exponent = torch.where(ok, exponent, torch.zeros_like(exponent)).clamp(min=-_MAX_UP)
-    return torch.ldexp(torch.ones_like(amax), -exponent), exponent
-
-
-def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast disabled on ``device`` (a no-op where autocast does not exist, e.g. ``meta``)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _padding_index(layer: nn.Embedding) -> int | None:
@@ -220,12 +190,12 @@ def compute_embedding_norm_sample(
     if G.numel() == 0:  # B = 0, no position, or d = 0: every gradient is zero
         return {layer.weight: torch.zeros(B, device=G.device, dtype=out_dtype)}
     acc = torch.promote_types(G.dtype, torch.float32)
-    with _autocast_off(G.device):
+    with autocast_off(G.device):
         # Per-sample power-of-two scale: max |entry| in [0.5, 1) (or below, for tiny gradients),
         # so a group sum is <= T in absolute value and its float32 square cannot overflow, nor a
         # nonzero square underflow. Exact, no host sync.
         amax = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).to(acc)
-        scale, exponent = _pow2_scale(amax)
+        scale, exponent = pow2_scale(amax)
         rows = G.to(acc) * scale.view(B, 1, 1)
         if pad is not None:  # autograd gives the padding row nothing (also for NaN/inf rows)
             rows.masked_fill_((ids == pad).unsqueeze(-1), 0)
@@ -289,7 +259,7 @@ def compute_embedding_clipped_sum(
     pad = _padding_index(layer)
     B, T, d = G.shape
     acc = torch.promote_types(G.dtype, torch.float32)
-    with _autocast_off(G.device):
+    with autocast_off(G.device):
         rows = G.to(acc) * coef.to(device=G.device, dtype=acc).view(B, 1, 1)
         if pad is not None:
             rows.masked_fill_((ids == pad).unsqueeze(-1), 0)

@@ -316,6 +316,8 @@ class _RandomizedClippingMixin:
         if self._user_generator is not None:
             return self._user_generator
         device = torch.device(device)
+        if device.type == "meta":  # FLOP counting: probes drawn on the CPU, then moved
+            device = torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         gen = self._generators.get(device)

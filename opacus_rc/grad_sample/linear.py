@@ -25,25 +25,9 @@ import torch
 from torch import nn
 
 from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
+from opacus_rc.sketching import autocast_off, pow2_scale
 
 __all__ = ["compute_linear_clipped_sum", "compute_linear_sketched_norm_sample"]
-
-
-def _pow2_inverse_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample exponents ``e`` with ``amax * 2^-e`` in ``[0.5, 1)`` (``e = 0`` where 0/non-finite).
-
-    Scaling by a power of two is exact in floating point, so the sketch is unaffected.
-
-    Returns:
-        ``(scale, exponent)``: ``scale = 2^-e`` in ``amax``'s dtype and ``e`` as int32, each
-        of shape ``(B,)``.
-    """
-    ok = torch.isfinite(amax) & (amax > 0)
-    _, exponent = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    # Scale up by at most 2^100: a subnormal maximum would otherwise ask for 2^149 (inf).
-    exponent = torch.where(ok, exponent.clamp(min=-100), torch.zeros_like(exponent))
-    scale = torch.ldexp(torch.ones_like(amax), -exponent)
-    return scale, exponent
 
 
 def _sketched_weight_norm(
@@ -77,11 +61,11 @@ def _sketched_weight_norm(
     if torch.float64 in (A.dtype, G.dtype) or A.numel() == 0 or G.numel() == 0:
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
-    with torch.autocast(device_type=G.device.type, enabled=False):
+    with autocast_off(G.device):
         amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).float()
         amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).float()
-        scale_a, exp_a = _pow2_inverse_scale(amax_a)
-        scale_g, exp_g = _pow2_inverse_scale(amax_g)
+        scale_a, exp_a = pow2_scale(amax_a)
+        scale_g, exp_g = pow2_scale(amax_g)
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, scale=(scale_a, scale_g))
         # Undo the scaling on the (B,) norms; float64 only for the exponent's range (2^e can
         # exceed float32 where the rescaled norm does not).
@@ -134,7 +118,7 @@ def compute_linear_sketched_norm_sample(
     ret: dict[nn.Parameter, torch.Tensor] = {}
     if A.dim() == 2:
         # Exact: ||g a^T||_F = ||g|| ||a|| (THEORY.md A.1 with T = 1), in float64 to avoid overflow.
-        with torch.autocast(device_type=G.device.type, enabled=False):
+        with autocast_off(G.device):
             g_norm = torch.linalg.vector_norm(G.double(), dim=1)
             if layer.weight.requires_grad:
                 a_norm = torch.linalg.vector_norm(A.double(), dim=1)
@@ -151,7 +135,7 @@ def compute_linear_sketched_norm_sample(
             A3, G3, estimator=estimator, sketch_dim=sketch_dim, generator=generator
         ).to(out_dtype)
     if layer.bias is not None and layer.bias.requires_grad:
-        with torch.autocast(device_type=G.device.type, enabled=False):
+        with autocast_off(G.device):
             g_sum = G3.sum(dim=1, dtype=out_dtype)  # (B, p), the exact bias gradient
             ret[layer.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(out_dtype)
     return ret
@@ -206,7 +190,7 @@ def compute_linear_clipped_sum(
     T = math.prod(A.shape[1:-1])  # 1 for rank-2 inputs; explicit, so that B = 0 reshapes too
     d, p = A.shape[-1], G.shape[-1]
     ret: dict[nn.Parameter, torch.Tensor] = {}
-    with torch.autocast(device_type=G.device.type, enabled=False):
+    with autocast_off(G.device):
         dtype = G.dtype
         c = coef.to(device=G.device, dtype=dtype)
         if layer.weight.requires_grad:
