@@ -114,3 +114,15 @@ def test_quick_run_writes_files(tmp_path):
     total = sum(float(r["per_step"]) for r in rows)
     assert f"| **total** | {total:g} |" in report
     assert (tmp_path / "host_syncs.png").stat().st_size > 10_000
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("layers", [1, 3])
+def test_library_host_syncs_do_not_grow_with_depth(layers):
+    """Issue 12: at most 2 host synchronisations per randomized-clipping step in the library
+    (the norms' finiteness decision in the backward, the gradients' at the step), whatever the
+    number of blocks; before the step-protocol redesign it was 16 per block."""
+    r = host_syncs.count_host_syncs(
+        model="tiny-llama", layers=layers, seq_len=8, batch_size=2, sketch_dim=4, steps=1, warmup=1
+    )
+    assert r.library_total <= 2, r.per_site
