@@ -152,6 +152,7 @@ class _RandomizedClippingMixin:
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
     _step_bookkeeping: bool = False
+    _distributed: bool = False
     _step: StepState | None = None
 
     def __init__(
@@ -237,6 +238,13 @@ class _RandomizedClippingMixin:
             NoEarlyStop(m, self.autograd_grad_sample_hooks, active=lambda: self.hooks_enabled)
             self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
+            ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
+            world = (
+                torch.distributed.get_world_size()
+                if torch.distributed.is_available() and torch.distributed.is_initialized()
+                else 1
+            )
+            self._distributed = world > 1 or any(isinstance(sub, ddp) for sub in m.modules())
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
             self._step_bookkeeping = self._bookkeeping
             self._step_checkpointed = False
@@ -380,13 +388,7 @@ class _RandomizedClippingMixin:
         """
         if not requested:
             return False
-        ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
-        world = (
-            torch.distributed.get_world_size()
-            if torch.distributed.is_available() and torch.distributed.is_initialized()
-            else 1
-        )
-        if world > 1 or any(isinstance(sub, ddp) for sub in m.modules()):
+        if self._distributed:
             _fallback_warning("distributed training (DDP/DPDDP) keeps two backward passes")
             return False
         blockers = [
@@ -462,11 +464,14 @@ class _RandomizedClippingMixin:
         ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
         ``G^T A`` of every layer whose input carries a gradient (Bu et al., ICML 2023, section
         3). Modules whose inputs carry no gradient are reached through their parameters.
-        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``: the
-        pass then reaches every leaf (None).
+        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``, and
+        under DDP the reducer expects every parameter's gradient: the pass then reaches every
+        leaf (None).
         """
         edges = self.step_state.take_first_pass_inputs()
-        return None if self._full_first_pass else edges
+        # DDP's reducer must see every parameter's gradient once per backward pass, or the
+        # second pass marks parameters ready twice: distributed first passes reach every leaf.
+        return None if self._full_first_pass or self._distributed else edges
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norm estimates of the whole model (issues nothing).
