@@ -141,32 +141,21 @@ class JointSketch:
                 "e.g. ids of shape [1, T], cannot be measured per sample)"
             )
 
-    def _add(self, part: torch.Tensor | None, exponent: torch.Tensor, rows=None) -> None:
-        """Add a part given as a dense scaled ``(B, V, k)`` tensor, or as scaled ``rows``
-        ``(ids, (B, T, k) values)`` to scatter, at exponent ``exponent``."""
-        B, _, k = self.probes.shape
-        V = self.num_embeddings
+    def _align(self, exponent: torch.Tensor) -> torch.Tensor | None:
+        """Bring ``Y`` to the common exponent ``max(e_Y, exponent)`` (per sample).
+
+        Returns:
+            The ``(B, 1, 1)`` factor ``2^(exponent - e)`` that the new part, scaled by
+            ``2^-exponent``, must be multiplied by (``None`` for the first part).
+        """
         if self._exponent is None:
-            e, old, new = exponent, None, None
-        else:
-            e = torch.maximum(self._exponent, exponent)
-            old, new = _pow2(self._exponent - e, self.dtype), _pow2(exponent - e, self.dtype)
-        if part is not None:
-            if self._y is None:
-                self._y = part
-            else:
-                self._y.mul_(old).add_(part.mul_(new))
-        else:
-            ids, values = rows
-            if self._y is None:
-                self._y = torch.zeros(B, V, k, device=values.device, dtype=self.dtype)
-            elif old is not None:
-                self._y.mul_(old)
-                values = values * new
-            T = ids.shape[1]
-            flat = (ids + torch.arange(B, device=ids.device).view(B, 1) * V).reshape(B * T)
-            self._y.view(B * V, k).index_add_(0, flat, values.reshape(B * T, k))
+            self._exponent = exponent
+            return None
+        e = torch.maximum(self._exponent, exponent)
+        if self._y is not None:
+            self._y.mul_(_pow2(self._exponent - e, self.dtype))
         self._exponent = e
+        return _pow2(exponent - e, self.dtype)
 
     def add_linear(self, activations: torch.Tensor, backprops: torch.Tensor) -> None:
         """Add the head's part ``G_i^T (A_i Omega_i)``.
@@ -192,9 +181,16 @@ class JointSketch:
             e_a, e_g = _pow2_exponent(A, dtype), _pow2_exponent(G, dtype)
             # Scaling the small operands by powers of two equals scaling A and G, exactly.
             U = torch.bmm(A, omega * _pow2(-e_a, dtype))  # (B, T', k)
-            Y = torch.bmm(G.transpose(1, 2), U * _pow2(-e_g, dtype))  # (B, V, k)
+            part = torch.bmm(G.transpose(1, 2), U * _pow2(-e_g, dtype))  # (B, V, k)
             del U
-            self._add(Y.to(self.probes.device), (e_a + e_g).to(self.probes.device))
+            part = part.to(self.probes.device)
+            factor = self._align((e_a + e_g).to(self.probes.device))
+            if factor is not None:
+                part.mul_(factor)
+            if self._y is None:
+                self._y = part
+            else:
+                self._y.add_(part)
 
     def add_embedding(
         self, ids: torch.Tensor, backprops: torch.Tensor, *, padding_idx: int | None
@@ -225,7 +221,14 @@ class JointSketch:
                 g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
             e_g = _pow2_exponent(g, dtype)
             values = torch.bmm(g, self.probes * _pow2(-e_g, dtype))  # (B, T, k)
-            self._add(None, e_g, rows=(ids, values))
+            factor = self._align(e_g)
+            if factor is not None:
+                values.mul_(factor)
+            B, V, k = values.shape[0], self.num_embeddings, values.shape[2]
+            if self._y is None:
+                self._y = torch.zeros(B, V, k, device=device, dtype=dtype)
+            rows = (ids + torch.arange(B, device=device).view(B, 1) * V).reshape(B * T)
+            self._y.view(B * V, k).index_add_(0, rows, values.reshape(B * T, k))
 
     def sqnorm_and_exponent(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(||Y_i / 2^{e_i}||_F^2 in float64, e_i)``: ``n_hat_i = 2^{2 e_i}`` times the first.
@@ -236,7 +239,7 @@ class JointSketch:
         if self._y is None or self._exponent is None:
             raise RuntimeError("tied weight sketch: no part was added")
         with _autocast_off(self._y.device):
-            sq = self._y.pow(2).sum(dim=(1, 2)).double()
+            sq = torch.linalg.vector_norm(self._y, dim=(1, 2)).double().square()
         return sq, self._exponent
 
     def norm(self) -> torch.Tensor:
