@@ -3,7 +3,8 @@
 * :func:`check_training_mode`: Opacus' hooks skip eval-mode modules, whose gradients would then
   have no per-sample norm.
 * :func:`check_tied_parameters`: a trainable parameter shared between a norm-sampled module and
-  another one cannot be measured per module.
+  another one cannot be measured per module (except an embedding tied to an LM head, whose
+  joint norm :mod:`~opacus_rc.grad_sample.tied` sketches).
 * :class:`TrainableSetGuard`: the set of trainable parameters, and which module owns each, is
   recorded when the hooks are attached and compared at every private backward: a parameter
   unfrozen, tied or replaced after ``make_private`` raises instead of training unclipped.
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -90,24 +92,38 @@ def _owners(m: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     return owners
 
 
-def check_tied_parameters(m: nn.Module, *, norm_sampled: Any) -> None:
-    """Raise if a trainable parameter is shared by a norm-sampled module and another one.
+def check_tied_parameters(
+    m: nn.Module, *, norm_sampled: Any, supported: Collection[int] = frozenset()
+) -> None:
+    """Raise if a trainable parameter is shared by a norm-sampled module and another one,
+    unless it is a supported tying.
+
+    The one supported tying is a weight shared by one ``nn.Embedding`` and one ``nn.Linear``
+    (an input embedding tied to a language-model head), each run once per step: its norm is
+    that of the summed gradient, sketched jointly (:mod:`~opacus_rc.grad_sample.tied`). Its
+    parameters are found by :func:`~opacus_rc.grad_sample.routing.find_tied_groups` and passed
+    here as ``supported``.
 
     Args:
         m: The model.
         norm_sampled: Predicate on a module: whether its norm comes from a per-module norm
-            sampler (sketched, exact or ghost), which cannot combine tied weights.
+            sampler (sketched, exact, ghost or tied), which cannot combine tied weights.
+        supported: ``id`` of the shared parameters of the supported tyings.
 
     Raises:
         NotImplementedError: Naming the modules that share the parameter.
     """
-    for users in _owners(m).values():
+    for pid, users in _owners(m).items():
+        if pid in supported and len(users) == 2:  # two owners in the whole model, as found
+            continue
         if len(users) > 1 and any(norm_sampled(sub) for _, sub in users):
             names = ", ".join(f"'{n}' ({type(s).__name__})" for n, s in users)
             raise NotImplementedError(
                 f"a trainable parameter is tied between modules {names}; randomized and "
-                "ghost clipping compute per-module norms and cannot combine tied weights. "
-                "Untie the weights or freeze the shared parameter."
+                "ghost clipping compute per-module norms and cannot combine tied weights, "
+                "except for the weight of one nn.Embedding shared with the weight of one "
+                "nn.Linear (an input embedding tied to an LM head, exact types, no other "
+                "parameter of either shared). Untie the weights or freeze the shared parameter."
             )
 
 

@@ -12,6 +12,8 @@ each:
 * :mod:`~opacus_rc.grad_sample.step`: the :class:`~opacus_rc.grad_sample.step.StepState` that
   records one step and enforces its invariant (every gradient the optimizer releases got a
   per-sample norm and a clip factor in this step's private backward);
+* :mod:`~opacus_rc.grad_sample.tied`: the joint sketch of a weight tied between an input
+  embedding and an LM head (the norm of the summed gradient);
 * :mod:`~opacus_rc.grad_sample.bookkeeping`: the one-backward clipped sum (Bu, Wang, Zha and
   Karypis, ICML 2023);
 * :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable parameters,
@@ -40,6 +42,7 @@ import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.grad_sample.grad_sample_module import (
+    GradSampleHooks,
     create_or_accumulate_grad_sample,
     promote_current_grad_sample,
 )
@@ -49,7 +52,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc.config import RandomizedClippingConfig
@@ -73,10 +76,12 @@ from opacus_rc.grad_sample.registry import (
 from opacus_rc.grad_sample.routing import (
     NormPath,
     NormRoute,
+    find_tied_groups,
     refuse_unsupported,
     resolve_norm_routes,
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
+from opacus_rc.grad_sample.tied import TiedSketches
 from opacus_rc.sketching import SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -154,6 +159,7 @@ class _RandomizedClippingMixin:
     _step_bookkeeping: bool = False
     _distributed: bool = False
     _step: StepState | None = None
+    _tied: TiedSketches | None = None
 
     def __init__(
         self,
@@ -179,8 +185,10 @@ class _RandomizedClippingMixin:
         check_training_mode(m)
         check_modules(m)  # e.g. nn.Embedding(max_norm=...), refused before any forward
         names = {id(sub): name for name, sub in m.named_modules()}
+        hooked = list(self.iterate_submodules(m))  # type: ignore[attr-defined]
+        tied_groups = find_tied_groups(hooked, names=names)  # embedding tied to an LM head
         routes = resolve_norm_routes(
-            self.iterate_submodules(m),  # type: ignore[attr-defined]
+            hooked,
             names=names,
             sketched=self.SKETCHED_NORM_SAMPLERS,
             exact_types=self.EXACT_NORM_TYPES,
@@ -188,10 +196,15 @@ class _RandomizedClippingMixin:
             grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
             norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
             force_functorch=config.force_functorch,
+            tied=tied_groups,
         )
         refuse_unsupported(routes)
         check_tied_parameters(
-            m, norm_sampled=lambda sub: getattr(routes.get(id(sub)), "path", None) in _NORM_SAMPLED
+            m,
+            norm_sampled=lambda sub: (
+                getattr(routes.get(id(sub)), "path", None) in (*_NORM_SAMPLED, NormPath.TIED)
+            ),
+            supported={id(g.weight) for g in tied_groups},
         )
         try:
             super().__init__(  # type: ignore[call-arg]
@@ -226,6 +239,7 @@ class _RandomizedClippingMixin:
                     stacklevel=3,
                 )
             self._step = StepState(name_of=self._name_of)
+            self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
@@ -512,6 +526,12 @@ class _RandomizedClippingMixin:
             RuntimeError: See :meth:`StepState.issue_clip_factors`.
         """
         try:
+            if self._tied is not None:
+                try:
+                    self._tied.check_complete()  # never a partial norm of a tied weight
+                except RuntimeError:
+                    self.step_state.reset()
+                    raise
             return self.step_state.issue_clip_factors(
                 max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
                 params=self.trainable_parameters,  # type: ignore[attr-defined]
@@ -576,6 +596,8 @@ class _RandomizedClippingMixin:
                 del p._current_grad_sample
             p.grad_sample = None
         self._uses.clear()
+        if self._tied is not None:
+            self._tied.clear()
         self.step_state.reset()
 
     # ------------------------------------------------------------------------------------------
@@ -614,6 +636,8 @@ class _RandomizedClippingMixin:
             and self._step is not None
         )
         recomputing = recording and in_backward()
+        route = self._routes.get(id(module))
+        tied = route is not None and route.path is NormPath.TIED
         if recording and not recomputing:
             if self._step.phase in (StepPhase.IDLE, StepPhase.NORMED):
                 # Once per step, at its first hooked forward: a parameter unfrozen, replaced or
@@ -621,13 +645,23 @@ class _RandomizedClippingMixin:
                 self._trainable.check()
                 self._step_checkpointed = False
                 self._step_bookkeeping = self._bookkeeping
+                if self._tied is not None:
+                    self._tied.clear()
             self._step.on_forward()
-            self._record_first_pass_inputs(module, forward_input)
+            self._record_first_pass_inputs(module, forward_input, _forward_output if tied else None)
             if in_checkpointed_forward():
                 self._step_checkpointed = True
                 return  # the recomputation inside the backward records the inputs
         try:
-            super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
+            if tied:
+                # Both modules of a tied group count the shared weight's _forward_counter, which
+                # Opacus' ghost hook refuses at 2: record with the plain hook, and check each
+                # module's own uses below.
+                GradSampleHooks.capture_activations_hook(
+                    self, module, forward_input, _forward_output
+                )
+            else:
+                super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
             self.discard_recorded()
             raise self._reuse_error(module) from err
@@ -637,8 +671,7 @@ class _RandomizedClippingMixin:
             raise
         if not recording or not hasattr(module, "activations"):
             return
-        route = self._routes.get(id(module))
-        if (
+        if (tied and len(module.activations) > 1) or (
             route is not None
             and route.path in _NORM_SAMPLED
             and any(p._forward_counter > 1 for _, p in trainable_parameters(module))
@@ -651,12 +684,17 @@ class _RandomizedClippingMixin:
         if any(_strided_index(t) for t in stored):
             module.activations[-1] = [t.contiguous() if _strided_index(t) else t for t in stored]
 
-    def _record_first_pass_inputs(self, module: nn.Module, forward_input: Any) -> None:
+    def _record_first_pass_inputs(
+        self, module: nn.Module, forward_input: Any, forward_output: Any = None
+    ) -> None:
         """Book-keeping: remember where the first backward pass must reach for ``module``.
 
         For an input that requires a gradient, the graph edge just below the hook node that
         ``register_full_backward_hook`` put on it; for a module whose inputs carry none, its
-        trainable parameters themselves. See :meth:`take_first_pass_inputs`.
+        trainable parameters themselves, or, if ``forward_output`` is given (the embedding of
+        a tied group), the edge of that output: the shared weight's first-pass gradient would
+        include the head's ``G^T A`` (``2 B T V d`` FLOPs), which the clipped sum or the second
+        pass replaces. See :meth:`take_first_pass_inputs`.
         """
         found = False
         for t in forward_input if isinstance(forward_input, (tuple, list)) else (forward_input,):
@@ -668,6 +706,9 @@ class _RandomizedClippingMixin:
                 if node is not None:
                     self.step_state.add_first_pass_input(GradientEdge(node, output_nr))
                     found = True
+        if not found and isinstance(forward_output, torch.Tensor) and forward_output.requires_grad:
+            self.step_state.add_first_pass_input(get_gradient_edge(forward_output))
+            found = True
         if not found:
             for _, p in trainable_parameters(module):
                 self.step_state.add_first_pass_input(p)
@@ -683,10 +724,12 @@ class _RandomizedClippingMixin:
         """Backward hook: the module's per-sample norms, by the path its route names."""
         if not self.hooks_enabled:  # type: ignore[attr-defined]
             return
+        params = tuple(p for _, p in trainable_parameters(module))
+        if not params and not getattr(module, "activations", None):
+            return  # every parameter frozen since make_private: no gradient, no norm needed
         if not getattr(module, "activations", None):
             self.discard_recorded()
             raise self._no_activations_error(module)
-        params = tuple(p for _, p in trainable_parameters(module))
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
@@ -719,8 +762,20 @@ class _RandomizedClippingMixin:
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
     ) -> None:
-        """Sketched, exact (project sampler) or ghost (Opacus) norms of one use of ``module``."""
-        if route.path is NormPath.GHOST:
+        """Sketched, exact (project sampler), ghost (Opacus) or tied (the joint sketch of a weight
+        shared with another module, :mod:`~opacus_rc.grad_sample.tied`) norms of one use of
+        ``module``. A tied weight's norm is recorded once, by the second module of its group."""
+        deferred: frozenset[int] = frozenset()
+        if route.path is NormPath.TIED:
+            assert self._tied is not None
+            norms, deferred = self._tied.sample(
+                module,
+                activations,
+                backprops,
+                sketch_dim=self._config.sketch_dim,
+                generator=self.generator_for(backprops.device),
+            )
+        elif route.path is NormPath.GHOST:
             norms = type(self).NORM_SAMPLERS[type(module)](module, activations, backprops)  # type: ignore[attr-defined]
         else:
             norms = self.SKETCHED_NORM_SAMPLERS[type(module)](
@@ -731,7 +786,7 @@ class _RandomizedClippingMixin:
                 sketch_dim=self._config.sketch_dim,
                 generator=self.generator_for(backprops.device),
             )
-        missing = [p for p in params if p not in norms]
+        missing = [p for p in params if p not in norms and id(p) not in deferred]
         if missing:
             raise RuntimeError(
                 f"the norm sampler for '{self._name_of(module)}' ({type(module).__name__}) "
@@ -740,7 +795,7 @@ class _RandomizedClippingMixin:
             )
         for p in params:
             p._forward_counter -= 1
-        self.step_state.record_norms({p: norms[p] for p in params})
+        self.step_state.record_norms({p: norms[p] for p in params if p in norms})
         if self._step_bookkeeping and params:
             self.step_state.stash(
                 BookkeepingStash(module, params, activations=activations, backprops=backprops)
@@ -813,6 +868,8 @@ class _RandomizedClippingMixin:
         """Remove all hooks and every attribute Opacus or this class added to the model."""
         if self._step is not None:
             self._step.consume()  # frees every stored tensor
+        if self._tied is not None:
+            self._tied.clear()
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
 
@@ -851,7 +908,9 @@ class GradSampleModuleRandomizedClipping(
         ValueError: Invalid options (see the config), an eval-mode model, hooks already
             attached.
         NotImplementedError: A trainable parameter tied between a norm-sampled module and
-            another module, a module whose norm cannot be computed
+            another module (except one ``nn.Embedding`` weight tied to one ``nn.Linear``
+            weight, an LM head: :mod:`~opacus_rc.grad_sample.tied`), a module whose norm
+            cannot be computed
             (:class:`~opacus_rc.grad_sample.routing.UnsupportedModuleError`), or (at forward
             time) a norm-sampled module used twice per step.
     """

@@ -14,6 +14,11 @@ accounted for). The paths:
   norm exact;
 * ``ghost``: Opacus' ghost norm (no per-sample gradient: book-keeping impossible);
 * ``functorch``: Opacus' functorch fallback for a leaf module without a sampler;
+* ``tied``: one of the two modules of a :class:`TiedGroup` (an ``nn.Embedding`` whose weight
+  is also an ``nn.Linear``'s weight: an input embedding tied to a language-model head). The
+  shared weight's norm is that of the *summed* gradient, sketched jointly by
+  :mod:`~opacus_rc.grad_sample.tied` (Hutchinson, ``k = sketch_dim`` columns); every other
+  tying is refused (:func:`~opacus_rc.grad_sample.checks.check_tied_parameters`);
 * ``refused``: a module whose per-sample norm cannot be computed faithfully; building the
   grad-sample module raises :class:`UnsupportedModuleError` naming it.
 
@@ -39,7 +44,9 @@ from opacus_rc.sketching import SketchSpec
 __all__ = [
     "NormPath",
     "NormRoute",
+    "TiedGroup",
     "UnsupportedModuleError",
+    "find_tied_groups",
     "refuse_unsupported",
     "resolve_norm_routes",
 ]
@@ -60,6 +67,7 @@ class NormPath(str, enum.Enum):
     GRAD_SAMPLER = "grad_sampler"
     GHOST = "ghost"
     FUNCTORCH = "functorch"
+    TIED = "tied"
     REFUSED = "refused"
 
     @property
@@ -78,6 +86,8 @@ class NormRoute:
         path: The :class:`NormPath`.
         has_clipped_sum: Whether a book-keeping clipped-sum function exists for this path.
         reason: Why the module is refused (``path`` is ``REFUSED``), else ``None``.
+        tied_with: The name of the other module of its :class:`TiedGroup` (``path`` is
+            ``TIED``), else ``None``.
     """
 
     name: str
@@ -85,6 +95,7 @@ class NormRoute:
     path: NormPath
     has_clipped_sum: bool
     reason: str | None = None
+    tied_with: str | None = None
 
     @property
     def supports_bookkeeping(self) -> bool:
@@ -92,13 +103,22 @@ class NormRoute:
         return self.path.per_sample_gradients or self.has_clipped_sum
 
     def accounted(self, spec: SketchSpec) -> SketchSpec | None:
-        """The sketch this module's norm is a sample of (``None``: an exact norm)."""
-        return spec if self.path is NormPath.SKETCHED else None
+        """The sketch this module's norm is a sample of (``None``: an exact norm).
+
+        A tied weight's joint sketch is a Hutchinson sketch with ``spec.sketch_dim`` columns,
+        certified by the same envelope (``k = spec.accounted_dim``, THEORY.md B.3 and D).
+        """
+        return spec if self.path in (NormPath.SKETCHED, NormPath.TIED) else None
 
     def describe(self, spec: SketchSpec) -> str:
         """The log text for this route, e.g. ``"sketched (hutchinson, k=32)"``."""
         if self.path is NormPath.SKETCHED:
             return f"sketched ({spec.estimator}, k={spec.sketch_dim})"
+        if self.path is NormPath.TIED:
+            return (
+                f"tied with '{self.tied_with}': the summed gradient of the shared weight "
+                f"sketched jointly (hutchinson, k={spec.sketch_dim}); other parameters exact"
+            )
         return {
             NormPath.EXACT: "exact (opacus_rc sampler, no sketch)",
             NormPath.GRAD_SAMPLER: "exact per-sample gradients (Opacus grad sampler)",
@@ -106,6 +126,83 @@ class NormRoute:
             NormPath.FUNCTORCH: "exact per-sample gradients (functorch fallback)",
             NormPath.REFUSED: f"refused: {self.reason}",
         }[self.path]
+
+
+@dataclass(frozen=True, eq=False)
+class TiedGroup:
+    """A trainable weight shared by one ``nn.Embedding`` and one ``nn.Linear`` (a tied LM head).
+
+    ``embedding.weight is linear.weight`` (``V x d``): the embedding maps ids to ``d``-vectors
+    and the linear layer maps ``d``-vectors to ``V`` logits. Each module must run once per step
+    (enforced at forward time).
+
+    Attributes:
+        weight: The shared parameter.
+        embedding: The ``nn.Embedding``.
+        linear: The ``nn.Linear`` (its bias, if trainable, is its own).
+        embedding_name: Qualified name of the embedding.
+        linear_name: Qualified name of the linear layer.
+    """
+
+    weight: nn.Parameter
+    embedding: nn.Embedding
+    linear: nn.Linear
+    embedding_name: str
+    linear_name: str
+
+    @property
+    def modules(self) -> tuple[nn.Module, nn.Module]:
+        """``(embedding, linear)``."""
+        return self.embedding, self.linear
+
+
+def find_tied_groups(hooked: Iterable[nn.Module], *, names: Mapping[int, str]) -> list[TiedGroup]:
+    """The supported tyings among ``hooked``: a weight shared by exactly one ``nn.Embedding``
+    and one ``nn.Linear`` (exact types), as their ``weight``, with no other trainable parameter
+    of either module shared.
+
+    Any other sharing of a trainable parameter (two ``nn.Linear``, three owners, a tied bias,
+    a subclass...) is left out, and refused by
+    :func:`~opacus_rc.grad_sample.checks.check_tied_parameters` when a norm-sampled module
+    takes part.
+
+    Args:
+        hooked: The hooked modules.
+        names: ``id(module) -> qualified name``.
+
+    Returns:
+        The groups, in the order of the hooked modules.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for module in hooked:
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                users = owners.setdefault(id(p), [])
+                if all(u is not module for u in users):
+                    users.append(module)
+                params[id(p)] = p
+    groups = []
+    for pid, users in owners.items():
+        if len(users) != 2:
+            continue
+        emb = next((u for u in users if type(u) is nn.Embedding), None)
+        lin = next((u for u in users if type(u) is nn.Linear), None)
+        if emb is None or lin is None or not (emb.weight is params[pid] is lin.weight):
+            continue
+        others = [p for p in lin.parameters(recurse=False) if p.requires_grad and id(p) != pid]
+        if any(len(owners.get(id(p), ())) > 1 for p in others):
+            continue  # e.g. the head's bias tied elsewhere too: refused
+        groups.append(
+            TiedGroup(
+                weight=params[pid],
+                embedding=emb,
+                linear=lin,
+                embedding_name=names.get(id(emb)) or "<root>",
+                linear_name=names.get(id(lin)) or "<root>",
+            )
+        )
+    return groups
 
 
 def _resolve_path(
@@ -147,6 +244,7 @@ def resolve_norm_routes(
     grad_samplers: Mapping[type, Any],
     norm_samplers: Mapping[type, Any],
     force_functorch: bool,
+    tied: Iterable[TiedGroup] = (),
 ) -> dict[int, NormRoute]:
     """Resolve the norm path of every hooked module (the one place such decisions are made).
 
@@ -159,15 +257,31 @@ def resolve_norm_routes(
         grad_samplers: Opacus' per-sample gradient samplers (type -> sampler).
         norm_samplers: Opacus' ghost norm samplers (type -> sampler).
         force_functorch: Opacus' ``force_functorch`` (functorch for every non-sketched type).
+        tied: The supported tyings (:func:`find_tied_groups`); both modules of each are routed
+            ``TIED``.
 
     Returns:
         ``{id(module): NormRoute}``; Opacus' recurrent containers (``DPRNN``...), hooked
         through their children, are left out.
     """
     exact = frozenset(exact_types)
+    partner: dict[int, str] = {}
+    for group in tied:
+        partner[id(group.embedding)] = group.linear_name
+        partner[id(group.linear)] = group.embedding_name
     routes: dict[int, NormRoute] = {}
     for module in hooked:
         if isinstance(module, _RNN_CONTAINERS):
+            continue
+        t = type(module)
+        if id(module) in partner:
+            routes[id(module)] = NormRoute(
+                name=names.get(id(module)) or "<root>",
+                module_type=t.__name__,
+                path=NormPath.TIED,
+                has_clipped_sum=t in clipped_sums,
+                tied_with=partner[id(module)],
+            )
             continue
         path = _resolve_path(
             module,
@@ -191,7 +305,6 @@ def resolve_norm_routes(
                     "leaf module of their own, freeze them, or register a grad sampler for "
                     f"{type(module).__name__}"
                 )
-        t = type(module)
         has_sum = t in clipped_sums if path in (NormPath.SKETCHED, NormPath.EXACT) else False
         routes[id(module)] = NormRoute(
             name=names.get(id(module)) or "<root>",

@@ -211,23 +211,25 @@ def test_reused_embedding_raises_naming_it() -> None:
 
 
 def test_tied_parameters_raise_at_construction(assert_no_hooks: Callable) -> None:
+    # An embedding tied to an LM head is supported (tests/grad_sample/test_tied.py); a weight
+    # shared by two nn.Linear layers is not.
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.emb = nn.Embedding(7, 4)
-            self.out = nn.Linear(4, 7, bias=False)
-            self.out.weight = self.emb.weight
+            self.inp = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 4, bias=False)
+            self.out.weight = self.inp.weight
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(self.emb(x))
+            return self.out(self.inp(x))
 
     model = Tied()
     with pytest.raises(
-        NotImplementedError, match=r"tied between modules 'emb' \(Embedding\), 'out' \(Linear\)"
+        NotImplementedError, match=r"tied between modules 'inp' \(Linear\), 'out' \(Linear\)"
     ):
         GradSampleModuleRandomizedClipping(model, max_grad_norm=1.0)
     assert_no_hooks(model)
-    model.emb.weight.requires_grad_(False)  # a frozen shared weight is fine
+    model.inp.weight.requires_grad_(False)  # a frozen shared weight is fine
     GradSampleModuleRandomizedClipping(model, max_grad_norm=1.0).cleanup()
 
 
