@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 __all__ = [
     "ESTIMATORS",
     "MAX_UPSCALE_EXPONENT",
+    "SketchGenerators",
     "SketchSpec",
     "draw_gaussian_probes",
     "autocast_off",
@@ -272,6 +274,46 @@ def draw_gaussian_probes(
     )
     omega.mul_(1.0 / math.sqrt(cols))
     return omega.to(device=device, dtype=dtype)
+
+
+class SketchGenerators:
+    """The sources of sketch randomness of one grad-sample module: one generator per device.
+
+    Each is created lazily on the device of the tensors it draws for and seeded from the
+    operating system's CSPRNG (:mod:`secrets`), so probes are drawn where they are used (no
+    host-device copy) and are unpredictable (the ``"hidden"`` threat model, THEORY.md B.2). A
+    user-supplied generator (reproducible experiments; accounted as not secret) serves every
+    device instead: its probes are drawn on its device and moved. Meta tensors (FLOP counting)
+    draw on the CPU.
+
+    Args:
+        user_generator: The caller's generator, or None.
+    """
+
+    def __init__(self, *, user_generator: torch.Generator | None = None) -> None:
+        self._user = user_generator
+        self._by_device: dict[torch.device, torch.Generator] = {}
+
+    def for_device(self, device: torch.device | str) -> torch.Generator:
+        """The generator for tensors on ``device`` (created and OS-seeded on first use)."""
+        if self._user is not None:
+            return self._user
+        device = torch.device(device)
+        if device.type == "meta":
+            device = torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._by_device.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(secrets.randbits(63))
+            self._by_device[device] = gen
+        return gen
+
+    def reseed(self) -> None:
+        """Reseed every generator this object created from :mod:`secrets` (secure mode)."""
+        for gen in self._by_device.values():
+            gen.manual_seed(secrets.randbits(63))
 
 
 # ----------------------------------------------------------------------------------------------

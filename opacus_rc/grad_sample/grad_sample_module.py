@@ -33,18 +33,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import secrets
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.grad_sample.grad_sample_module import (
     GradSampleHooks,
-    create_or_accumulate_grad_sample,
-    promote_current_grad_sample,
 )
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
@@ -56,7 +51,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.grad_sample.bookkeeping import BookkeepingStash, write_clipped_sums
+from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_checkpointed_forward
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
@@ -65,6 +60,7 @@ from opacus_rc.grad_sample.checks import (
     check_training_mode,
     strip_grad_sample_hooks,
 )
+from opacus_rc.grad_sample.norms import ModuleNorms
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     EXACT_NORM_TYPES,
@@ -82,7 +78,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.sketching import SketchSpec, get_estimator
+from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 
@@ -227,10 +223,8 @@ class _RandomizedClippingMixin:
             estimator = get_estimator(config.sketch)
             if config.sketch_spec.head_dim is not None:
                 estimator = functools.partial(estimator, head_dim=config.sketch_spec.head_dim)
-            self._estimator: Callable[..., torch.Tensor] = estimator
-            self._user_generator = config.sketch_generator
-            self._generators: dict[torch.device, torch.Generator] = {}
-            if self._user_generator is not None:
+            self._generators = SketchGenerators(user_generator=config.sketch_generator)
+            if config.sketch_generator is not None:
                 warnings.warn(
                     "a sketch_generator was passed: the 'hidden' privacy guarantee of randomized "
                     "clipping then holds only if its seed stays secret; the reported SketchSpec "
@@ -240,6 +234,16 @@ class _RandomizedClippingMixin:
                 )
             self._step = StepState(name_of=self._name_of)
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
+            self._norms = ModuleNorms(
+                sketched=self.SKETCHED_NORM_SAMPLERS,
+                grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
+                norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+                estimator=estimator,
+                sketch_dim=config.sketch_dim,
+                generator_for=self.generator_for,
+                tied=self._tied,
+                name_of=self._name_of,
+            )
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
                     p.register_post_accumulate_grad_hook(self._record_gradient)
@@ -331,23 +335,9 @@ class _RandomizedClippingMixin:
         return {self._name_of(p): t for p, t in self.step_state.norm_samples.items()}
 
     def generator_for(self, device: torch.device | str) -> torch.Generator:
-        """The sketch generator for tensors on ``device`` (created and OS-seeded on first use).
-
-        A user-supplied generator serves every device (probes are then moved).
-        """
-        if self._user_generator is not None:
-            return self._user_generator
-        device = torch.device(device)
-        if device.type == "meta":  # FLOP counting: probes drawn on the CPU, then moved
-            device = torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(secrets.randbits(63))
-            self._generators[device] = gen
-        return gen
+        """The sketch generator for tensors on ``device``
+        (:class:`~opacus_rc.sketching.SketchGenerators`)."""
+        return self._generators.for_device(device)
 
     @property
     def sketch_generator(self) -> torch.Generator:
@@ -540,8 +530,7 @@ class _RandomizedClippingMixin:
         finally:
             self._uses.clear()
             if self._config.secure_mode:
-                for gen in self._generators.values():
-                    gen.manual_seed(secrets.randbits(63))
+                self._generators.reseed()
 
     def apply_clipped_sum(self, coef: torch.Tensor) -> None:
         """Write the clipped gradient sum into ``p.grad`` (book-keeping; no second backward).
@@ -747,99 +736,17 @@ class _RandomizedClippingMixin:
             loss_reduction=loss_reduction,
             batch_first=batch_first,
         )
-        if route.path.per_sample_gradients:
-            self._norms_from_grad_samples(module, route, params, activations, backprops)
-        else:
-            self._sampled_norms(module, route, params, activations, backprops)
+        self._norms.compute(
+            module,
+            route,
+            params,
+            activations,
+            backprops,
+            step=self.step_state,
+            bookkeeping=self._step_bookkeeping,
+        )
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
-
-    def _sampled_norms(
-        self,
-        module: nn.Module,
-        route: NormRoute,
-        params: tuple[nn.Parameter, ...],
-        activations: list[torch.Tensor],
-        backprops: torch.Tensor,
-    ) -> None:
-        """Sketched, exact (project sampler), ghost (Opacus) or tied (the joint sketch of a weight
-        shared with another module, :mod:`~opacus_rc.grad_sample.tied`) norms of one use of
-        ``module``. A tied weight's norm is recorded once, by the second module of its group."""
-        deferred: frozenset[int] = frozenset()
-        if route.path is NormPath.TIED:
-            assert self._tied is not None
-            norms, deferred = self._tied.sample(
-                module,
-                activations,
-                backprops,
-                sketch_dim=self._config.sketch_dim,
-                generator=self.generator_for(backprops.device),
-            )
-        elif route.path is NormPath.GHOST:
-            norms = type(self).NORM_SAMPLERS[type(module)](module, activations, backprops)  # type: ignore[attr-defined]
-        else:
-            norms = self.SKETCHED_NORM_SAMPLERS[type(module)](
-                module,
-                activations,
-                backprops,
-                estimator=self._estimator,
-                sketch_dim=self._config.sketch_dim,
-                generator=self.generator_for(backprops.device),
-            )
-        missing = [p for p in params if p not in norms and id(p) not in deferred]
-        if missing:
-            raise RuntimeError(
-                f"the norm sampler for '{self._name_of(module)}' ({type(module).__name__}) "
-                f"returned no norm for {len(missing)} trainable parameter(s); a sampler must "
-                "cover every trainable parameter of its module"
-            )
-        for p in params:
-            p._forward_counter -= 1
-        self.step_state.record_norms({p: norms[p] for p in params if p in norms})
-        if self._step_bookkeeping and params:
-            self.step_state.stash(
-                BookkeepingStash(module, params, activations=activations, backprops=backprops)
-            )
-
-    def _norms_from_grad_samples(
-        self,
-        module: nn.Module,
-        route: NormRoute,
-        params: tuple[nn.Parameter, ...],
-        activations: list[torch.Tensor],
-        backprops: torch.Tensor,
-    ) -> None:
-        """Exact norms from Opacus' per-sample gradients (a grad sampler or functorch).
-
-        Per-sample gradients are accumulated over repeated uses (RNNs), as in Opacus' ghost
-        module, and the norm is taken once a parameter's last use is processed; with
-        book-keeping the per-sample gradients ``(B, *p.shape)`` are kept for the clipped sum.
-        """
-        if route.path is NormPath.GRAD_SAMPLER:
-            grad_sampler_fn = type(self).GRAD_SAMPLERS[type(module)]  # type: ignore[attr-defined]
-        else:
-            grad_sampler_fn = ft_compute_per_sample_gradient
-        grad_samples = grad_sampler_fn(module, activations, backprops)
-        for param, gs in grad_samples.items():
-            create_or_accumulate_grad_sample(
-                param=param, grad_sample=gs, max_batch_len=module.max_batch_len
-            )
-        del grad_samples
-        norms: dict[nn.Parameter, torch.Tensor] = {}
-        done: dict[nn.Parameter, torch.Tensor] = {}
-        for p in params:
-            p._forward_counter -= 1
-            if p._forward_counter == 0:
-                promote_current_grad_sample(p)
-                gs = p.grad_sample
-                norms[p] = gs.reshape(len(gs), -1).norm(2, dim=-1)
-                if self._step_bookkeeping:
-                    done[p] = gs.detach()
-                p.grad_sample = None
-        if norms:
-            self.step_state.record_norms(norms)
-        if done:
-            self.step_state.stash(BookkeepingStash(module, tuple(done), grad_samples=done))
 
     def _no_activations_error(self, module: nn.Module) -> RuntimeError:
         name = f"'{self._name_of(module)}' ({type(module).__name__})"
