@@ -70,7 +70,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=[32],
         metavar="K",
         help="sketch columns k of randomized clipping, one column of output per value "
-        "(default: 32). For Hutch++ give the tail columns (THEORY.md D).",
+        "(default: 32). For Hutch++ give the tail columns (docs/privacy/hutchpp.md#hutchpp-privacy).",
     )
     p.add_argument(
         "--threat-model",

@@ -28,7 +28,7 @@ __all__ = [
 
 #: Estimator used when none is named.
 DEFAULT_SKETCH = "hutchinson"
-#: ``k`` used when none is given (THEORY.md section 0, point 4: use ``k >= 32``).
+#: ``k`` used when none is given (docs/privacy/index.md#privacy-defaults, point 4: use ``k >= 32``).
 DEFAULT_SKETCH_DIM = 32
 #: The loss reductions Opacus' DP losses support.
 LOSS_REDUCTIONS = ("mean", "sum")

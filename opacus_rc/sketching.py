@@ -1,6 +1,6 @@
 """Randomized trace estimators for per-sample squared gradient norms of factored operators.
 
-Pure torch; no Opacus import. The math is in ``THEORY.md`` section A (Hutchinson, A.2;
+Pure torch; no Opacus import. The math is in ``docs/privacy/estimators.md#estimators`` (Hutchinson, A.2;
 Hutch++, A.3) and in Ullah et al., "Efficient DP-SGD for LLMs with Randomized Clipping",
 arXiv:2605.24879, ICML 2026.
 
@@ -54,10 +54,10 @@ class SketchSpec:
         estimator: Name of the estimator in :data:`ESTIMATORS` (``"hutchinson"`` or ``"hutch++"``).
         sketch_dim: ``k``, the number of Gaussian columns of the (tail) sketch. For Hutch++ this
             is the number of tail columns; its privacy is certified by the Hutchinson envelope
-            with this ``k`` (THEORY.md section D, Theorem H).
+            with this ``k`` (docs/privacy/hutchpp.md#hutchpp-privacy, Theorem H).
         head_dim: Hutch++ head columns ``s`` (``None`` for Hutchinson).
         per_sample: ``True`` if every sample draws its own independent sketch. Required by the
-            ``"hidden"`` threat model (THEORY.md B.2).
+            ``"hidden"`` threat model (docs/privacy/threat_models.md#threat-models).
         secret: ``True`` if the sketch generator is seeded from the operating system (not a
             user-supplied, possibly public, seed). Also required by ``"hidden"``.
     """
@@ -83,7 +83,7 @@ class SketchSpec:
 
     @property
     def supports_hidden(self) -> bool:
-        """Whether the ``"hidden"`` threat model is valid for this sketch (THEORY.md B.2)."""
+        """Whether the ``"hidden"`` threat model is valid for this sketch (docs/privacy/threat_models.md#threat-models)."""
         return self.per_sample and self.secret
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _resolve_side(side: str, p: int, d: int, probes: torch.Tensor | None) -> str:
     """Pick the side of ``M = G^T A`` that the Gaussian probes multiply.
 
-    ``"output"`` sketches the ``p`` side (THEORY.md A.2, the default orientation), ``"input"``
+    ``"output"`` sketches the ``p`` side (docs/privacy/estimators.md#estimators-hutchinson, the default orientation), ``"input"``
     the ``d`` side; both give the same law. ``"auto"`` picks the smaller dimension (fewer probe
     entries, ``B * min(p, d) * k``); with explicit ``probes`` it picks the side their shape
     matches (the output side when both match).
@@ -251,9 +251,9 @@ def draw_gaussian_probes(
 ) -> torch.Tensor:
     """Draw independent per-sample Gaussian sketches with entries ``N(0, 1/cols)``.
 
-    THEORY.md A.2: with ``Omega_uv ~ N(0, 1/k)``, ``E[Omega Omega^T] = I``. One ``(rows, cols)``
+    docs/privacy/estimators.md#estimators-hutchinson: with ``Omega_uv ~ N(0, 1/k)``, ``E[Omega Omega^T] = I``. One ``(rows, cols)``
     matrix per sample, independent across samples (required by the ``"hidden"`` threat model,
-    THEORY.md B.2). Draws are made in float32 on the generator's device and then moved, so the
+    docs/privacy/threat_models.md#threat-models). Draws are made in float32 on the generator's device and then moved, so the
     same generator state gives the same probes whatever the input dtype and device. This is the
     single place where the library draws sketch randomness.
 
@@ -281,7 +281,7 @@ class SketchGenerators:
 
     Each is created lazily on the device of the tensors it draws for and seeded from the
     operating system's CSPRNG (:mod:`secrets`), so probes are drawn where they are used (no
-    host-device copy) and are unpredictable (the ``"hidden"`` threat model, THEORY.md B.2). A
+    host-device copy) and are unpredictable (the ``"hidden"`` threat model, docs/privacy/threat_models.md#threat-models). A
     user-supplied generator (reproducible experiments; accounted as not secret) serves every
     device instead: its probes are drawn on its device and moved. Meta tensors (FLOP counting)
     draw on the CPU.
@@ -333,7 +333,7 @@ def hutchinson_sqnorm(
 ) -> torch.Tensor:
     r"""Hutchinson estimate of the per-sample squared Frobenius norm ``||G_i^T A_i||_F^2``.
 
-    THEORY.md A.2 (Hutchinson 1989; DP-SGD-RC, arXiv:2605.24879, Sec. 3): with a per-sample
+    docs/privacy/estimators.md#estimators-hutchinson (Hutchinson 1989; DP-SGD-RC, arXiv:2605.24879, Sec. 3): with a per-sample
     sketch ``Omega_i`` (``p x k``, entries ``N(0, 1/k)``),
 
     .. math:: \hat n_i = tr(\Omega_i^T O_i \Omega_i) = \|A_i^T (G_i \Omega_i)\|_F^2 ,
@@ -404,7 +404,7 @@ def hutchpp_sqnorm(
     head_probes: torch.Tensor | None = None,
     scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head (THEORY.md A.3).
+    r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head (docs/privacy/estimators.md#estimators-hutchpp).
 
     Meyer, Musco, Musco and Woodruff, "Hutch++", SOSA 2021, adaptive form with an **exact**
     head. Per sample, with ``s = head_dim`` head columns (``d`` side) and ``k = sketch_dim``
@@ -417,7 +417,7 @@ def hutchpp_sqnorm(
 
     Unbiased since ``E[tail | Q] = ||M (I - Q Q^T)||_F^2``; exact when ``rank(M) <= s``;
     ``Var(n_hat | Q) = (2/k) ||(I - QQ^T) M^T M (I - QQ^T)||_F^2``. Privacy is certified by the
-    Hutchinson envelope with ``k`` = tail columns (THEORY.md D, Theorem H), which needs the
+    Hutchinson envelope with ``k`` = tail columns (docs/privacy/hutchpp.md#hutchpp-privacy, Theorem H), which needs the
     tail sketch independent of the head sketch: they are separate draws here.
 
     Cost: about ``2 B T (3 s + k)(p + d)`` FLOPs plus a batched ``d x s`` QR.

@@ -2,7 +2,7 @@
 
 Post-processing of the released noisy gradient: each 2-D gradient's singular values are shrunk by
 the Gavish-Donoho Frobenius-optimal shrinker and the result is rescaled to the noisy Frobenius
-norm (``THEORY.md`` section E). One concept per module:
+norm (``docs/denoising.md#denoising``). One concept per module:
 
 * :mod:`~opacus_rc.denoising.shrinkage`: the shrinker on singular values (pure math);
 * :mod:`~opacus_rc.denoising.svd`: SVD back ends (exact, randomized), resolved by name;

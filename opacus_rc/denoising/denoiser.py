@@ -3,16 +3,16 @@ r"""The spectral denoiser of noisy gradient matrices: threshold test, shrinkage,
 Method: Dadsetan and Rudzicz, "Re-examining Low Rank adaptation for private LLM fine-tuning",
 arXiv:2510.01137 (v3); the shrinker (:mod:`opacus_rc.denoising.shrinkage`) is Gavish and
 Donoho's for Frobenius loss. The math, the noise level, the threshold rule and the test oracle
-are in ``THEORY.md`` section E.
+are in ``docs/denoising.md#denoising``.
 
-Model (THEORY.md E.1). A released 2-D gradient is
+Model (docs/denoising.md#denoising-noise-level). A released 2-D gradient is
 
 .. math::  \tilde G = \bar G + E, \qquad E_{ab} \overset{iid}{\sim} \mathcal N(0, \sigma_e^2),
 
 with :math:`\bar G` the (clipped, averaged) gradient; :math:`\sigma_e` of an Opacus optimizer is
 :func:`~opacus_rc.denoising.noise_std_from_optimizer`.
 
-Per matrix (THEORY.md E.3), with ``m <= n`` its dimensions and ``s_1 >= s_2 >= ...`` its singular
+Per matrix (docs/denoising.md#denoising-algorithm), with ``m <= n`` its dimensions and ``s_1 >= s_2 >= ...`` its singular
 values:
 
 1. threshold rule: if :math:`s_1 \le \kappa \sigma_e(\sqrt m + \sqrt n)` leave the matrix as it is;
@@ -23,7 +23,7 @@ values:
 Contract: the denoiser is **post-processing**. Its output is a deterministic function (or, with
 ``svd="randomized"``, a function plus data-independent randomness) of the released noisy gradient
 and of public constants (noise level, kappa, shapes). It reads no per-sample quantity, so the
-privacy accountant is unchanged (THEORY.md E.4).
+privacy accountant is unchanged (docs/denoising.md#denoising-post-processing).
 
 The threshold decision is a tensor (``torch.where``), not a host branch: denoising a set of
 gradients reads the device once, for the finiteness check (:func:`_denoise_gradients_`); the
@@ -66,7 +66,7 @@ __all__ = [
     "optimal_shrinkage",
 ]
 
-#: Default threshold factor kappa. Source: THEORY.md E.5, whose pure-noise control uses
+#: Default threshold factor kappa. Source: docs/denoising.md#denoising-oracle, whose pure-noise control uses
 #: kappa = 1.05. Why not kappa = 1 [num, checked here with torch.randn, 2000 draws per shape]:
 #: for pure Gaussian noise s_1 / (sigma_e (sqrt(m) + sqrt(n))) exceeds 1 in 5-16% of draws at
 #: shapes (2..768, 256..1024) (finite-size Tracy-Widom fluctuations above the bulk edge), but never
@@ -91,7 +91,7 @@ def _check_kappa(kappa: float) -> float:
             f"kappa must be >= 1, got {kappa}. kappa = 1 puts the threshold at the bulk edge "
             "sigma_e*(sqrt(m)+sqrt(n)), the largest singular value of pure noise; below it a "
             "pure-noise matrix would be 'denoised', and the Frobenius-optimal shrinker maps every "
-            "singular value inside the bulk to 0 (THEORY.md E.2-E.3)"
+            "singular value inside the bulk to 0 (docs/denoising.md#denoising-algorithm)"
         )
     return value
 
@@ -166,7 +166,7 @@ def _denoise_batch(
     top = S[..., 0]
     kept_rank = (shat > 0).sum(-1)
     # kappa=None: pure shrinkage (optimal_shrinkage), no threshold rule. Otherwise apply only if
-    # s_1 > kappa * edge (THEORY.md E.3); with kappa >= 1 that keeps s_1, but if rounding zeroes
+    # s_1 > kappa * edge (docs/denoising.md#denoising-algorithm); with kappa >= 1 that keeps s_1, but if rounding zeroes
     # it anyway the matrix is left as it is, as below the threshold (never a zero gradient).
     if kappa is None:
         applied = torch.ones_like(top, dtype=torch.bool)
@@ -223,8 +223,8 @@ def optimal_shrinkage(matrix: Tensor, *, noise_std: float) -> Tensor:
     r"""Shrink every singular value of ``matrix`` with the Frobenius-optimal shrinker.
 
     :math:`\hat X = \sum_a \hat s_a u_a v_a^\top` with :math:`\hat s_a` from
-    :func:`~opacus_rc.denoising.shrink_singular_values` (Gavish and Donoho 2017; THEORY.md E.2).
-    No threshold rule and no norm correction: this is the "shrunk" column of the THEORY.md E.5
+    :func:`~opacus_rc.denoising.shrink_singular_values` (Gavish and Donoho 2017; docs/denoising.md#denoising-shrinker).
+    No threshold rule and no norm correction: this is the "shrunk" column of the docs/denoising.md#denoising-oracle
     table, the asymptotically MSE-optimal estimate of a low-rank signal in white noise. Computed
     with an exact SVD in float32 (float64 for float64 input), returned in the input dtype.
 
@@ -273,13 +273,13 @@ def denoise_matrix(
 ) -> Tensor:
     r"""Spectral denoising of one noisy gradient matrix (or a batch of equal shapes).
 
-    THEORY.md E.3, per matrix ``M`` (``m <= n`` after an internal transpose):
+    docs/denoising.md#denoising-algorithm, per matrix ``M`` (``m <= n`` after an internal transpose):
 
     1. if :math:`s_1 \le \kappa\,\sigma_e(\sqrt m + \sqrt n)`, return ``M`` unchanged;
     2. :math:`D = \sum_a \hat s_a u_a v_a^\top`
        (:func:`~opacus_rc.denoising.shrink_singular_values`);
     3. if ``norm_correction``, :math:`D \leftarrow D\,\|M\|_F / \|D\|_F`. This keeps the noisy
-       norm, so the Frobenius error grows while the direction improves (THEORY.md E.3, E.5);
+       norm, so the Frobenius error grows while the direction improves (docs/denoising.md#denoising-algorithm, E.5);
        it is intended.
 
     Since :math:`\kappa \ge 1`, step 2 keeps at least the top singular value, so ``D`` is never
@@ -291,8 +291,8 @@ def denoise_matrix(
             independent matrices, each with its own threshold decision.
         noise_std: :math:`\sigma_e`, the standard deviation of each noise entry (for a DP
             optimizer see :func:`~opacus_rc.denoising.noise_std_from_optimizer`).
-        kappa: Threshold factor, ``>= 1``. Default :data:`DEFAULT_KAPPA` (THEORY.md E.5).
-        norm_correction: Rescale to the noisy Frobenius norm. Default ``True`` (THEORY.md E.3,
+        kappa: Threshold factor, ``>= 1``. Default :data:`DEFAULT_KAPPA` (docs/denoising.md#denoising-oracle).
+        norm_correction: Rescale to the noisy Frobenius norm. Default ``True`` (docs/denoising.md#denoising-algorithm,
             the paper's step C).
         svd: A name in :data:`~opacus_rc.denoising.svd.SVD_BACKENDS`: ``"exact"``
             (``torch.linalg.svd``) or ``"randomized"`` (truncated randomized subspace iteration,

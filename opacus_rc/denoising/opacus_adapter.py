@@ -2,14 +2,14 @@ r"""Spectral denoising of an Opacus DP optimizer's released gradients, as a post
 
 What here reads an Opacus ``DPOptimizer`` (by its public attributes, without importing Opacus):
 the per-entry noise level :math:`\sigma_e` of the released gradient
-(:func:`noise_std_from_optimizer`, THEORY.md E.1), the refusal of distributed optimizers, and
+(:func:`noise_std_from_optimizer`, docs/denoising.md#denoising-noise-level), the refusal of distributed optimizers, and
 :class:`SpectralDenoiser`, the step hook that ``make_private(denoise="spectral")`` attaches with
 ``attach_post_processing_hook`` and that runs :mod:`opacus_rc.denoising.denoiser` on
 ``optimizer.params``.
 
 :math:`\sigma_e = \sigma C / (B_{exp} \cdot A)` for ``loss_reduction="mean"`` (``B_exp`` the
 *expected* batch size, ``A`` the accumulated iterations) or :math:`\sigma_e = \sigma C` for
-``"sum"``: public constants only, so the denoiser stays post-processing (THEORY.md E.4).
+``"sum"``: public constants only, so the denoiser stays post-processing (docs/denoising.md#denoising-post-processing).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 def noise_std_from_optimizer(optimizer: Any) -> float:
     r"""Per-entry noise standard deviation :math:`\sigma_e` of a DP optimizer's released gradient.
 
-    THEORY.md E.1, mirroring Opacus' ``add_noise`` then ``scale_grad``:
+    docs/denoising.md#denoising-noise-level, mirroring Opacus' ``add_noise`` then ``scale_grad``:
 
     * ``loss_reduction="mean"``: :math:`\sigma_e = \sigma C / (B_{exp} \cdot A)`;
     * ``loss_reduction="sum"``: :math:`\sigma_e = \sigma C`,
@@ -139,7 +139,7 @@ class SpectralDenoiser:
     SVD, whatever the number of layers; the randomized SVD adds one per power iteration.
     ``last_report`` reads its numbers from the device when first accessed after a call.
 
-    Post-processing (THEORY.md E.4): the output depends only on the released noisy gradients and
+    Post-processing (docs/denoising.md#denoising-post-processing): the output depends only on the released noisy gradients and
     public constants, so the accountant is unchanged.
 
     Distributed optimizers are refused: Opacus adds the noise on rank 0 only and all-reduces
@@ -148,9 +148,9 @@ class SpectralDenoiser:
 
     Args:
         kappa: Threshold factor, ``>= 1``. Default :data:`~opacus_rc.denoising.DEFAULT_KAPPA`
-            (THEORY.md E.5).
+            (docs/denoising.md#denoising-oracle).
         norm_correction: Rescale each denoised gradient to its noisy Frobenius norm. Default
-            ``True`` (THEORY.md E.3).
+            ``True`` (docs/denoising.md#denoising-algorithm).
         min_dim: Smallest ``min(m, n)`` that is denoised. Default
             :data:`~opacus_rc.denoising.DEFAULT_MIN_DIM`.
         svd: ``"exact"`` (default), ``"randomized"`` or another name registered in

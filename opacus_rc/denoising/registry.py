@@ -2,7 +2,7 @@
 
 A denoiser is a post-processing step hook: ``denoiser(optimizer) -> None`` rewrites ``p.grad`` of
 a DP optimizer's parameters after noise and scaling and before the wrapped optimizer's step, using
-only the released noisy gradient and public constants (THEORY.md E.4), so the accountant is
+only the released noisy gradient and public constants (docs/denoising.md#denoising-post-processing), so the accountant is
 unchanged. The engine resolves ``denoise="<name>"`` through this registry (STYLE.md section 2:
 "resolve names through registries"), so a new denoiser needs no change to the engine.
 

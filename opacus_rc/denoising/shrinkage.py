@@ -3,7 +3,7 @@ r"""Gavish-Donoho optimal singular-value shrinkage for Frobenius loss (pure math
 Source: Gavish and Donoho, "Optimal Shrinkage of Singular Values", IEEE Trans. Inf. Theory
 63(4):2137-2152, 2017 (arXiv:1405.7511), Frobenius (MSE) loss; equivalent to the asymptotic
 reconstruction of Shabalin and Nobel 2013, JMVA 118. The formulas, the spiked-model facts used
-as test oracles and the reference values are in ``THEORY.md`` section E.2.
+as test oracles and the reference values are in ``docs/denoising.md#denoising-shrinker``.
 
 The functions act on singular values only (element-wise tensor operations, no SVD, no host
 synchronisation); :mod:`opacus_rc.denoising.denoiser` applies them to matrices.
@@ -48,9 +48,9 @@ def frobenius_shrinker(y: Tensor | float, *, beta: float) -> Tensor:
                   = \frac{\sqrt{(y^2 - (1+\sqrt\beta)^2)(y^2 - (1-\sqrt\beta)^2)}}{y}
         \quad \text{if } y > 1 + \sqrt\beta, \text{ else } 0.
 
-    Source: Gavish and Donoho 2017, the optimal shrinker for Frobenius loss; THEORY.md E.2. The
+    Source: Gavish and Donoho 2017, the optimal shrinker for Frobenius loss; docs/denoising.md#denoising-shrinker. The
     factored form (used here) avoids the cancellation of the expanded one near the edge. In the
-    spiked model, :math:`\eta^*(y(x)) = x\,c(x)\,\tilde c(x)` (THEORY.md E.2), which the tests use
+    spiked model, :math:`\eta^*(y(x)) = x\,c(x)\,\tilde c(x)` (docs/denoising.md#denoising-shrinker), which the tests use
     as an independent check.
 
     Args:
@@ -83,7 +83,7 @@ def frobenius_shrinker(y: Tensor | float, *, beta: float) -> Tensor:
 def shrink_singular_values(s: Tensor, *, noise_std: float, m: int, n: int) -> Tensor:
     r"""Frobenius-optimal shrinkage of the singular values of an ``m x n`` noisy matrix.
 
-    Raw units (THEORY.md E.2), with :math:`\sigma = \sigma_e` the noise entry standard deviation:
+    Raw units (docs/denoising.md#denoising-shrinker), with :math:`\sigma = \sigma_e` the noise entry standard deviation:
 
     .. math::
         \hat s = \frac{\sqrt{\big(s^2 - \sigma^2(\sqrt m + \sqrt n)^2\big)

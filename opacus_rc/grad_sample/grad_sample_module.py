@@ -22,10 +22,10 @@ each:
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
 caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
-fresh for every step, sample and layer (THEORY.md A.2, B.2), and never stored or logged.
+fresh for every step, sample and layer (docs/privacy/estimators.md#estimators-hutchinson, B.2), and never stored or logged.
 
 The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
-over parameters of the squared per-parameter norms (THEORY.md B.1), the same form as Opacus'
+over parameters of the squared per-parameter norms (docs/privacy/mechanism.md#mechanism-reduction), the same form as Opacus'
 ghost clipping so that exact and sketched runs are comparable.
 """
 

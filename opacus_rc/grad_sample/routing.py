@@ -25,8 +25,7 @@ accounted for). The paths:
 A module with trainable parameters of its own, no sampler and trainable descendants is refused:
 Opacus would compute its whole subtree with functorch (its ``nn.Linear`` children would not be
 sketched although they look it, and randomness inside it, such as dropout, cannot be replayed
-by ``vmap``). Exact norms inside a sketched step are covered by the RC accountant (THEORY.md
-section D, Lemma D), so a step mixing paths is accounted with the module's sketch spec.
+by ``vmap``). Exact norms inside a sketched step are covered by the RC accountant (docs/privacy/hutchpp.md#hutchpp-privacy, Lemma D), so a step mixing paths is accounted with the module's sketch spec.
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ class NormRoute:
         """The sketch this module's norm is a sample of (``None``: an exact norm).
 
         A tied weight's joint sketch is a Hutchinson sketch with ``spec.sketch_dim`` columns,
-        certified by the same envelope (``k = spec.accounted_dim``, THEORY.md B.3 and D).
+        certified by the same envelope (``k = spec.accounted_dim``, docs/privacy/envelope.md#envelope-definition and D).
         """
         return spec if self.path in (NormPath.SKETCHED, NormPath.TIED) else None
 

@@ -186,7 +186,7 @@ class StepState:
     ) -> torch.Tensor:
         """Combine this step's norms and issue the clip factors ``min(1, C / (n_hat + 1e-6))``.
 
-        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)`` (THEORY.md A.2, several layers), in
+        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)`` (docs/privacy/estimators.md#estimators-hutchinson, several layers), in
         float64. One host synchronisation: the finiteness decision over all samples.
 
         Args:

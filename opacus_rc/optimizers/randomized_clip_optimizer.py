@@ -1,4 +1,4 @@
-"""The DP optimizer of DP-SGD-RC (DESIGN.md section 3, steps 4-6; THEORY.md B.1).
+"""The DP optimizer of DP-SGD-RC (DESIGN.md section 3, steps 4-6; docs/privacy/mechanism.md#mechanism-reduction).
 
 One step releases ``sum_i c_i g_i + N(0, sigma^2 C^2 I)`` with ``c_i = min(1, C / n_hat_i)``,
 divided by the expected batch size under ``loss_reduction="mean"``. The clip factors are applied
@@ -9,7 +9,7 @@ book-keeping, has the module write ``sum_i c_i grad loss_i`` from the first pass
 This optimizer adds the noise, scales, runs post-processing hooks, tells the accountant the
 step's :class:`SketchSpec` and steps the wrapped optimizer.
 
-Formal guarantee (THEORY.md B.1-B.2): with per-sample Gaussian sketches that are fresh every
+Formal guarantee (docs/privacy/threat_models.md#threat-models): with per-sample Gaussian sketches that are fresh every
 step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the chi-square
 envelope of ``k = sketch_spec.sketch_dim`` columns; the RC accountant composes exactly that.
 Edge cases: a zero-norm sample gets ``c_i = 1`` (its contribution is 0); a NaN/inf estimate
