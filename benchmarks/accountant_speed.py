@@ -23,7 +23,7 @@ from collections.abc import Callable
 from opacus.accountants import PRVAccountant
 
 from opacus_rc.accountants import RCAccountant, get_noise_multiplier
-from opacus_rc.accountants.analysis import prv as prv_module
+from opacus_rc.accountants.analysis import loss_table as loss_table_module
 from opacus_rc.sketching import SketchSpec
 
 DELTA = 1e-5
@@ -37,7 +37,7 @@ def _spec(k: int | None) -> dict | None:
 
 def _timed(fn: Callable[[], float], *, cold: bool) -> tuple[float, float]:
     if cold:
-        prv_module.loss_table_cache_clear()
+        loss_table_module.loss_table_cache_clear()
     start = time.perf_counter()
     value = fn()
     return time.perf_counter() - start, value

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from opacus_rc.accountants import EpsilonOutOfRangeError, RCAccountant, get_noise_multiplier
 from opacus_rc.accountants.analysis.envelope import ENVELOPES
-from opacus_rc.accountants.analysis.prv import THREAT_MODELS
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["arg_parser", "main"]

@@ -6,7 +6,8 @@ loss random variables of THEORY.md section C in both adjacency directions.
 puts it in Opacus' accountant registry (``opacus_rc`` calls it on import).
 """
 
-from opacus_rc.accountants.analysis.prv import EpsilonOutOfRangeError, EpsilonReport
+from opacus_rc.accountants.analysis.compose import EpsilonReport
+from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
 from opacus_rc.accountants.rc import RCAccountant, get_noise_multiplier, register
 
 __all__ = [

@@ -27,17 +27,11 @@ from typing import Any
 
 from opacus.accountants.accountant import IAccountant
 
+from opacus_rc.accountants.analysis._checks import check_delta, check_q, check_sigma
+from opacus_rc.accountants.analysis.compose import EpsilonReport, Segment, compute_epsilon
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
-from opacus_rc.accountants.analysis.prv import (
-    THREAT_MODELS,
-    EpsilonOutOfRangeError,
-    EpsilonReport,
-    Segment,
-    _check_delta,
-    _check_q,
-    _check_sigma,
-    compute_epsilon,
-)
+from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["RCAccountant", "get_noise_multiplier", "register"]
@@ -152,8 +146,8 @@ class RCAccountant(IAccountant):
         Raises:
             ValueError: on ``noise_multiplier <= 0`` or ``sample_rate`` outside ``(0, 1]``.
         """
-        sigma = _check_sigma(noise_multiplier)
-        q = _check_q(sample_rate)
+        sigma = check_sigma(noise_multiplier)
+        q = check_q(sample_rate)
         spec = _spec_dict(sketch_spec)
         self._mode_for(spec)  # warns once if the step forces the revealed threat model
         if self.history:
@@ -199,7 +193,7 @@ class RCAccountant(IAccountant):
         return "revealed"
 
     def segments(self) -> list[Segment]:
-        """The history as :class:`~opacus_rc.accountants.analysis.prv.Segment` runs.
+        """The history as :class:`~opacus_rc.accountants.analysis.compose.Segment` runs.
 
         Raises:
             ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma
@@ -251,7 +245,7 @@ class RCAccountant(IAccountant):
             ValueError: on ``delta`` outside ``(0, 1)`` or a malformed history.
             EpsilonOutOfRangeError: if epsilon exceeds what the PRV accountant supports.
         """
-        delta = _check_delta(delta)
+        delta = check_delta(delta)
         return compute_epsilon(
             self.segments(),
             delta=delta,
@@ -355,8 +349,8 @@ def get_noise_multiplier(
     """
     if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0.0):
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    target_delta = _check_delta(target_delta)
-    q = _check_q(sample_rate)
+    target_delta = check_delta(target_delta)
+    q = check_q(sample_rate)
     if not epsilon_tolerance > 0.0:
         raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance!r}")
     if (steps is None) == (epochs is None):
