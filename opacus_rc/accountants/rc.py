@@ -6,10 +6,16 @@ adjacency directions, remove and add) with ``prv_accountant`` and reports the la
 Steps without a sketch (plain Opacus optimizers, exact clipping) are accounted as exact
 clipping, so ``opacus.PrivacyEngine(accountant="rc")`` works for unmodified Opacus scripts.
 
-History format (plain data, so ``torch.load(weights_only=True)`` checkpoints work):
+The ledger: every step is a frozen :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent`
+(noise multiplier, sample rate, sketch spec or ``None``, threat model), composed by
+:meth:`RCAccountant.compose` (:meth:`RCAccountant.step` builds the event). Opacus reads and
+writes ``history`` directly, so the ledger is stored there as plain data (``torch.load(
+weights_only=True)`` checkpoints work) and read back as typed events by
+:attr:`RCAccountant.ledger`, through the one adapter
+:func:`~opacus_rc.accountants.events.event_from_history_entry`:
 
-* ``(noise_multiplier, sample_rate, steps, spec)``, written by :meth:`RCAccountant.step`, with
-  ``spec`` either ``None`` (exact clipping) or ``SketchSpec.to_dict()``;
+* ``(noise_multiplier, sample_rate, steps, spec)``, written by :meth:`RCAccountant.compose`,
+  with ``spec`` either ``None`` (exact clipping) or ``SketchSpec.to_dict()``;
 * ``(noise_multiplier, sample_rate, steps)``, written by Opacus'
   ``opacus.accountants.utils.get_noise_multiplier``: accounted with the accountant's own sketch
   (its constructor's ``sketch_dim``; exact clipping if ``None``).
@@ -27,11 +33,17 @@ from typing import Any
 
 from opacus.accountants.accountant import IAccountant
 
-from opacus_rc.accountants.analysis._checks import check_delta, check_q, check_sigma
+from opacus_rc.accountants.analysis._checks import check_delta, check_q
 from opacus_rc.accountants.analysis.compose import EpsilonReport, Segment, compute_epsilon
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
+from opacus_rc.accountants.events import (
+    RandomizedClipDpEvent,
+    event_from_history_entry,
+    history_entry,
+    sketch_spec_from,
+)
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["RCAccountant", "get_noise_multiplier", "register"]
@@ -42,20 +54,6 @@ logger = logging.getLogger(__name__)
 MAX_SIGMA = 1e4
 #: Smallest noise multiplier :func:`get_noise_multiplier` tries.
 MIN_SIGMA = 1e-3
-
-
-def _spec_dict(sketch_spec: SketchSpec | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Validated plain-dict form of a sketch spec (``None`` stays ``None``: exact clipping)."""
-    if sketch_spec is None:
-        return None
-    if isinstance(sketch_spec, SketchSpec):
-        return sketch_spec.to_dict()
-    if isinstance(sketch_spec, Mapping):
-        return SketchSpec.from_dict(dict(sketch_spec)).to_dict()
-    raise TypeError(
-        f"sketch_spec must be a SketchSpec, its to_dict() form or None, got "
-        f"{type(sketch_spec).__name__}"
-    )
 
 
 class RCAccountant(IAccountant):
@@ -135,7 +133,11 @@ class RCAccountant(IAccountant):
         sample_rate: float,
         sketch_spec: SketchSpec | Mapping[str, Any] | None = None,
     ) -> None:
-        """Record one optimizer step.
+        """Record one optimizer step (the Opacus ``IAccountant`` interface).
+
+        Builds the step's :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` with
+        the threat model this accountant uses for ``sketch_spec`` (``"revealed"`` for a sketch
+        shared across samples or not secret, with a warning the first time) and composes it.
 
         Args:
             noise_multiplier: Noise std in units of the clipping bound (> 0).
@@ -146,16 +148,61 @@ class RCAccountant(IAccountant):
         Raises:
             ValueError: on ``noise_multiplier <= 0`` or ``sample_rate`` outside ``(0, 1]``.
         """
-        sigma = check_sigma(noise_multiplier)
-        q = check_q(sample_rate)
-        spec = _spec_dict(sketch_spec)
-        self._mode_for(spec)  # warns once if the step forces the revealed threat model
+        spec = sketch_spec_from(sketch_spec)
+        event = RandomizedClipDpEvent(
+            noise_multiplier=noise_multiplier,
+            sample_rate=sample_rate,
+            sketch_spec=spec,
+            threat_model=self._mode_for(spec, warn=True),
+        )
+        self.compose(event)
+
+    def supports(self, event: Any) -> bool:
+        """Whether :meth:`compose` accepts ``event``.
+
+        True for a :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` whose threat
+        model is the one this accountant uses for its sketch (the constructor's
+        ``threat_model``, or ``"revealed"`` for a sketch that does not support ``"hidden"``):
+        the history stores the sketch, and the threat model is read back from it.
+        """
+        return isinstance(event, RandomizedClipDpEvent) and event.threat_model == self._mode_for(
+            event.sketch_spec
+        )
+
+    def compose(self, event: RandomizedClipDpEvent, count: int = 1) -> RCAccountant:
+        """Add ``count`` steps of ``event`` to the ledger (merged with the last entry if equal).
+
+        Args:
+            event: The step.
+            count: Number of identical steps, an integer >= 1.
+
+        Returns:
+            ``self``, as ``dp_accounting``'s accountants.
+
+        Raises:
+            TypeError: if ``event`` is not a ``RandomizedClipDpEvent``.
+            ValueError: if the accountant does not support it (:meth:`supports`) or on a bad
+                ``count``.
+        """
+        if not isinstance(event, RandomizedClipDpEvent):
+            raise TypeError(f"RCAccountant composes RandomizedClipDpEvent, got {event!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        if not self.supports(event):
+            raise ValueError(
+                f"this accountant (threat_model={self.threat_model!r}) accounts the sketch of "
+                f"{event} under the {self._mode_for(event.sketch_spec)!r} threat model; to "
+                f"compose {event.threat_model!r} events use "
+                f"RCAccountant(threat_model={event.threat_model!r})"
+            )
+        entry = history_entry(event, count)
         if self.history:
             last = self.history[-1]
-            if len(last) == 4 and last[0] == sigma and last[1] == q and last[3] == spec:
-                self.history[-1] = (sigma, q, last[2] + 1, spec)
-                return
-        self.history.append((sigma, q, 1, spec))
+            if len(last) == 4 and tuple(last[:2]) == entry[:2] and last[3] == entry[3]:
+                self.history[-1] = (*entry[:2], int(last[2]) + count, entry[3])
+                return self
+        self.history.append(entry)
+        return self
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Step hook for an Opacus ``DPOptimizer``: reports sigma, ``q`` and the sketch spec.
@@ -178,54 +225,51 @@ class RCAccountant(IAccountant):
         return sum(int(entry[2]) for entry in self.history)
 
     # ------------------------------------------------------------------ accounting
-    def _mode_for(self, spec: Mapping[str, Any] | None) -> str:
-        if spec is None or self.threat_model == "revealed":
-            return self.threat_model
-        if SketchSpec.from_dict(dict(spec)).supports_hidden:
-            return "hidden"
-        if not self._warned_revealed:
+    def _mode_for(self, spec: SketchSpec | None, *, warn: bool = False) -> str:
+        """The threat model this accountant uses for steps with sketch ``spec``."""
+        if spec is None or self.threat_model == "revealed" or spec.supports_hidden:
+            return self.threat_model if spec is not None else "hidden"
+        if warn and not self._warned_revealed:
             logger.warning(
                 "a step used a sketch that is shared across samples or not secret (%s); its "
                 "privacy is accounted with the 'revealed' threat model (THEORY.md B.2)",
-                dict(spec),
+                spec.to_dict(),
             )
             self._warned_revealed = True
         return "revealed"
 
+    @property
+    def ledger(self) -> list[tuple[RandomizedClipDpEvent, int]]:
+        """The history as typed ``(event, steps)`` pairs, in order.
+
+        Raises:
+            ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma,
+                sample rate or spec).
+        """
+        return [
+            event_from_history_entry(
+                entry, default_spec=self.sketch_spec, threat_model=self.threat_model
+            )
+            for entry in self.history
+        ]
+
     def segments(self) -> list[Segment]:
-        """The history as :class:`~opacus_rc.accountants.analysis.compose.Segment` runs.
+        """The ledger as :class:`~opacus_rc.accountants.analysis.compose.Segment` runs.
 
         Raises:
             ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma
                 or sample rate).
         """
-        out = []
-        own = _spec_dict(self.sketch_spec)
-        for entry in self.history:
-            if len(entry) == 3:
-                sigma, q, steps = entry
-                spec = own
-            elif len(entry) == 4:
-                sigma, q, steps, spec = entry
-                spec = _spec_dict(spec)
-            else:
-                raise ValueError(
-                    f"history entries must be (noise_multiplier, sample_rate, steps[, spec]), "
-                    f"got {entry!r}"
-                )
-            if isinstance(steps, bool) or not isinstance(steps, (int, float)) or steps < 0:
-                raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")
-            k = None if spec is None else SketchSpec.from_dict(dict(spec)).accounted_dim
-            out.append(
-                Segment(
-                    noise_multiplier=sigma,
-                    sample_rate=q,
-                    steps=steps,
-                    sketch_dim=k,
-                    threat_model=self._mode_for(spec),
-                )
+        return [
+            Segment(
+                noise_multiplier=event.noise_multiplier,
+                sample_rate=event.sample_rate,
+                steps=steps,
+                sketch_dim=event.sketch_dim,
+                threat_model=event.threat_model,
             )
-        return out
+            for event, steps in self.ledger
+        ]
 
     def get_epsilon_report(
         self,
@@ -295,19 +339,23 @@ class RCAccountant(IAccountant):
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a state dict; restores ``rc_config`` (which decides how 3-tuples are accounted).
 
+        Every history entry is read through the ledger adapter, so a malformed checkpoint fails
+        here rather than at the next :meth:`get_epsilon`. Checkpoints of every history format
+        (Opacus' 3-tuples, this accountant's 4-tuples, lists after a JSON round trip) load.
+
         Raises:
             ValueError: if the state dict is empty, lacks ``history``/``mechanism``, is of
-                another mechanism, or has an invalid ``rc_config``.
+                another mechanism, has an invalid ``rc_config`` or a malformed history entry.
         """
+        config = state_dict.get("rc_config") if state_dict else None
+        restored = RCAccountant(**config) if config is not None else self
         super().load_state_dict(state_dict)
         self.history = [tuple(entry) for entry in self.history]
-        config = state_dict.get("rc_config")
-        if config is not None:
-            restored = RCAccountant(**config)
-            self.sketch_dim = restored.sketch_dim
-            self.envelope = restored.envelope
-            self.threat_model = restored.threat_model
-            self.eps_error = restored.eps_error
+        self.sketch_dim = restored.sketch_dim
+        self.envelope = restored.envelope
+        self.threat_model = restored.threat_model
+        self.eps_error = restored.eps_error
+        _ = self.ledger  # reads (validates) every entry
 
 
 def get_noise_multiplier(
@@ -368,10 +416,16 @@ def get_noise_multiplier(
             f"accountant must be an RCAccountant (or None), got {type(template).__name__}"
         )
     work = RCAccountant(**template._config())
-    spec = _spec_dict(sketch_spec)
+    spec = sketch_spec_from(sketch_spec)
+    spec = work.sketch_spec if spec is None else spec
+    mode = work._mode_for(spec)
 
     def eps(sigma: float) -> float:
-        work.history = [(sigma, q, steps)] if spec is None else [(sigma, q, steps, spec)]
+        work.history = []
+        event = RandomizedClipDpEvent(
+            noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
+        )
+        work.compose(event, steps)
         try:
             return work.get_epsilon(target_delta)
         except EpsilonOutOfRangeError:
