@@ -26,17 +26,15 @@ RDP and GDP are never used: the RDP of randomized clipping is infinite (THEORY.m
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from opacus.accountants.accountant import IAccountant
 
-from opacus_rc.accountants.analysis._checks import check_delta, check_q
-from opacus_rc.accountants.analysis.compose import EpsilonReport, Segment, compute_epsilon
+from opacus_rc.accountants.analysis._checks import check_delta
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
-from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
+from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compute_epsilon
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.accountants.events import (
     RandomizedClipDpEvent,
@@ -46,14 +44,9 @@ from opacus_rc.accountants.events import (
 )
 from opacus_rc.sketching import SketchSpec
 
-__all__ = ["RCAccountant", "get_noise_multiplier", "register"]
+__all__ = ["RCAccountant", "register"]
 
 logger = logging.getLogger(__name__)
-
-#: Largest noise multiplier :func:`get_noise_multiplier` tries before giving up.
-MAX_SIGMA = 1e4
-#: Smallest noise multiplier :func:`get_noise_multiplier` tries.
-MIN_SIGMA = 1e-3
 
 
 class RCAccountant(IAccountant):
@@ -61,7 +54,9 @@ class RCAccountant(IAccountant):
 
     PRV accounting (Gopi et al. 2021) of the envelope mechanism of THEORY.md B-C, in both
     adjacency directions; :meth:`get_epsilon` returns the guaranteed upper bound, the maximum
-    over directions. Heterogeneous histories (changing noise, sample rate or sketch) compose.
+    over directions (0 where it would be negative). Heterogeneous histories (changing noise,
+    sample rate or sketch) compose; long horizons are composed in blocks
+    (:mod:`~opacus_rc.accountants.analysis.compose`).
 
     Example:
         >>> acc = RCAccountant(sketch_dim=32)
@@ -78,7 +73,10 @@ class RCAccountant(IAccountant):
         threat_model: ``"hidden"`` (default; valid for per-sample, secret sketches) or
             ``"revealed"`` (the paper's; valid for any sketch sharing). Steps whose sketch is
             shared or seeded publicly are accounted as ``"revealed"`` regardless.
-        eps_error: Epsilon error of the PRV discretisation (default 0.01, as Opacus).
+        eps_error: Bound on the discretisation error in epsilon (default 0.01, as Opacus);
+            it holds with probability budget ``delta_error`` (default ``delta / 1000``), and
+            ``get_epsilon`` adds both (ACCOUNTANT_NOTES.md). Composition works to at least
+            ``10^7`` steps at this budget.
 
     Raises:
         ValueError: on an invalid ``sketch_dim``, ``envelope``, ``threat_model`` or ``eps_error``.
@@ -254,7 +252,7 @@ class RCAccountant(IAccountant):
         ]
 
     def segments(self) -> list[Segment]:
-        """The ledger as :class:`~opacus_rc.accountants.analysis.compose.Segment` runs.
+        """The ledger as :class:`~opacus_rc.accountants.analysis.epsilon.Segment` runs.
 
         Raises:
             ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma
@@ -287,7 +285,10 @@ class RCAccountant(IAccountant):
 
         Raises:
             ValueError: on ``delta`` outside ``(0, 1)`` or a malformed history.
-            EpsilonOutOfRangeError: if epsilon exceeds what the PRV accountant supports.
+            EpsilonOutOfRangeError: if epsilon exceeds every value the analysis certifies at
+                this delta (a privacy answer: more noise, a larger sketch or delta helps).
+            NumericalLimitError: if the composition exceeds the numerical limits at this
+                ``eps_error`` (not a statement about epsilon: a larger ``eps_error`` helps).
         """
         delta = check_delta(delta)
         return compute_epsilon(
@@ -316,8 +317,10 @@ class RCAccountant(IAccountant):
 
         Raises:
             ValueError: on ``delta`` outside ``(0, 1)`` or a malformed history.
-            EpsilonOutOfRangeError: if epsilon exceeds what the PRV accountant supports
+            EpsilonOutOfRangeError: if epsilon exceeds every value the analysis certifies
                 (never a too-small number).
+            NumericalLimitError: if it cannot be computed at this ``eps_error`` (a numerical
+                limit, not a privacy answer).
         """
         return self.get_epsilon_report(delta, eps_error=eps_error, delta_error=delta_error).upper
 
@@ -356,141 +359,6 @@ class RCAccountant(IAccountant):
         self.threat_model = restored.threat_model
         self.eps_error = restored.eps_error
         _ = self.ledger  # reads (validates) every entry
-
-
-def get_noise_multiplier(
-    *,
-    target_epsilon: float,
-    target_delta: float,
-    sample_rate: float,
-    epochs: float | None = None,
-    steps: int | None = None,
-    sketch_spec: SketchSpec | Mapping[str, Any] | None = None,
-    accountant: RCAccountant | None = None,
-    epsilon_tolerance: float = 0.01,
-) -> float:
-    """Smallest noise multiplier whose epsilon (upper bound, both directions) is at most the target.
-
-    The returned ``sigma`` satisfies ``target - epsilon_tolerance <= epsilon(sigma) <= target``
-    (unless the bracket closes first). Search: geometric bracketing, then safeguarded secant
-    steps on ``log epsilon`` versus ``log sigma``; configurations out of the PRV range count as
-    ``epsilon = inf``.
-
-    Args:
-        target_epsilon: Target epsilon (> 0).
-        target_delta: Target delta in ``(0, 1)``.
-        sample_rate: Poisson sampling probability ``q`` in ``(0, 1]``.
-        epochs: Number of epochs; ``steps = int(epochs / sample_rate)`` as in Opacus. Give
-            exactly one of ``epochs`` and ``steps``.
-        steps: Number of optimizer steps.
-        sketch_spec: The sketch of every step; ``None`` uses the accountant's own
-            ``sketch_dim`` (exact clipping if that is ``None`` too).
-        accountant: An :class:`RCAccountant` used as a template (envelope, threat model,
-            ``eps_error``, ``sketch_dim``); it is not modified. Default ``RCAccountant()``.
-        epsilon_tolerance: Accepted shortfall of epsilon below the target (> 0).
-
-    Returns:
-        The noise multiplier (noise std / clipping bound).
-
-    Raises:
-        ValueError: on invalid arguments, or if even ``sigma = 1e4`` does not reach the target.
-    """
-    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0.0):
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    target_delta = check_delta(target_delta)
-    q = check_q(sample_rate)
-    if not epsilon_tolerance > 0.0:
-        raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance!r}")
-    if (steps is None) == (epochs is None):
-        raise ValueError("get_noise_multiplier takes exactly one of steps and epochs")
-    if steps is None:
-        if not epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {epochs!r}")
-        steps = int(epochs / q)
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    steps = int(steps)
-    template = RCAccountant() if accountant is None else accountant
-    if not isinstance(template, RCAccountant):
-        raise TypeError(
-            f"accountant must be an RCAccountant (or None), got {type(template).__name__}"
-        )
-    work = RCAccountant(**template._config())
-    spec = sketch_spec_from(sketch_spec)
-    spec = work.sketch_spec if spec is None else spec
-    mode = work._mode_for(spec)
-
-    def eps(sigma: float) -> float:
-        work.history = []
-        event = RandomizedClipDpEvent(
-            noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
-        )
-        work.compose(event, steps)
-        try:
-            return work.get_epsilon(target_delta)
-        except EpsilonOutOfRangeError:
-            return math.inf
-
-    target = float(target_epsilon)
-    aim = target - 0.5 * epsilon_tolerance
-    sigma = 1.0
-    e = eps(sigma)
-    if e > target:
-        lo, e_lo = sigma, e
-        hi, e_hi = None, None
-        while hi is None:
-            sigma *= 2.0
-            if sigma > MAX_SIGMA:
-                raise ValueError(
-                    f"the privacy budget epsilon={target} at delta={target_delta} is too low: not "
-                    f"reached with noise_multiplier <= {MAX_SIGMA:g}"
-                )
-            e = eps(sigma)
-            if e <= target:
-                hi, e_hi = sigma, e
-            else:
-                lo, e_lo = sigma, e
-    else:
-        hi, e_hi = sigma, e
-        lo, e_lo = None, None
-        while lo is None:
-            sigma /= 2.0
-            if sigma < MIN_SIGMA:
-                return hi
-            e = eps(sigma)
-            if e > target:
-                lo, e_lo = sigma, e
-            else:
-                hi, e_hi = sigma, e
-    # Regula falsi with the Illinois modification on f(x) = log eps(e^x) - log(aim), x = log sigma:
-    # hi points have eps <= target, lo points eps > target (f > 0); a hi point with f > 0 is
-    # within the tolerance and ends the search.
-    x_lo, x_hi = math.log(lo), math.log(hi)
-    f_lo = math.log(e_lo) - math.log(aim) if math.isfinite(e_lo) else math.inf
-    f_hi = math.log(e_hi) - math.log(aim) if e_hi > 0.0 else -math.inf
-    kept = None
-    for _ in range(100):
-        if target - e_hi <= epsilon_tolerance or x_hi - x_lo <= 1e-7:
-            return math.exp(x_hi)
-        width = x_hi - x_lo
-        if math.isfinite(f_lo) and math.isfinite(f_hi):
-            x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo)
-            x = min(max(x, x_lo + 1e-3 * width), x_hi - 1e-3 * width)
-        else:
-            x = 0.5 * (x_lo + x_hi)
-        e = eps(math.exp(x))
-        f = math.log(e) - math.log(aim) if 0.0 < e < math.inf else (math.inf if e > 0 else -1e300)
-        if e > target:
-            x_lo, e_lo, f_lo = x, e, f
-            if kept == "lo":
-                f_hi *= 0.5  # Illinois: the hi end was kept twice
-            kept = "lo"
-        else:
-            x_hi, e_hi, f_hi = x, e, f
-            if kept == "hi":
-                f_lo *= 0.5
-            kept = "hi"
-    return math.exp(x_hi)
 
 
 def register(*, force: bool = False) -> None:

@@ -6,23 +6,32 @@
 * :mod:`.loss_table`: splines of one step's privacy-loss laws (THEORY.md C.3 item 3).
 * :mod:`.prv`: the per-step privacy loss random variable for ``prv_accountant``, capped
   (THEORY.md C.3 items 1, 4, 5).
-* :mod:`.compose`: discretisation and composition (THEORY.md C.3 item 6).
+* :mod:`.compose`: discretisation and composition with an explicit error bound, long horizons
+  (THEORY.md C.3 item 6; ACCOUNTANT_NOTES.md).
+* :mod:`.discrete`: tilted discrete laws on a grid: discretisation, FFT products,
+  re-discretisation, Chernoff windows (the pieces of :mod:`.compose`).
+* :mod:`.epsilon`: the epsilon of a history: budgets, both directions.
 * :mod:`.errors`: what the accountant raises when it cannot answer.
 """
 
-from opacus_rc.accountants.analysis.compose import (
-    EpsilonReport,
-    Segment,
-    compose_epsilon,
-    compute_epsilon,
-)
+from opacus_rc.accountants.analysis.compose import Composition, compose_epsilon, compose_prvs
 from opacus_rc.accountants.analysis.envelope import (
     ENVELOPES,
     EnvelopeQuadrature,
     SensitivityEnvelope,
     envelope_cdf,
 )
-from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
+from opacus_rc.accountants.analysis.epsilon import (
+    EpsilonReport,
+    Segment,
+    choose_eta,
+    compute_epsilon,
+)
+from opacus_rc.accountants.analysis.errors import (
+    AccountingError,
+    EpsilonOutOfRangeError,
+    NumericalLimitError,
+)
 from opacus_rc.accountants.analysis.prv import (
     DIRECTIONS,
     RandomizedClippingPRV,
@@ -31,16 +40,21 @@ from opacus_rc.accountants.analysis.prv import (
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 
 __all__ = [
+    "AccountingError",
+    "Composition",
     "DIRECTIONS",
     "ENVELOPES",
     "THREAT_MODELS",
     "EnvelopeQuadrature",
     "EpsilonOutOfRangeError",
     "EpsilonReport",
+    "NumericalLimitError",
     "RandomizedClippingPRV",
     "Segment",
     "SensitivityEnvelope",
+    "choose_eta",
     "choose_t_cap",
+    "compose_prvs",
     "compose_epsilon",
     "compute_epsilon",
     "envelope_cdf",

@@ -203,14 +203,19 @@ class LossTable:
         return total
 
 
-@functools.lru_cache(maxsize=24)
+@functools.lru_cache(maxsize=32)
 def loss_table(
-    q: float, sigma: float, sketch_dim: int | None, envelope: str, mode: str
+    q: float,
+    sigma: float,
+    sketch_dim: int | None,
+    envelope: str,
+    mode: str,
+    eta: float = DEFAULT_ETA,
 ) -> LossTable:
-    """The cached :class:`LossTable` of ``(q, sigma, k, envelope, threat model)``."""
-    return LossTable(q, sigma, sketch_dim, envelope, mode)
+    """The cached :class:`LossTable` of ``(q, sigma, k, envelope, threat model, eta)``."""
+    return LossTable(q, sigma, sketch_dim, envelope, mode, eta=eta)
 
 
 def loss_table_cache_clear() -> None:
-    """Empty the per-``(q, sigma, k, envelope, mode)`` table cache (for benchmarks)."""
+    """Empty the per-``(q, sigma, k, envelope, mode, eta)`` table cache (for benchmarks)."""
     loss_table.cache_clear()

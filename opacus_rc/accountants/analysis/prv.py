@@ -27,7 +27,7 @@ from prv_accountant.privacy_random_variables import PrivacyRandomVariable
 from scipy import special
 
 from opacus_rc.accountants.analysis._checks import check_choice, check_q, check_sigma
-from opacus_rc.accountants.analysis.envelope import ENVELOPES, SensitivityEnvelope
+from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
 from opacus_rc.accountants.analysis.loss_table import loss_table
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS, z_of_u
 
@@ -55,7 +55,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
     ``cdf`` is the CDF *conditioned on a finite value*, as ``prv_accountant`` expects; the mass at
     ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped (C.3 item 4):
     ``cdf(t) = F(min(t, t_cap)) / F(t_cap)`` and ``pm_inf = eta + (1 - eta)(1 - F(t_cap))``.
-    Tables are cached per ``(q, sigma, k, envelope, mode)`` and shared by both directions.
+    Tables are cached per ``(q, sigma, k, envelope, mode, eta)`` and shared by both directions.
 
     Args:
         noise_multiplier: ``sigma``, noise std in units of the clipping bound (> 0).
@@ -66,6 +66,8 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         threat_model: ``"hidden"`` (per-sample secret sketches) or ``"revealed"`` (B.2).
         direction: ``"remove"`` (``Y_R``) or ``"add"`` (``Y_A``) (B.5).
         t_cap: Cap of the loss, or ``None`` for the uncapped PRV.
+        eta: Mass of ``S > s_max`` treated as fully revealing (THEORY.md C.3 item 1), in
+            ``(0, 1e-6]``; default ``1e-15``. Ignored for exact clipping (``S = 1``).
 
     Raises:
         ValueError: on out-of-range parameters.
@@ -81,6 +83,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         threat_model: str = "hidden",
         direction: str = "remove",
         t_cap: float | None = None,
+        eta: float = DEFAULT_ETA,
     ) -> None:
         sigma = check_sigma(noise_multiplier)
         q = check_q(sample_rate)
@@ -89,14 +92,18 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         check_choice("direction", direction, DIRECTIONS)
         SensitivityEnvelope(sketch_dim=sketch_dim, envelope=envelope)  # validates sketch_dim
         if sketch_dim is None:
-            envelope, threat_model = "chi2", "hidden"  # S = 1: one law, share the table
+            # S = 1: one law, share the table
+            envelope, threat_model, eta = "chi2", "hidden", DEFAULT_ETA
+        elif not 0.0 < eta <= 1e-6:
+            raise ValueError(f"eta must be in (0, 1e-6], got {eta!r}")
         self.noise_multiplier = sigma
         self.sample_rate = q
         self.sketch_dim = sketch_dim
         self.envelope = envelope
         self.threat_model = threat_model
         self.direction = direction
-        self._table = loss_table(q, sigma, sketch_dim, envelope, threat_model)
+        self._eta_param = float(eta)
+        self._table = loss_table(q, sigma, sketch_dim, envelope, threat_model, self._eta_param)
         self.t_cap = None if t_cap is None else float(t_cap)
         if self.t_cap is not None:
             f, fb = self._uncapped(np.array([self.t_cap]))
@@ -110,7 +117,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
             f"{type(self).__name__}(noise_multiplier={self.noise_multiplier}, "
             f"sample_rate={self.sample_rate}, sketch_dim={self.sketch_dim}, "
             f"envelope={self.envelope!r}, threat_model={self.threat_model!r}, "
-            f"direction={self.direction!r}, t_cap={self.t_cap})"
+            f"direction={self.direction!r}, t_cap={self.t_cap}, eta={self.eta})"
         )
 
     @property
@@ -128,6 +135,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
             threat_model=self.threat_model,
             direction=self.direction,
             t_cap=t_cap,
+            eta=self._eta_param,
         )
 
     # ------------------------------------------------------------------ distribution
