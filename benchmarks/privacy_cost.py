@@ -69,7 +69,7 @@ def _theory_sigma(ref: dict, row: dict[str, Any]) -> float | None:
 
 
 def run(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
-    from opacus_rc.accountants import RCAccountant, get_noise_multiplier
+    from opacus_rc.accountants import AccountingError, RCAccountant, get_noise_multiplier
     from opacus_rc.sketching import SketchSpec
 
     ref = _theory_reference()
@@ -102,7 +102,7 @@ def run(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
                         sketch_spec=spec,
                         accountant=template,
                     )
-                except ValueError as err:
+                except (ValueError, AccountingError) as err:  # a failed search is a result row
                     row["status"] = f"failed: {err}"[:200]
                     rows.append(row)
                     continue

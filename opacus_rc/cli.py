@@ -18,12 +18,34 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from opacus_rc.accountants import EpsilonOutOfRangeError, RCAccountant, get_noise_multiplier
+from opacus_rc.accountants import (
+    EpsilonOutOfRangeError,
+    NumericalLimitError,
+    RCAccountant,
+    get_noise_multiplier,
+)
 from opacus_rc.accountants.analysis.envelope import ENVELOPES
-from opacus_rc.accountants.analysis.prv import THREAT_MODELS
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
 
-__all__ = ["arg_parser", "main"]
+__all__ = ["EXAMPLES", "arg_parser", "main"]
+
+#: A complete command line per subcommand (shown in --help and in missing-option errors).
+EXAMPLES = {
+    "epsilon": "opacus-rc epsilon --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 "
+    "--delta 1e-5 --sketch-dim 32",
+    "noise-multiplier": "opacus-rc noise-multiplier --target-epsilon 3 --sample-rate 0.01 "
+    "--epochs 10 --delta 1e-5 --sketch-dim 16 32 64",
+}
+#: Options each subcommand needs, as (destination(s), how the error names them).
+_REQUIRED = {
+    "epsilon": ((("noise_multiplier",), "--noise-multiplier (-s)"),),
+    "noise-multiplier": ((("target_epsilon",), "--target-epsilon (-e)"),),
+}
+_COMMON_REQUIRED = (
+    (("sample_rate",), "--sample-rate (-q)"),
+    (("steps", "epochs"), "one of --steps or --epochs"),
+)
 
 
 def _positive_float(text: str) -> float:
@@ -45,12 +67,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--sample-rate",
         "-q",
         type=float,
-        required=True,
         help="Poisson sampling probability q of each step, in (0, 1] (expected batch size / "
-        "dataset size).",
+        "dataset size); required.",
     )
-    length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--steps", type=int, help="number of optimizer steps (>= 0).")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument(
+        "--steps", type=int, help="number of optimizer steps (>= 0); this or --epochs is required."
+    )
     length.add_argument(
         "--epochs",
         type=_positive_float,
@@ -105,6 +128,7 @@ def arg_parser() -> argparse.ArgumentParser:
     eps = sub.add_parser(
         "epsilon",
         help="epsilon spent by a training run",
+        epilog=f"example: {EXAMPLES['epsilon']}",
         description="Upper bound on epsilon at the given delta, max over the remove and add "
         "directions, for exact clipping and for randomized clipping with each sketch dimension.",
     )
@@ -112,14 +136,14 @@ def arg_parser() -> argparse.ArgumentParser:
         "--noise-multiplier",
         "-s",
         type=float,
-        required=True,
         help="noise multiplier sigma: noise standard deviation divided by the clipping bound "
-        "(> 0).",
+        "(> 0); required.",
     )
     _add_common(eps)
     nm = sub.add_parser(
         "noise-multiplier",
         help="noise multiplier needed for a target epsilon",
+        epilog=f"example: {EXAMPLES['noise-multiplier']}",
         description="Smallest noise multiplier (noise std / clipping bound) whose epsilon "
         "upper bound is at most the target, for exact clipping and randomized clipping.",
     )
@@ -127,8 +151,7 @@ def arg_parser() -> argparse.ArgumentParser:
         "--target-epsilon",
         "-e",
         type=_positive_float,
-        required=True,
-        help="target epsilon (> 0) at the given delta.",
+        help="target epsilon (> 0) at the given delta; required.",
     )
     nm.add_argument(
         "--epsilon-tolerance",
@@ -138,6 +161,15 @@ def arg_parser() -> argparse.ArgumentParser:
     )
     _add_common(nm)
     return parser
+
+
+def _missing(args: argparse.Namespace) -> list[str]:
+    """The required options absent from ``args``, named as the user types them."""
+    out = []
+    for dests, name in (*_REQUIRED[args.command], *_COMMON_REQUIRED):
+        if all(getattr(args, d) is None for d in dests):
+            out.append(name)
+    return out
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -160,6 +192,7 @@ def _run_epsilon(args: argparse.Namespace) -> str:
     steps = _steps(args)
     header = ["", "exact clipping"] + [f"k = {k}" for k in args.sketch_dim]
     upper, estimate, remove, add = ["epsilon (upper)"], ["estimate"], ["remove"], ["add"]
+    notes: list[str] = []
     for k in [None, *args.sketch_dim]:
         acc = RCAccountant(
             envelope=args.envelope, threat_model=args.threat_model, eps_error=args.eps_error
@@ -168,8 +201,12 @@ def _run_epsilon(args: argparse.Namespace) -> str:
         acc.history = [(args.noise_multiplier, args.sample_rate, steps, spec)]
         try:
             rep = acc.get_epsilon_report(args.delta)
-        except EpsilonOutOfRangeError:
-            upper.append("out of range")
+        except (EpsilonOutOfRangeError, NumericalLimitError) as err:
+            # out of range: epsilon exceeds what the analysis certifies (a privacy answer);
+            # numerical limit: not computable at this --eps-error (no statement about epsilon)
+            limit = isinstance(err, NumericalLimitError)
+            upper.append("numerical limit" if limit else "out of range")
+            notes.append(f"{'exact clipping' if k is None else f'k = {k}'}: {err}")
             estimate.append("-")
             remove.append("-")
             add.append("-")
@@ -183,7 +220,7 @@ def _run_epsilon(args: argparse.Namespace) -> str:
         f"sample rate {args.sample_rate:g}, {steps} steps, threat model {args.threat_model}, "
         f"envelope {args.envelope}"
     )
-    return title + "\n" + _table(header, [upper, estimate, remove, add])
+    return "\n".join([title, _table(header, [upper, estimate, remove, add]), *notes])
 
 
 def _run_noise(args: argparse.Namespace) -> str:
@@ -225,17 +262,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; default ``sys.argv[1:]``.
 
     Returns:
-        0 on success, 2 on invalid input (argparse's convention), 1 if a figure cannot be
-        computed.
+        0 on success, 2 on invalid input (argparse's convention; a missing option is named
+        with a complete example command), 1 if a figure cannot be computed.
     """
     parser = arg_parser()
     args = parser.parse_args(argv)
+    missing = _missing(args)
+    if missing:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(
+            f"missing {', '.join(missing)}; a complete command is: {EXAMPLES[args.command]}"
+        )
     try:
         out = _run_epsilon(args) if args.command == "epsilon" else _run_noise(args)
     except (ValueError, TypeError) as err:
         print(f"opacus-rc: error: {err}", file=sys.stderr)
         return 2
-    except EpsilonOutOfRangeError as err:
+    except (EpsilonOutOfRangeError, NumericalLimitError) as err:
         print(f"opacus-rc: error: {err}", file=sys.stderr)
         return 1
     print(out)

@@ -6,11 +6,19 @@ loss random variables of THEORY.md section C in both adjacency directions.
 puts it in Opacus' accountant registry (``opacus_rc`` calls it on import).
 """
 
-from opacus_rc.accountants.analysis.prv import EpsilonOutOfRangeError, EpsilonReport
-from opacus_rc.accountants.rc import RCAccountant, get_noise_multiplier, register
+from opacus_rc.accountants.analysis.epsilon import EpsilonReport
+from opacus_rc.accountants.analysis.errors import (
+    AccountingError,
+    EpsilonOutOfRangeError,
+    NumericalLimitError,
+)
+from opacus_rc.accountants.noise_search import get_noise_multiplier
+from opacus_rc.accountants.rc import RCAccountant, register
 
 __all__ = [
+    "AccountingError",
     "EpsilonOutOfRangeError",
+    "NumericalLimitError",
     "EpsilonReport",
     "RCAccountant",
     "get_noise_multiplier",

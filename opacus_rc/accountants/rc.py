@@ -6,10 +6,16 @@ adjacency directions, remove and add) with ``prv_accountant`` and reports the la
 Steps without a sketch (plain Opacus optimizers, exact clipping) are accounted as exact
 clipping, so ``opacus.PrivacyEngine(accountant="rc")`` works for unmodified Opacus scripts.
 
-History format (plain data, so ``torch.load(weights_only=True)`` checkpoints work):
+The ledger: every step is a frozen :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent`
+(noise multiplier, sample rate, sketch spec or ``None``, threat model), composed by
+:meth:`RCAccountant.compose` (:meth:`RCAccountant.step` builds the event). Opacus reads and
+writes ``history`` directly, so the ledger is stored there as plain data (``torch.load(
+weights_only=True)`` checkpoints work) and read back as typed events by
+:attr:`RCAccountant.ledger`, through the one adapter
+:func:`~opacus_rc.accountants.events.event_from_history_entry`:
 
-* ``(noise_multiplier, sample_rate, steps, spec)``, written by :meth:`RCAccountant.step`, with
-  ``spec`` either ``None`` (exact clipping) or ``SketchSpec.to_dict()``;
+* ``(noise_multiplier, sample_rate, steps, spec)``, written by :meth:`RCAccountant.compose`,
+  with ``spec`` either ``None`` (exact clipping) or ``SketchSpec.to_dict()``;
 * ``(noise_multiplier, sample_rate, steps)``, written by Opacus'
   ``opacus.accountants.utils.get_noise_multiplier``: accounted with the accountant's own sketch
   (its constructor's ``sketch_dim``; exact clipping if ``None``).
@@ -20,48 +26,27 @@ RDP and GDP are never used: the RDP of randomized clipping is infinite (THEORY.m
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from opacus.accountants.accountant import IAccountant
 
+from opacus_rc.accountants.analysis._checks import check_delta
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
-from opacus_rc.accountants.analysis.prv import (
-    THREAT_MODELS,
-    EpsilonOutOfRangeError,
-    EpsilonReport,
-    Segment,
-    _check_delta,
-    _check_q,
-    _check_sigma,
-    compute_epsilon,
+from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compute_epsilon
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
+from opacus_rc.accountants.events import (
+    RandomizedClipDpEvent,
+    event_from_history_entry,
+    history_entry,
+    sketch_spec_from,
 )
 from opacus_rc.sketching import SketchSpec
 
-__all__ = ["RCAccountant", "get_noise_multiplier", "register"]
+__all__ = ["RCAccountant", "register"]
 
 logger = logging.getLogger(__name__)
-
-#: Largest noise multiplier :func:`get_noise_multiplier` tries before giving up.
-MAX_SIGMA = 1e4
-#: Smallest noise multiplier :func:`get_noise_multiplier` tries.
-MIN_SIGMA = 1e-3
-
-
-def _spec_dict(sketch_spec: SketchSpec | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Validated plain-dict form of a sketch spec (``None`` stays ``None``: exact clipping)."""
-    if sketch_spec is None:
-        return None
-    if isinstance(sketch_spec, SketchSpec):
-        return sketch_spec.to_dict()
-    if isinstance(sketch_spec, Mapping):
-        return SketchSpec.from_dict(dict(sketch_spec)).to_dict()
-    raise TypeError(
-        f"sketch_spec must be a SketchSpec, its to_dict() form or None, got "
-        f"{type(sketch_spec).__name__}"
-    )
 
 
 class RCAccountant(IAccountant):
@@ -69,7 +54,9 @@ class RCAccountant(IAccountant):
 
     PRV accounting (Gopi et al. 2021) of the envelope mechanism of THEORY.md B-C, in both
     adjacency directions; :meth:`get_epsilon` returns the guaranteed upper bound, the maximum
-    over directions. Heterogeneous histories (changing noise, sample rate or sketch) compose.
+    over directions (0 where it would be negative). Heterogeneous histories (changing noise,
+    sample rate or sketch) compose; long horizons are composed in blocks
+    (:mod:`~opacus_rc.accountants.analysis.compose`).
 
     Example:
         >>> acc = RCAccountant(sketch_dim=32)
@@ -86,7 +73,10 @@ class RCAccountant(IAccountant):
         threat_model: ``"hidden"`` (default; valid for per-sample, secret sketches) or
             ``"revealed"`` (the paper's; valid for any sketch sharing). Steps whose sketch is
             shared or seeded publicly are accounted as ``"revealed"`` regardless.
-        eps_error: Epsilon error of the PRV discretisation (default 0.01, as Opacus).
+        eps_error: Bound on the discretisation error in epsilon (default 0.01, as Opacus);
+            it holds with probability budget ``delta_error`` (default ``delta / 1000``), and
+            ``get_epsilon`` adds both (ACCOUNTANT_NOTES.md). Composition works to at least
+            ``10^7`` steps at this budget.
 
     Raises:
         ValueError: on an invalid ``sketch_dim``, ``envelope``, ``threat_model`` or ``eps_error``.
@@ -141,7 +131,11 @@ class RCAccountant(IAccountant):
         sample_rate: float,
         sketch_spec: SketchSpec | Mapping[str, Any] | None = None,
     ) -> None:
-        """Record one optimizer step.
+        """Record one optimizer step (the Opacus ``IAccountant`` interface).
+
+        Builds the step's :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` with
+        the threat model this accountant uses for ``sketch_spec`` (``"revealed"`` for a sketch
+        shared across samples or not secret, with a warning the first time) and composes it.
 
         Args:
             noise_multiplier: Noise std in units of the clipping bound (> 0).
@@ -152,16 +146,61 @@ class RCAccountant(IAccountant):
         Raises:
             ValueError: on ``noise_multiplier <= 0`` or ``sample_rate`` outside ``(0, 1]``.
         """
-        sigma = _check_sigma(noise_multiplier)
-        q = _check_q(sample_rate)
-        spec = _spec_dict(sketch_spec)
-        self._mode_for(spec)  # warns once if the step forces the revealed threat model
+        spec = sketch_spec_from(sketch_spec)
+        event = RandomizedClipDpEvent(
+            noise_multiplier=noise_multiplier,
+            sample_rate=sample_rate,
+            sketch_spec=spec,
+            threat_model=self._mode_for(spec, warn=True),
+        )
+        self.compose(event)
+
+    def supports(self, event: Any) -> bool:
+        """Whether :meth:`compose` accepts ``event``.
+
+        True for a :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` whose threat
+        model is the one this accountant uses for its sketch (the constructor's
+        ``threat_model``, or ``"revealed"`` for a sketch that does not support ``"hidden"``):
+        the history stores the sketch, and the threat model is read back from it.
+        """
+        return isinstance(event, RandomizedClipDpEvent) and event.threat_model == self._mode_for(
+            event.sketch_spec
+        )
+
+    def compose(self, event: RandomizedClipDpEvent, count: int = 1) -> RCAccountant:
+        """Add ``count`` steps of ``event`` to the ledger (merged with the last entry if equal).
+
+        Args:
+            event: The step.
+            count: Number of identical steps, an integer >= 1.
+
+        Returns:
+            ``self``, as ``dp_accounting``'s accountants.
+
+        Raises:
+            TypeError: if ``event`` is not a ``RandomizedClipDpEvent``.
+            ValueError: if the accountant does not support it (:meth:`supports`) or on a bad
+                ``count``.
+        """
+        if not isinstance(event, RandomizedClipDpEvent):
+            raise TypeError(f"RCAccountant composes RandomizedClipDpEvent, got {event!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        if not self.supports(event):
+            raise ValueError(
+                f"this accountant (threat_model={self.threat_model!r}) accounts the sketch of "
+                f"{event} under the {self._mode_for(event.sketch_spec)!r} threat model; to "
+                f"compose {event.threat_model!r} events use "
+                f"RCAccountant(threat_model={event.threat_model!r})"
+            )
+        entry = history_entry(event, count)
         if self.history:
             last = self.history[-1]
-            if len(last) == 4 and last[0] == sigma and last[1] == q and last[3] == spec:
-                self.history[-1] = (sigma, q, last[2] + 1, spec)
-                return
-        self.history.append((sigma, q, 1, spec))
+            if len(last) == 4 and tuple(last[:2]) == entry[:2] and last[3] == entry[3]:
+                self.history[-1] = (*entry[:2], int(last[2]) + count, entry[3])
+                return self
+        self.history.append(entry)
+        return self
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Step hook for an Opacus ``DPOptimizer``: reports sigma, ``q`` and the sketch spec.
@@ -184,54 +223,51 @@ class RCAccountant(IAccountant):
         return sum(int(entry[2]) for entry in self.history)
 
     # ------------------------------------------------------------------ accounting
-    def _mode_for(self, spec: Mapping[str, Any] | None) -> str:
-        if spec is None or self.threat_model == "revealed":
-            return self.threat_model
-        if SketchSpec.from_dict(dict(spec)).supports_hidden:
-            return "hidden"
-        if not self._warned_revealed:
+    def _mode_for(self, spec: SketchSpec | None, *, warn: bool = False) -> str:
+        """The threat model this accountant uses for steps with sketch ``spec``."""
+        if spec is None or self.threat_model == "revealed" or spec.supports_hidden:
+            return self.threat_model if spec is not None else "hidden"
+        if warn and not self._warned_revealed:
             logger.warning(
                 "a step used a sketch that is shared across samples or not secret (%s); its "
                 "privacy is accounted with the 'revealed' threat model (THEORY.md B.2)",
-                dict(spec),
+                spec.to_dict(),
             )
             self._warned_revealed = True
         return "revealed"
 
+    @property
+    def ledger(self) -> list[tuple[RandomizedClipDpEvent, int]]:
+        """The history as typed ``(event, steps)`` pairs, in order.
+
+        Raises:
+            ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma,
+                sample rate or spec).
+        """
+        return [
+            event_from_history_entry(
+                entry, default_spec=self.sketch_spec, threat_model=self.threat_model
+            )
+            for entry in self.history
+        ]
+
     def segments(self) -> list[Segment]:
-        """The history as :class:`~opacus_rc.accountants.analysis.prv.Segment` runs.
+        """The ledger as :class:`~opacus_rc.accountants.analysis.epsilon.Segment` runs.
 
         Raises:
             ValueError: on a malformed history entry (wrong length, ``steps < 0``, bad sigma
                 or sample rate).
         """
-        out = []
-        own = _spec_dict(self.sketch_spec)
-        for entry in self.history:
-            if len(entry) == 3:
-                sigma, q, steps = entry
-                spec = own
-            elif len(entry) == 4:
-                sigma, q, steps, spec = entry
-                spec = _spec_dict(spec)
-            else:
-                raise ValueError(
-                    f"history entries must be (noise_multiplier, sample_rate, steps[, spec]), "
-                    f"got {entry!r}"
-                )
-            if isinstance(steps, bool) or not isinstance(steps, (int, float)) or steps < 0:
-                raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")
-            k = None if spec is None else SketchSpec.from_dict(dict(spec)).accounted_dim
-            out.append(
-                Segment(
-                    noise_multiplier=sigma,
-                    sample_rate=q,
-                    steps=steps,
-                    sketch_dim=k,
-                    threat_model=self._mode_for(spec),
-                )
+        return [
+            Segment(
+                noise_multiplier=event.noise_multiplier,
+                sample_rate=event.sample_rate,
+                steps=steps,
+                sketch_dim=event.sketch_dim,
+                threat_model=event.threat_model,
             )
-        return out
+            for event, steps in self.ledger
+        ]
 
     def get_epsilon_report(
         self,
@@ -249,9 +285,12 @@ class RCAccountant(IAccountant):
 
         Raises:
             ValueError: on ``delta`` outside ``(0, 1)`` or a malformed history.
-            EpsilonOutOfRangeError: if epsilon exceeds what the PRV accountant supports.
+            EpsilonOutOfRangeError: if epsilon exceeds every value the analysis certifies at
+                this delta (a privacy answer: more noise, a larger sketch or delta helps).
+            NumericalLimitError: if the composition exceeds the numerical limits at this
+                ``eps_error`` (not a statement about epsilon: a larger ``eps_error`` helps).
         """
-        delta = _check_delta(delta)
+        delta = check_delta(delta)
         return compute_epsilon(
             self.segments(),
             delta=delta,
@@ -278,8 +317,10 @@ class RCAccountant(IAccountant):
 
         Raises:
             ValueError: on ``delta`` outside ``(0, 1)`` or a malformed history.
-            EpsilonOutOfRangeError: if epsilon exceeds what the PRV accountant supports
+            EpsilonOutOfRangeError: if epsilon exceeds every value the analysis certifies
                 (never a too-small number).
+            NumericalLimitError: if it cannot be computed at this ``eps_error`` (a numerical
+                limit, not a privacy answer).
         """
         return self.get_epsilon_report(delta, eps_error=eps_error, delta_error=delta_error).upper
 
@@ -301,148 +342,23 @@ class RCAccountant(IAccountant):
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a state dict; restores ``rc_config`` (which decides how 3-tuples are accounted).
 
+        Every history entry is read through the ledger adapter, so a malformed checkpoint fails
+        here rather than at the next :meth:`get_epsilon`. Checkpoints of every history format
+        (Opacus' 3-tuples, this accountant's 4-tuples, lists after a JSON round trip) load.
+
         Raises:
             ValueError: if the state dict is empty, lacks ``history``/``mechanism``, is of
-                another mechanism, or has an invalid ``rc_config``.
+                another mechanism, has an invalid ``rc_config`` or a malformed history entry.
         """
+        config = state_dict.get("rc_config") if state_dict else None
+        restored = RCAccountant(**config) if config is not None else self
         super().load_state_dict(state_dict)
         self.history = [tuple(entry) for entry in self.history]
-        config = state_dict.get("rc_config")
-        if config is not None:
-            restored = RCAccountant(**config)
-            self.sketch_dim = restored.sketch_dim
-            self.envelope = restored.envelope
-            self.threat_model = restored.threat_model
-            self.eps_error = restored.eps_error
-
-
-def get_noise_multiplier(
-    *,
-    target_epsilon: float,
-    target_delta: float,
-    sample_rate: float,
-    epochs: float | None = None,
-    steps: int | None = None,
-    sketch_spec: SketchSpec | Mapping[str, Any] | None = None,
-    accountant: RCAccountant | None = None,
-    epsilon_tolerance: float = 0.01,
-) -> float:
-    """Smallest noise multiplier whose epsilon (upper bound, both directions) is at most the target.
-
-    The returned ``sigma`` satisfies ``target - epsilon_tolerance <= epsilon(sigma) <= target``
-    (unless the bracket closes first). Search: geometric bracketing, then safeguarded secant
-    steps on ``log epsilon`` versus ``log sigma``; configurations out of the PRV range count as
-    ``epsilon = inf``.
-
-    Args:
-        target_epsilon: Target epsilon (> 0).
-        target_delta: Target delta in ``(0, 1)``.
-        sample_rate: Poisson sampling probability ``q`` in ``(0, 1]``.
-        epochs: Number of epochs; ``steps = int(epochs / sample_rate)`` as in Opacus. Give
-            exactly one of ``epochs`` and ``steps``.
-        steps: Number of optimizer steps.
-        sketch_spec: The sketch of every step; ``None`` uses the accountant's own
-            ``sketch_dim`` (exact clipping if that is ``None`` too).
-        accountant: An :class:`RCAccountant` used as a template (envelope, threat model,
-            ``eps_error``, ``sketch_dim``); it is not modified. Default ``RCAccountant()``.
-        epsilon_tolerance: Accepted shortfall of epsilon below the target (> 0).
-
-    Returns:
-        The noise multiplier (noise std / clipping bound).
-
-    Raises:
-        ValueError: on invalid arguments, or if even ``sigma = 1e4`` does not reach the target.
-    """
-    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0.0):
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    target_delta = _check_delta(target_delta)
-    q = _check_q(sample_rate)
-    if not epsilon_tolerance > 0.0:
-        raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance!r}")
-    if (steps is None) == (epochs is None):
-        raise ValueError("get_noise_multiplier takes exactly one of steps and epochs")
-    if steps is None:
-        if not epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {epochs!r}")
-        steps = int(epochs / q)
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    steps = int(steps)
-    template = RCAccountant() if accountant is None else accountant
-    if not isinstance(template, RCAccountant):
-        raise TypeError(
-            f"accountant must be an RCAccountant (or None), got {type(template).__name__}"
-        )
-    work = RCAccountant(**template._config())
-    spec = _spec_dict(sketch_spec)
-
-    def eps(sigma: float) -> float:
-        work.history = [(sigma, q, steps)] if spec is None else [(sigma, q, steps, spec)]
-        try:
-            return work.get_epsilon(target_delta)
-        except EpsilonOutOfRangeError:
-            return math.inf
-
-    target = float(target_epsilon)
-    aim = target - 0.5 * epsilon_tolerance
-    sigma = 1.0
-    e = eps(sigma)
-    if e > target:
-        lo, e_lo = sigma, e
-        hi, e_hi = None, None
-        while hi is None:
-            sigma *= 2.0
-            if sigma > MAX_SIGMA:
-                raise ValueError(
-                    f"the privacy budget epsilon={target} at delta={target_delta} is too low: not "
-                    f"reached with noise_multiplier <= {MAX_SIGMA:g}"
-                )
-            e = eps(sigma)
-            if e <= target:
-                hi, e_hi = sigma, e
-            else:
-                lo, e_lo = sigma, e
-    else:
-        hi, e_hi = sigma, e
-        lo, e_lo = None, None
-        while lo is None:
-            sigma /= 2.0
-            if sigma < MIN_SIGMA:
-                return hi
-            e = eps(sigma)
-            if e > target:
-                lo, e_lo = sigma, e
-            else:
-                hi, e_hi = sigma, e
-    # Regula falsi with the Illinois modification on f(x) = log eps(e^x) - log(aim), x = log sigma:
-    # hi points have eps <= target, lo points eps > target (f > 0); a hi point with f > 0 is
-    # within the tolerance and ends the search.
-    x_lo, x_hi = math.log(lo), math.log(hi)
-    f_lo = math.log(e_lo) - math.log(aim) if math.isfinite(e_lo) else math.inf
-    f_hi = math.log(e_hi) - math.log(aim) if e_hi > 0.0 else -math.inf
-    kept = None
-    for _ in range(100):
-        if target - e_hi <= epsilon_tolerance or x_hi - x_lo <= 1e-7:
-            return math.exp(x_hi)
-        width = x_hi - x_lo
-        if math.isfinite(f_lo) and math.isfinite(f_hi):
-            x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo)
-            x = min(max(x, x_lo + 1e-3 * width), x_hi - 1e-3 * width)
-        else:
-            x = 0.5 * (x_lo + x_hi)
-        e = eps(math.exp(x))
-        f = math.log(e) - math.log(aim) if 0.0 < e < math.inf else (math.inf if e > 0 else -1e300)
-        if e > target:
-            x_lo, e_lo, f_lo = x, e, f
-            if kept == "lo":
-                f_hi *= 0.5  # Illinois: the hi end was kept twice
-            kept = "lo"
-        else:
-            x_hi, e_hi, f_hi = x, e, f
-            if kept == "hi":
-                f_lo *= 0.5
-            kept = "hi"
-    return math.exp(x_hi)
+        self.sketch_dim = restored.sketch_dim
+        self.envelope = restored.envelope
+        self.threat_model = restored.threat_model
+        self.eps_error = restored.eps_error
+        _ = self.ledger  # reads (validates) every entry
 
 
 def register(*, force: bool = False) -> None:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from opacus_rc.accountants import RCAccountant
-from opacus_rc.accountants.analysis.prv import EpsilonOutOfRangeError
+from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
 from opacus_rc.auditing import clopper_pearson, epsilon_lower_bound, run_canary_audit
 from opacus_rc.sketching import SketchSpec
 

@@ -1,0 +1,182 @@
+"""Epsilon of a history of DP-SGD-RC steps: budgets, PRVs in both directions, composition.
+
+:func:`compute_epsilon` groups a history of :class:`Segment` runs, builds the capped PRVs of
+every distinct step in both adjacency directions (THEORY.md B.5) and composes them
+(:func:`~opacus_rc.accountants.analysis.compose.compose_prvs`). It splits delta into budgets chosen
+from the requested delta and the number of steps ``T``:
+
+* ``delta_error`` (default ``delta / 1000``): the discretisation's probability budget;
+* the envelope's revealing tail ``eta`` (THEORY.md C.3 item 1), ``T eta <= 1e-4 delta``
+  (rounded down to a power of ten, at most ``1e-15``): the mass it puts at infinity never
+  decides whether a small delta can be reached;
+* the cap (THEORY.md C.3 item 4): ``T P(Y > t_cap) <= 1e-3 delta``.
+
+Pure numpy/scipy; no Opacus import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opacus_rc.accountants.analysis._checks import (
+    check_choice,
+    check_delta,
+    check_q,
+    check_sigma,
+)
+from opacus_rc.accountants.analysis.compose import compose_prvs
+from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
+from opacus_rc.accountants.analysis.prv import DIRECTIONS, RandomizedClippingPRV, choose_t_cap
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
+
+__all__ = ["ETA_DELTA_FRACTION", "EpsilonReport", "Segment", "choose_eta", "compute_epsilon"]
+
+#: The envelope's revealing tail may spend at most this fraction of delta over all steps.
+ETA_DELTA_FRACTION = 1e-4
+
+
+def choose_eta(*, steps: int, delta: float) -> float:
+    """The revealing tail ``eta`` of the envelope for ``steps`` steps at ``delta``.
+
+    ``min(1e-15, 10^floor(log10(1e-4 delta / steps)))``: the total revealing mass ``steps * eta``
+    is at most ``1e-4 delta``, and powers of ten keep the per-``eta`` table cache small.
+    """
+    budget = ETA_DELTA_FRACTION * float(delta) / max(int(steps), 1)
+    return min(DEFAULT_ETA, 10.0 ** math.floor(math.log10(budget)))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of identical steps: ``steps`` steps of noise ``sigma`` and rate ``q`` with sketch ``k``.
+
+    Attributes:
+        noise_multiplier: ``sigma`` (noise std / clipping bound), > 0.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: Number of steps, >= 0.
+        sketch_dim: ``k`` of the envelope, or ``None`` for exact clipping.
+        threat_model: ``"hidden"`` or ``"revealed"`` for this run of steps.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    sketch_dim: int | None = None
+    threat_model: str = "hidden"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", check_sigma(self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
+        if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
+            raise ValueError(f"steps must be an integer >= 0, got {self.steps!r}")
+        object.__setattr__(self, "steps", int(self.steps))
+        SensitivityEnvelope(sketch_dim=self.sketch_dim)  # validates
+        check_choice("threat_model", self.threat_model, THREAT_MODELS)
+        if self.sketch_dim is None:
+            object.__setattr__(self, "threat_model", "hidden")  # S = 1: both models coincide
+        else:
+            object.__setattr__(self, "sketch_dim", int(self.sketch_dim))
+
+    @property
+    def key(self) -> tuple:
+        return (self.noise_multiplier, self.sample_rate, self.sketch_dim, self.threat_model)
+
+
+@dataclass(frozen=True)
+class EpsilonReport:
+    """Epsilon bounds of a composition in both adjacency directions.
+
+    Attributes:
+        remove: ``(lower, estimate, upper)`` for the remove direction.
+        add: ``(lower, estimate, upper)`` for the add direction.
+        delta: The delta the bounds are for.
+    """
+
+    remove: tuple[float, float, float]
+    add: tuple[float, float, float]
+    delta: float
+
+    @property
+    def upper(self) -> float:
+        """The guaranteed epsilon: max over directions of the upper bounds."""
+        return max(self.remove[2], self.add[2])
+
+    @property
+    def estimate(self) -> float:
+        """Max over directions of the estimates (what THEORY.md C.6 tabulates)."""
+        return max(self.remove[1], self.add[1])
+
+    @property
+    def dominant_direction(self) -> str:
+        """``"remove"`` or ``"add"``, whichever gives the larger upper bound."""
+        return "remove" if self.remove[2] >= self.add[2] else "add"
+
+
+def compute_epsilon(
+    segments: Sequence[Segment],
+    *,
+    delta: float,
+    envelope: str = "chi2",
+    eps_error: float = 0.01,
+    delta_error: float | None = None,
+) -> EpsilonReport:
+    """Epsilon of a (possibly heterogeneous) history of DP-SGD-RC steps, both directions.
+
+    Identical segments are merged (composition is commutative); each distinct configuration
+    gets one PRV per direction with the revealing tail of :func:`choose_eta`, capped by
+    :func:`~opacus_rc.accountants.analysis.prv.choose_t_cap` with the total step count.
+    Epsilon is reported as 0 where the bound would be negative (large delta), as
+    ``dp_accounting`` does.
+
+    Args:
+        segments: The runs of steps.
+        delta: Target delta in (0, 1).
+        envelope: ``"chi2"`` or ``"chernoff"``.
+        eps_error: Epsilon error of the discretisation.
+        delta_error: Delta error; default ``delta / 1000``.
+
+    Returns:
+        An :class:`EpsilonReport`; all zeros for an empty history.
+
+    Raises:
+        EpsilonOutOfRangeError: if epsilon exceeds every value this analysis certifies
+            (a privacy answer).
+        NumericalLimitError: if the composition exceeds the numerical limits at this
+            ``eps_error`` (not a statement about epsilon).
+    """
+    delta = check_delta(delta)
+    check_choice("envelope", envelope, ENVELOPES)
+    grouped: dict[tuple, int] = {}
+    for seg in segments:
+        if seg.steps:
+            grouped[seg.key] = grouped.get(seg.key, 0) + seg.steps
+    if not grouped:
+        zero = (0.0, 0.0, 0.0)
+        return EpsilonReport(remove=zero, add=zero, delta=delta)
+    total = sum(grouped.values())
+    eta = choose_eta(steps=total, delta=delta)
+    prvs: dict[str, list[RandomizedClippingPRV]] = {d: [] for d in DIRECTIONS}
+    for sigma, q, k, mode in grouped:
+        for direction in DIRECTIONS:  # consecutive: both directions share one cached table
+            prv = RandomizedClippingPRV(
+                noise_multiplier=sigma,
+                sample_rate=q,
+                sketch_dim=k,
+                envelope=envelope,
+                threat_model=mode,
+                direction=direction,
+                eta=eta,
+            )
+            prvs[direction].append(prv.with_cap(choose_t_cap(prv, steps=total, delta=delta)))
+    out = {
+        direction: compose_prvs(
+            prvs[direction],
+            list(grouped.values()),
+            delta=delta,
+            eps_error=eps_error,
+            delta_error=delta_error,
+        ).as_tuple()
+        for direction in DIRECTIONS
+    }
+    return EpsilonReport(remove=out["remove"], add=out["add"], delta=delta)

@@ -1,0 +1,253 @@
+"""The noise multiplier for a target epsilon, with :class:`~opacus_rc.accountants.rc.RCAccountant`.
+
+The search only ever reads privacy answers as privacy answers. At each trial sigma the
+accountant returns bounds ``lower <= epsilon <= upper`` (the discretisation error ``eps_error``
+either side), or :class:`~opacus_rc.accountants.analysis.errors.EpsilonOutOfRangeError` (epsilon
+exceeds every value the analysis certifies: sigma is too small), or
+:class:`~opacus_rc.accountants.analysis.errors.NumericalLimitError` (no answer at this
+``eps_error``). Bracketing runs at a coarse ``eps_error`` (cheap, and within the numerical
+limits where the fine one is not): a sigma with ``lower > target`` is too small, one with
+``upper <= target`` large enough. A numerical limit there is retried at a coarser ``eps_error``
+(up to a quarter of the target) and never counted as "too small". The answer is then found at
+the template accountant's ``eps_error`` by safeguarded secant steps on ``log epsilon`` versus
+``log sigma``; the returned sigma is one whose epsilon, computed exactly as the template
+accountant computes it, is at most the target and within ``epsilon_tolerance`` of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from opacus_rc.accountants.analysis._checks import check_delta, check_q
+from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
+from opacus_rc.accountants.events import RandomizedClipDpEvent, sketch_spec_from
+from opacus_rc.accountants.rc import RCAccountant
+from opacus_rc.sketching import SketchSpec
+
+__all__ = ["MAX_SIGMA", "MIN_SIGMA", "get_noise_multiplier"]
+
+#: Largest noise multiplier :func:`get_noise_multiplier` tries before giving up.
+MAX_SIGMA = 1e4
+#: Smallest noise multiplier :func:`get_noise_multiplier` tries.
+MIN_SIGMA = 1e-3
+
+
+class _Bounds:
+    """Epsilon bounds of one trial sigma at one ``eps_error`` (``inf`` if out of range)."""
+
+    def __init__(self, lower: float, upper: float) -> None:
+        self.lower, self.upper = lower, upper
+
+
+def get_noise_multiplier(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sketch_spec: SketchSpec | Mapping[str, Any] | None = None,
+    accountant: RCAccountant | None = None,
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """Smallest noise multiplier whose epsilon (upper bound, both directions) is at most the target.
+
+    The returned ``sigma`` satisfies ``target - epsilon_tolerance <= epsilon(sigma) <= target``,
+    ``epsilon`` computed as the template accountant computes it (unless the bracket closes to
+    a relative width of ``1e-6`` first). See the module docstring for the search.
+
+    Args:
+        target_epsilon: Target epsilon (> 0).
+        target_delta: Target delta in ``(0, 1)``.
+        sample_rate: Poisson sampling probability ``q`` in ``(0, 1]``.
+        epochs: Number of epochs; ``steps = int(epochs / sample_rate)`` as in Opacus. Give
+            exactly one of ``epochs`` and ``steps``.
+        steps: Number of optimizer steps.
+        sketch_spec: The sketch of every step; ``None`` uses the accountant's own
+            ``sketch_dim`` (exact clipping if that is ``None`` too).
+        accountant: An :class:`~opacus_rc.accountants.rc.RCAccountant` used as a template
+            (envelope, threat model, ``eps_error``, ``sketch_dim``); it is not modified.
+            Default ``RCAccountant()``.
+        epsilon_tolerance: Accepted shortfall of epsilon below the target (> 0).
+
+    Returns:
+        The noise multiplier (noise std / clipping bound).
+
+    Raises:
+        ValueError: on invalid arguments, or if even ``sigma = 1e4`` does not reach the target.
+        NumericalLimitError: if the accountant cannot certify epsilon at the answer with the
+            template's ``eps_error`` (or cannot bound it at all during the bracketing); the
+            message names a larger ``eps_error`` to use.
+    """
+    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0.0):
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    target_delta = check_delta(target_delta)
+    q = check_q(sample_rate)
+    if not epsilon_tolerance > 0.0:
+        raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance!r}")
+    if (steps is None) == (epochs is None):
+        raise ValueError("get_noise_multiplier takes exactly one of steps and epochs")
+    if steps is None:
+        if not epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+        steps = int(epochs / q)
+    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    steps = int(steps)
+    template = RCAccountant() if accountant is None else accountant
+    if not isinstance(template, RCAccountant):
+        raise TypeError(
+            f"accountant must be an RCAccountant (or None), got {type(template).__name__}"
+        )
+    work = RCAccountant(**template._config())
+    spec = sketch_spec_from(sketch_spec)
+    spec = work.sketch_spec if spec is None else spec
+    mode = work._mode_for(spec)
+    target = float(target_epsilon)
+    fine = work.eps_error
+    coarse_start = min(max(fine, 0.02 * target), 0.5)
+    coarse_max = max(coarse_start, 0.25 * target)
+
+    def bounds(sigma: float, eps_error: float) -> _Bounds:
+        work.history = []
+        work.compose(
+            RandomizedClipDpEvent(
+                noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
+            ),
+            steps,
+        )
+        try:
+            rep = work.get_epsilon_report(target_delta, eps_error=eps_error)
+        except EpsilonOutOfRangeError:
+            return _Bounds(math.inf, math.inf)  # a privacy answer: epsilon is too large
+        return _Bounds(max(rep.remove[0], rep.add[0]), rep.upper)
+
+    def coarse(sigma: float) -> _Bounds:
+        """Bounds at the coarsest ``eps_error`` needed; never reads a limit as an answer."""
+        err = coarse_start
+        while True:
+            try:
+                return bounds(sigma, err)
+            except NumericalLimitError as exc:
+                if err >= coarse_max:
+                    raise NumericalLimitError(
+                        f"cannot bound epsilon at noise_multiplier={sigma:.6g} even with "
+                        f"eps_error={err:g}: {exc}"
+                    ) from exc
+                err = min(4.0 * err, coarse_max)
+
+    # ---- bracket: lo is certainly too small (lower > target), hi large enough at coarse error
+    def too_low(sigma: float) -> ValueError:
+        return ValueError(
+            f"the privacy budget epsilon={target} at delta={target_delta} is too low: not "
+            f"reached with noise_multiplier <= {MAX_SIGMA:g}"
+        )
+
+    def up_until_enough(sigma: float) -> float:
+        while coarse(sigma).upper > target:
+            sigma *= 1.25
+            if sigma > MAX_SIGMA:
+                raise too_low(sigma)
+        return sigma
+
+    def down_until_too_small(sigma: float) -> float | None:
+        while coarse(sigma).lower <= target:
+            sigma /= 1.25
+            if sigma < MIN_SIGMA:
+                return None
+        return sigma
+
+    sigma = 1.0
+    b = coarse(sigma)
+    if b.lower > target:  # too small: double until large enough
+        lo = sigma
+        while True:
+            sigma *= 2.0
+            if sigma > MAX_SIGMA:
+                raise too_low(sigma)
+            b = coarse(sigma)
+            if b.lower > target:
+                lo = sigma
+                continue
+            hi = sigma if b.upper <= target else up_until_enough(sigma)
+            break
+    elif b.upper <= target:  # large enough: halve until too small
+        hi = sigma
+        while True:
+            sigma /= 2.0
+            if sigma < MIN_SIGMA:
+                return _certify(bounds, hi, fine, target)[0]
+            b = coarse(sigma)
+            if b.upper <= target:
+                hi = sigma
+                continue
+            lo = sigma if b.lower > target else down_until_too_small(sigma)
+            break
+    else:  # undecided at the coarse error: step out both ways
+        lo = down_until_too_small(sigma / 1.25)
+        hi = up_until_enough(sigma * 1.25)
+    if lo is None:
+        return _certify(bounds, hi, fine, target)[0]
+    # ---- refine at the template's eps_error: Illinois regula falsi on
+    # f(x) = log eps(e^x) - log(aim), x = log sigma; hi points have eps <= target
+    aim = target - 0.5 * epsilon_tolerance
+    hi, e_hi = _certify(bounds, hi, fine, target)
+    x_lo, x_hi = math.log(lo), math.log(hi)
+    # lo's coarse lower bound under-states its epsilon: a safe secant end to start from
+    lower_lo = coarse(lo).lower
+    f_lo = math.log(lower_lo) - math.log(aim) if math.isfinite(lower_lo) else math.inf
+    f_hi = math.log(e_hi) - math.log(aim) if e_hi > 0.0 else -math.inf
+    kept = None
+    for _ in range(100):
+        if target - e_hi <= epsilon_tolerance or x_hi - x_lo <= 1e-6:
+            return math.exp(x_hi)
+        width = x_hi - x_lo
+        if math.isfinite(f_lo) and math.isfinite(f_hi):
+            x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo)
+            x = min(max(x, x_lo + 1e-3 * width), x_hi - 1e-3 * width)
+        else:
+            x = 0.5 * (x_lo + x_hi)
+        try:
+            e = bounds(math.exp(x), fine).upper
+        except NumericalLimitError:
+            # no fine answer here: decide with the coarse bounds, never by assumption
+            b = coarse(math.exp(x))
+            if b.lower > target:
+                x_lo, f_lo, kept = x, math.inf, "lo"
+                continue
+            raise
+        f = math.log(e) - math.log(aim) if 0.0 < e < math.inf else (math.inf if e > 0 else -1e300)
+        if e > target:
+            x_lo, f_lo = x, f
+            if kept == "lo":
+                f_hi *= 0.5  # Illinois: the hi end was kept twice
+            kept = "lo"
+        else:
+            x_hi, e_hi, f_hi = x, e, f
+            if kept == "hi":
+                f_lo *= 0.5
+            kept = "hi"
+    return math.exp(x_hi)
+
+
+def _certify(bounds, sigma: float, fine: float, target: float) -> tuple[float, float]:
+    """``(sigma', epsilon)``: ``sigma`` raised by 5 % steps until its epsilon at the template's
+    ``eps_error`` is at most the target (one step at most, in practice).
+
+    Raises:
+        NumericalLimitError: if that epsilon cannot be computed at ``eps_error=fine``.
+    """
+    while True:
+        try:
+            e = bounds(sigma, fine).upper
+        except NumericalLimitError as exc:
+            raise NumericalLimitError(
+                f"noise_multiplier={sigma:.6g} meets the target at a coarse eps_error, but "
+                f"its epsilon cannot be certified at the accountant's eps_error={fine:g}: "
+                f"{exc}"
+            ) from exc
+        if e <= target:
+            return sigma, e
+        sigma *= 1.05
