@@ -1,7 +1,7 @@
 """Privacy accounting for DP-SGD with randomized clipping.
 
 :class:`RCAccountant` is an Opacus ``IAccountant`` (mechanism ``"rc"``) that composes the privacy
-loss random variables of THEORY.md section C in both adjacency directions.
+loss random variables of docs/privacy/prv.md#prv in both adjacency directions.
 :func:`get_noise_multiplier` finds the noise for a target epsilon with it, and :func:`register`
 puts it in Opacus' accountant registry (``opacus_rc`` calls it on import).
 """

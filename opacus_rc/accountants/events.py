@@ -10,8 +10,8 @@ DP-SGD with (randomized) clipping, as the events of Google's ``dp_accounting``
     otherwise a Gaussian sketch described by ``sketch_spec``); release
     ``sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)``.
 
-Adjacency is add/remove-one (both directions are accounted, THEORY.md B.5). The analysis
-(THEORY.md B-C) depends on the sketch only through the number of Gaussian columns that certify
+Adjacency is add/remove-one (both directions are accounted, docs/privacy/adjacency.md#adjacency). The analysis
+(docs/privacy/index.md#privacy-chain-C) depends on the sketch only through the number of Gaussian columns that certify
 it (:attr:`~opacus_rc.sketching.SketchSpec.accounted_dim`) and on the threat model: ``"hidden"``
 (the sketch stays secret, drawn per sample) or ``"revealed"`` (valid for any sketch sharing).
 Events are immutable and validated on construction; their meaning never changes (new
@@ -75,14 +75,14 @@ class RandomizedClipDpEvent:
         sketch_spec: The sketch that produced the clip factors (a
             :class:`~opacus_rc.sketching.SketchSpec`; its ``to_dict()`` form is converted), or
             ``None`` for exact clipping.
-        threat_model: ``"hidden"`` (default) or ``"revealed"`` (THEORY.md B.2). Exact
+        threat_model: ``"hidden"`` (default) or ``"revealed"`` (docs/privacy/threat_models.md#threat-models). Exact
             clipping has ``S = 1`` and both models coincide: it is stored as ``"hidden"``.
 
     Raises:
         TypeError: on a non-numeric sigma or sample rate, or a sketch spec of the wrong type.
         ValueError: on out-of-range values, an unknown threat model, or ``"hidden"`` for a
             sketch that is shared across samples or not secret (only ``"revealed"`` holds for
-            it, THEORY.md B.2).
+            it, docs/privacy/threat_models.md#threat-models).
     """
 
     noise_multiplier: float
@@ -100,7 +100,7 @@ class RandomizedClipDpEvent:
             object.__setattr__(self, "threat_model", "hidden")
         elif self.threat_model == "hidden" and not spec.supports_hidden:
             raise ValueError(
-                f"the 'hidden' threat model needs per-sample, secret sketches (THEORY.md B.2); "
+                f"the 'hidden' threat model needs per-sample, secret sketches (docs/privacy/threat_models.md#threat-models); "
                 f"{spec} is shared or publicly seeded: use threat_model='revealed'"
             )
 
@@ -136,7 +136,7 @@ def event_from_history_entry(
       ``SketchSpec.to_dict()`` or ``None`` (exact clipping).
 
     The threat model is ``threat_model`` (the accountant's), except that a sketch which does
-    not support the hidden model is accounted as ``"revealed"`` (THEORY.md B.2).
+    not support the hidden model is accounted as ``"revealed"`` (docs/privacy/threat_models.md#threat-models).
 
     Args:
         entry: The history tuple.

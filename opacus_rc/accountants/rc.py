@@ -1,7 +1,7 @@
 """``RCAccountant``: the Opacus accountant of DP-SGD with randomized clipping (mechanism ``"rc"``).
 
 Each optimizer step reports ``(noise_multiplier, sample_rate, sketch spec)``; the accountant
-composes the privacy loss random variables of THEORY.md section C for that exact sketch (both
+composes the privacy loss random variables of docs/privacy/prv.md#prv for that exact sketch (both
 adjacency directions, remove and add) with ``prv_accountant`` and reports the larger epsilon.
 Steps without a sketch (plain Opacus optimizers, exact clipping) are accounted as exact
 clipping, so ``opacus.PrivacyEngine(accountant="rc")`` works for unmodified Opacus scripts.
@@ -20,7 +20,7 @@ weights_only=True)`` checkpoints work) and read back as typed events by
   ``opacus.accountants.utils.get_noise_multiplier``: accounted with the accountant's own sketch
   (its constructor's ``sketch_dim``; exact clipping if ``None``).
 
-RDP and GDP are never used: the RDP of randomized clipping is infinite (THEORY.md B.6).
+RDP and GDP are never used: the RDP of randomized clipping is infinite (docs/privacy/heavy_tails.md#heavy-tails-rdp).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class RCAccountant(IAccountant):
     """Privacy accountant for DP-SGD with randomized clipping (and exact clipping).
 
-    PRV accounting (Gopi et al. 2021) of the envelope mechanism of THEORY.md B-C, in both
+    PRV accounting (Gopi et al. 2021) of the envelope mechanism of docs/privacy/index.md#privacy-chain-C, in both
     adjacency directions; :meth:`get_epsilon` returns the guaranteed upper bound, the maximum
     over directions (0 where it would be negative). Heterogeneous histories (changing noise,
     sample rate or sketch) compose; long horizons are composed in blocks
@@ -68,7 +68,7 @@ class RCAccountant(IAccountant):
         sketch_dim: ``k`` used for 3-tuple history entries (those written by Opacus'
             ``get_noise_multiplier``); ``None`` (default) means exact clipping. Steps reported
             by an optimizer carry their own sketch spec.
-        envelope: ``"chi2"`` (default, THEORY.md B.3 item 4) or ``"chernoff"`` (item 5, fully
+        envelope: ``"chi2"`` (default, docs/privacy/envelope.md#envelope-law) or ``"chernoff"`` (item 5, fully
             proved, more conservative).
         threat_model: ``"hidden"`` (default; valid for per-sample, secret sketches) or
             ``"revealed"`` (the paper's; valid for any sketch sharing). Steps whose sketch is
@@ -230,7 +230,7 @@ class RCAccountant(IAccountant):
         if warn and not self._warned_revealed:
             logger.warning(
                 "a step used a sketch that is shared across samples or not secret (%s); its "
-                "privacy is accounted with the 'revealed' threat model (THEORY.md B.2)",
+                "privacy is accounted with the 'revealed' threat model (docs/privacy/threat_models.md#threat-models)",
                 spec.to_dict(),
             )
             self._warned_revealed = True

@@ -1,13 +1,13 @@
 """Pure math of the randomized-clipping accountant (no Opacus import).
 
-* :mod:`.envelope`: law of the worst-case sensitivity ``S`` (THEORY.md B.3).
+* :mod:`.envelope`: law of the worst-case sensitivity ``S`` (docs/privacy/envelope.md#envelope-definition).
 * :mod:`.threat_models`: the ``hidden`` and ``revealed`` privacy-loss models of one step, one
-  interface (THEORY.md B.2, C.1-C.2).
-* :mod:`.loss_table`: splines of one step's privacy-loss laws (THEORY.md C.3 item 3).
+  interface (docs/privacy/threat_models.md#threat-models, C.1-C.2).
+* :mod:`.loss_table`: splines of one step's privacy-loss laws (docs/privacy/prv.md#prv-tables).
 * :mod:`.prv`: the per-step privacy loss random variable for ``prv_accountant``, capped
-  (THEORY.md C.3 items 1, 4, 5).
+  (docs/privacy/prv.md#prv-numerics items 1, 4, 5).
 * :mod:`.compose`: discretisation and composition with an explicit error bound, long horizons
-  (THEORY.md C.3 item 6; ACCOUNTANT_NOTES.md).
+  (docs/privacy/prv.md#prv-composition; ACCOUNTANT_NOTES.md).
 * :mod:`.discrete`: tilted discrete laws on a grid: discretisation, FFT products,
   re-discretisation, Chernoff windows (the pieces of :mod:`.compose`).
 * :mod:`.epsilon`: the epsilon of a history: budgets, both directions.

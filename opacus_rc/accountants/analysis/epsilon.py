@@ -1,15 +1,15 @@
 """Epsilon of a history of DP-SGD-RC steps: budgets, PRVs in both directions, composition.
 
 :func:`compute_epsilon` groups a history of :class:`Segment` runs, builds the capped PRVs of
-every distinct step in both adjacency directions (THEORY.md B.5) and composes them
+every distinct step in both adjacency directions (docs/privacy/adjacency.md#adjacency) and composes them
 (:func:`~opacus_rc.accountants.analysis.compose.compose_prvs`). It splits delta into budgets chosen
 from the requested delta and the number of steps ``T``:
 
 * ``delta_error`` (default ``delta / 1000``): the discretisation's probability budget;
-* the envelope's revealing tail ``eta`` (THEORY.md C.3 item 1), ``T eta <= 1e-4 delta``
+* the envelope's revealing tail ``eta`` (docs/privacy/prv.md#prv-quadrature), ``T eta <= 1e-4 delta``
   (rounded down to a power of ten, at most ``1e-15``): the mass it puts at infinity never
   decides whether a small delta can be reached;
-* the cap (THEORY.md C.3 item 4): ``T P(Y > t_cap) <= 1e-3 delta``.
+* the cap (docs/privacy/prv.md#prv-tail-cap): ``T P(Y > t_cap) <= 1e-3 delta``.
 
 Pure numpy/scipy; no Opacus import.
 """
@@ -104,7 +104,7 @@ class EpsilonReport:
 
     @property
     def estimate(self) -> float:
-        """Max over directions of the estimates (what THEORY.md C.6 tabulates)."""
+        """Max over directions of the estimates (what docs/privacy/reference_numbers.md#reference-epsilon tabulates)."""
         return max(self.remove[1], self.add[1])
 
     @property

@@ -5,7 +5,7 @@ and the Q-law ``B`` of the coordinate ``z`` (:mod:`~opacus_rc.accountants.analys
 at the knots of the threat model's grid, with their first two derivatives in ``z``, and
 interpolates them by quintic Hermite splines (the cdf below the median knot, the survival
 function above it, so both keep full relative precision); points outside the table are evaluated
-exactly. This replaces the reference recipe of THEORY.md C.3 item 3 (cubic Hermite root
+exactly. This replaces the reference recipe of docs/privacy/prv.md#prv-tables (cubic Hermite root
 inversion on a ``2e-3 sigma`` grid) by an equivalent, faster one: the spline error against exact
 evaluation is below ``1e-13`` (tested). Tables are cached per configuration (:func:`loss_table`).
 

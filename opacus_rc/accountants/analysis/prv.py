@@ -1,13 +1,13 @@
 """The privacy loss random variable (PRV) of one DP-SGD-RC step, for ``prv_accountant``.
 
 Under add/remove adjacency with Poisson subsampling both ordered pairs of the threat model
-(:mod:`~opacus_rc.accountants.analysis.threat_models`) are needed (THEORY.md B.5, Zhu, Dong and
+(:mod:`~opacus_rc.accountants.analysis.threat_models`) are needed (docs/privacy/adjacency.md#adjacency, Zhu, Dong and
 Wang 2022): the *remove* PRV ``Y_R = log(dQ/dP)(X)``, ``X ~ Q``, and the *add* PRV
 ``Y_A = log(dP/dQ)(X)``, ``X ~ P``. With ``A`` and ``B`` the tabulated P- and Q-laws of ``z``
 (:mod:`~opacus_rc.accountants.analysis.loss_table`), the remove CDF is ``F_R(t) = B(z(t))`` and
 the add CDF is ``F_A(t) = 1 - A(z(-t))``.
 
-Heavy tail (THEORY.md B.6, C.3 items 1 and 4): the mass ``eta`` of ``S > s_max`` is a fully
+Heavy tail (docs/privacy/heavy_tails.md#heavy-tails-rdp, C.3 items 1 and 4): the mass ``eta`` of ``S > s_max`` is a fully
 revealing event (``pm_inf = eta`` in both directions), and the PRV is capped at ``t_cap``, the
 smallest value in ``{2, 2.5, ..., 200}`` with ``steps * P(Y > t_cap) <= 1e-3 delta`` (200 if
 none qualifies), the mass above it moved to ``pm_inf`` (:func:`choose_t_cap`). Moving loss mass
@@ -39,18 +39,18 @@ __all__ = [
     "choose_t_cap",
 ]
 
-#: Adjacency directions (THEORY.md B.5).
+#: Adjacency directions (docs/privacy/adjacency.md#adjacency).
 DIRECTIONS = ("remove", "add")
-#: Candidate caps of the privacy loss (THEORY.md C.3 item 4): {2, 2.5, ..., 200}.
+#: Candidate caps of the privacy loss (docs/privacy/prv.md#prv-tail-cap): {2, 2.5, ..., 200}.
 CAP_GRID = np.arange(2.0, 200.0 + 0.25, 0.5)
-#: Tail mass moved to ``pm_inf`` by the cap, as a fraction of delta (THEORY.md C.3 item 4).
+#: Tail mass moved to ``pm_inf`` by the cap, as a fraction of delta (docs/privacy/prv.md#prv-tail-cap).
 CAP_DELTA_FRACTION = 1e-3
 # Orders at which prv_accountant's RDP accountant evaluates ``rdp`` (other_accountants.RDP).
 _RDP_ORDERS = tuple([1.0 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
 
 
 class RandomizedClippingPRV(PrivacyRandomVariable):
-    """Per-step privacy loss random variable of DP-SGD-RC (THEORY.md C.1-C.3).
+    """Per-step privacy loss random variable of DP-SGD-RC (docs/privacy/prv.md#prv).
 
     ``cdf`` is the CDF *conditioned on a finite value*, as ``prv_accountant`` expects; the mass at
     ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped (C.3 item 4):
@@ -62,11 +62,11 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         sample_rate: ``q``, Poisson sampling probability, in ``(0, 1]``.
         sketch_dim: ``k`` of the envelope (tail columns for Hutch++), or ``None`` for exact
             clipping.
-        envelope: ``"chi2"`` or ``"chernoff"`` (THEORY.md B.3).
+        envelope: ``"chi2"`` or ``"chernoff"`` (docs/privacy/envelope.md#envelope-definition).
         threat_model: ``"hidden"`` (per-sample secret sketches) or ``"revealed"`` (B.2).
         direction: ``"remove"`` (``Y_R``) or ``"add"`` (``Y_A``) (B.5).
         t_cap: Cap of the loss, or ``None`` for the uncapped PRV.
-        eta: Mass of ``S > s_max`` treated as fully revealing (THEORY.md C.3 item 1), in
+        eta: Mass of ``S > s_max`` treated as fully revealing (docs/privacy/prv.md#prv-quadrature), in
             ``(0, 1e-6]``; default ``1e-15``. Ignored for exact clipping (``S = 1``).
 
     Raises:
@@ -205,7 +205,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         """A finite upper bound on the Renyi divergence of order ``alpha`` of the *capped* PRV.
 
         ``(1 / (alpha - 1)) log E[e^{(alpha - 1) Y}]`` with the mass of every knot interval
-        moved to its upper end (THEORY.md C.3 item 5). Used only by
+        moved to its upper end (docs/privacy/prv.md#prv-safe-domain). Used only by
         ``compute_safe_domain_size`` to size the discretisation domain: the RDP of randomized
         clipping itself is infinite (B.6).
 
@@ -256,7 +256,7 @@ def choose_t_cap(
 ) -> float:
     """Smallest cap in :data:`CAP_GRID` with ``steps * P(Y > t_cap) <= fraction * delta``.
 
-    THEORY.md C.3 item 4; ``steps`` is the total number of composed steps. If no cap up to 200
+    docs/privacy/prv.md#prv-tail-cap; ``steps`` is the total number of composed steps. If no cap up to 200
     qualifies, 200 is returned: capping is valid at any level (the mass above the cap goes to
     ``pm_inf``), it only spends more of delta, and :func:`~opacus_rc.accountants.analysis.compose.compose_epsilon` raises
     :class:`~opacus_rc.accountants.analysis.errors.EpsilonOutOfRangeError` if the mass at infinity reaches delta.

@@ -2,7 +2,7 @@
 
 One step of DP-SGD-RC, in units where the clipping bound is ``C = 1`` and the noise standard
 deviation is the noise multiplier ``sigma``, is dominated by the one-dimensional pair
-(THEORY.md B.1-B.2)
+(docs/privacy/threat_models.md#threat-models)
 
 * ``"hidden"`` threat model: ``P = N(0, sigma^2)`` versus
   ``Q = (1 - q) N(0, sigma^2) + q E_S N(S, sigma^2)``;
@@ -197,7 +197,7 @@ def _split_phi(y: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @register_threat_model("hidden")
 class HiddenLossModel:
-    """Hidden threat model (THEORY.md C.1), parameterised by ``x`` (the 1-D output)."""
+    """Hidden threat model (docs/privacy/prv.md#prv-hidden), parameterised by ``x`` (the 1-D output)."""
 
     default_step = _X_STEP
 
@@ -207,7 +207,9 @@ class HiddenLossModel:
         self.s = s
         self.w = w
         self.logw = np.log(w)
-        self.mass_q = 1.0 - q * quad.tail_mass  # total finite mass of Q' (THEORY.md C.3 item 1)
+        self.mass_q = (
+            1.0 - q * quad.tail_mass
+        )  # total finite mass of Q' (docs/privacy/prv.md#prv-quadrature)
         v = w / w.sum()
         self.mu1 = float((v * s).sum())
         self.mu2 = float((v * s * s).sum())
@@ -317,7 +319,7 @@ class HiddenLossModel:
 
 @register_threat_model("revealed")
 class RevealedLossModel:
-    """Revealed threat model (THEORY.md C.2), parameterised by the per-``S`` log-likelihood ``z``."""
+    """Revealed threat model (docs/privacy/prv.md#prv-revealed), parameterised by the per-``S`` log-likelihood ``z``."""
 
     default_step = _Z_STEP
 
@@ -392,5 +394,5 @@ class RevealedLossModel:
         return grid
 
 
-#: Threat models (THEORY.md B.2), in registration order.
+#: Threat models (docs/privacy/threat_models.md#threat-models), in registration order.
 THREAT_MODELS = tuple(THREAT_MODEL_CLASSES)
