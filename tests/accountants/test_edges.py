@@ -65,6 +65,7 @@ def test_numerical_limits_and_privacy_answers_are_distinct_errors() -> None:
 
 # ----------------------------------------------------------------------------- long horizons
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")  # Opacus' RDP oracle
 def test_long_horizon_and_noise_search_at_a_million_steps() -> None:
     """q = 0.01, sigma = 3, 10^6 steps, delta = 1e-6 (issue 16): formerly
     EpsilonOutOfRangeError with the advice to raise the noise. Exact clipping: within
