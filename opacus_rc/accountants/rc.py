@@ -75,7 +75,7 @@ class RCAccountant(IAccountant):
             shared or seeded publicly are accounted as ``"revealed"`` regardless.
         eps_error: Bound on the discretisation error in epsilon (default 0.01, as Opacus);
             it holds with probability budget ``delta_error`` (default ``delta / 1000``), and
-            ``get_epsilon`` adds both (ACCOUNTANT_NOTES.md). Composition works to at least
+            ``get_epsilon`` adds both (docs/privacy/error_budget.md). Composition works to at least
             ``10^7`` steps at this budget.
 
     Raises:

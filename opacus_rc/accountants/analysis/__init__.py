@@ -7,7 +7,7 @@
 * :mod:`.prv`: the per-step privacy loss random variable for ``prv_accountant``, capped
   (docs/privacy/prv.md#prv-numerics items 1, 4, 5).
 * :mod:`.compose`: discretisation and composition with an explicit error bound, long horizons
-  (docs/privacy/prv.md#prv-composition; ACCOUNTANT_NOTES.md).
+  (docs/privacy/prv.md#prv-composition; docs/privacy/error_budget.md).
 * :mod:`.discrete`: tilted discrete laws on a grid: discretisation, FFT products,
   re-discretisation, Chernoff windows (the pieces of :mod:`.compose`).
 * :mod:`.epsilon`: the epsilon of a history: budgets, both directions.

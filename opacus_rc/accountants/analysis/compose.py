@@ -8,7 +8,7 @@ whose ``prv_accountant`` this replaces for the composition; the PRVs are still
 
     upper >= epsilon(delta) of the composition of the (capped) PRVs.
 
-How (ACCOUNTANT_NOTES.md has the derivation):
+How (docs/privacy/error_budget.md has the derivation):
 
 1. **Pessimistic moves** (never lower a privacy loss): the mass of ``S > s_max`` and the loss
    above the cap are at ``+inf`` (``pm_inf``); a step's mass above an upper end ``b`` goes to

@@ -1,6 +1,6 @@
 """Discretised privacy losses: exponentially tilted vectors on a grid and what is done to them.
 
-The pieces of :mod:`~opacus_rc.accountants.analysis.compose` (ACCOUNTANT_NOTES.md has the
+The pieces of :mod:`~opacus_rc.accountants.analysis.compose` (docs/privacy/error_budget.md has the
 argument): the cell-centred, mean-preserving discretisation of one step (:func:`discretise`,
 with the pessimistic moves of its tails), the law of a sum of independent copies by one
 circular FFT on a Chernoff-sized window (:func:`product`), the unbiased re-discretisation of a
@@ -188,7 +188,7 @@ _PROBE = np.concatenate([-np.geomspace(1e4, 1e-8, 97), [0.0], np.geomspace(1e-8,
 
 
 def lower_end(prv: RandomizedClippingPRV, tail: float = STEP_TAIL) -> float:
-    """A point ``a`` with ``P(Y < a) <= tail``; the mass below is moved up to it (ACCOUNTANT_NOTES.md section 2).
+    """A point ``a`` with ``P(Y < a) <= tail``; the mass below is moved up to it (docs/privacy/error_budget.md section 2).
 
     Any ``a`` keeps the bound valid; this one (found on a probe grid, then refined twice)
     keeps the moved mass negligible.
