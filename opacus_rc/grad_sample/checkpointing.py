@@ -1,4 +1,4 @@
-"""Activation checkpointing under randomized clipping (issue 13, item 1).
+"""Activation checkpointing under randomized clipping.
 
 ``torch.utils.checkpoint`` (and Hugging Face ``gradient_checkpointing_enable()``, which calls
 it) runs a region's forward twice: once in the forward pass, keeping only the region's inputs,

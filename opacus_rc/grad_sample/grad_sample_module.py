@@ -601,10 +601,11 @@ class _RandomizedClippingMixin:
     def _reuse_error(self, module: nn.Module) -> NotImplementedError:
         return NotImplementedError(
             f"module '{self._name_of(module)}' ({type(module).__name__}) ran more than once "
-            "before a backward pass (a reused module or tied weights). Randomized clipping "
-            "needs one forward per module per step: use separate modules, or call backward "
-            "after every forward in training mode (use torch.no_grad() or model.eval() for "
-            "forwards you do not backpropagate)."
+            "before a backward pass (a module reused within one forward, or a training-mode "
+            "forward that was never backpropagated). Randomized clipping needs one forward per "
+            "module per step: use separate modules, or call backward after every forward in "
+            "training mode (use torch.no_grad() or model.eval() for forwards you do not "
+            "backpropagate)."
         )
 
     def capture_activations_hook(
@@ -823,11 +824,17 @@ class GradSampleModuleRandomizedClipping(
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward; an in-place change of a hooked module's output is explained."""
+        """The model's forward. If it raises, what it recorded is dropped; an in-place change of
+        a hooked module's output is explained."""
         try:
             return super().forward(*args, **kwargs)
-        except RuntimeError as err:
-            if "BackwardHookFunction is a view and is being modified inplace" not in str(err):
+        except BaseException as err:
+            # A forward that raised half-way (e.g. an empty batch a model cannot take) must not
+            # leave recorded inputs behind for the next step.
+            self.discard_recorded()
+            if not isinstance(err, RuntimeError) or (
+                "BackwardHookFunction is a view and is being modified inplace" not in str(err)
+            ):
                 raise
             inplace = [
                 name or "<root>"

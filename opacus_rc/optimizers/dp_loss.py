@@ -153,7 +153,7 @@ def _no_output_hook_warning() -> Iterator[None]:
     """Silence PyTorch's "Full backward hook is firing when gradients are computed with respect
     to module outputs" during the private backward: it fires for every hooked module whose
     inputs need no gradient (the lowest trainable layers), where the output gradient is exactly
-    what the per-sample norm needs, so there is nothing for the user to act on (issue 14, 9)."""
+    what the per-sample norm needs, so there is nothing for the user to act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore",
@@ -188,7 +188,7 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
     Per-token losses (``criterion(logits, targets, shape=(B, T, ...))``) are reduced per sample
     as in Opacus: the mean over the positions whose target is not ``criterion.ignore_index``
     (``nn.CrossEntropyLoss``, ``nn.NLLLoss``), or over all positions for a criterion without
-    that attribute, which warns once (issue 14, item 7).
+    that attribute, which warns once.
 
     Args:
         module: The randomized-clipping grad-sample module (or hooks object).

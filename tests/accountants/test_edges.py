@@ -236,3 +236,16 @@ def test_large_delta_gives_zero_not_a_negative_epsilon() -> None:
         assert min(*rep.remove, *rep.add) == 0.0
     assert ORACLE.pld_epsilons(sigma=0.9, q=0.01, steps=100, deltas=(0.1,))[0] == 0.0
     assert upper(0.9, 0.01, 100, 32, 1e-2) > 0.0
+
+
+def test_tiny_noise_multiplier_is_refused_fast() -> None:
+    """A new user's near-zero-noise debugging run (sigma = 1e-7) made get_epsilon build loss
+    tables for over ten minutes and 5 GB; below MIN_NOISE_MULTIPLIER it now raises a
+    NumericalLimitError before any table is built, never a number."""
+    from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
+
+    for k in (None, 32):
+        acc = RCAccountant(sketch_dim=k)
+        acc.step(noise_multiplier=MIN_NOISE_MULTIPLIER / 10, sample_rate=0.125)
+        with pytest.raises(NumericalLimitError, match="below 0.01"):
+            acc.get_epsilon(delta=1e-5)

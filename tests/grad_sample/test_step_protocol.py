@@ -272,3 +272,26 @@ def test_norms_stay_readable_after_backward_until_the_next_forward() -> None:
     module(x)  # the next forward
     with pytest.raises(RuntimeError, match="no per-sample norms for this step"):
         module.get_norm_sample()
+
+
+def test_a_forward_that_raises_leaves_nothing_for_the_next_step() -> None:
+    """A new user's HF model raised inside its forward on an empty Poisson batch; the inputs
+    recorded before the error made the next, healthy batch raise 'ran more than once'. The
+    wrapper now drops what a failed forward recorded."""
+
+    class Picky(TwoLayer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.fc1(x))
+            if x.shape[0] == 0:
+                raise RuntimeError("cannot reshape tensor of 0 elements")
+            return self.head(torch.tanh(self.fc2(h))).mean(1)
+
+    torch.manual_seed(0)
+    model = Picky()
+    engine, module, opt, crit = _private(model)
+    x, y = _batch()
+    with pytest.raises(RuntimeError, match="cannot reshape"):
+        module(x[:0])
+    crit(module(x), y).backward()
+    opt.step()
+    assert len(engine.accountant) == 1

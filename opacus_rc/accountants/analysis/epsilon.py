@@ -28,6 +28,7 @@ from opacus_rc.accountants.analysis._checks import (
 )
 from opacus_rc.accountants.analysis.compose import compose_prvs
 from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
+from opacus_rc.accountants.analysis.errors import NumericalLimitError
 from opacus_rc.accountants.analysis.prv import DIRECTIONS, RandomizedClippingPRV, choose_t_cap
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 
@@ -45,6 +46,10 @@ def choose_eta(*, steps: int, delta: float) -> float:
     """
     budget = ETA_DELTA_FRACTION * float(delta) / max(int(steps), 1)
     return min(DEFAULT_ETA, 10.0 ** math.floor(math.log10(budget)))
+
+
+#: Smallest noise multiplier the accountant computes epsilon for (see :func:`compute_epsilon`).
+MIN_NOISE_MULTIPLIER = 0.01
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,8 @@ def compute_epsilon(
         EpsilonOutOfRangeError: if epsilon exceeds every value this analysis certifies
             (a privacy answer).
         NumericalLimitError: if the composition exceeds the numerical limits at this
-            ``eps_error`` (not a statement about epsilon).
+            ``eps_error`` (not a statement about epsilon), or a step's noise multiplier is below
+            :data:`MIN_NOISE_MULTIPLIER`.
     """
     delta = check_delta(delta)
     check_choice("envelope", envelope, ENVELOPES)
@@ -154,6 +160,16 @@ def compute_epsilon(
     if not grouped:
         zero = (0.0, 0.0, 0.0)
         return EpsilonReport(remove=zero, add=zero, delta=delta)
+    tiny = [sigma for sigma, *_ in grouped if sigma < MIN_NOISE_MULTIPLIER]
+    if tiny:
+        # Below this the per-step loss tables span thousands of nats and take minutes and
+        # gigabytes to build, for an epsilon far beyond any useful budget.
+        raise NumericalLimitError(
+            f"noise_multiplier {min(tiny):.3g} is below {MIN_NOISE_MULTIPLIER}: the accountant "
+            "does not compute epsilon for such steps (it would be far beyond any useful "
+            "budget). Use a larger noise multiplier; a run without noise has no privacy "
+            "guarantee to account."
+        )
     total = sum(grouped.values())
     eta = choose_eta(steps=total, delta=delta)
     prvs: dict[str, list[RandomizedClippingPRV]] = {d: [] for d in DIRECTIONS}
