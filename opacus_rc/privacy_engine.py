@@ -76,6 +76,9 @@ __all__ = ["PrivacyEngine"]
 
 logger = logging.getLogger(__name__)
 
+#: Start of the one warning given when a ``sketch_generator`` is passed (filters match it).
+_GENERATOR_WARNING_PREFIX = "a sketch_generator was passed"
+
 _ACCOUNTANT_ERROR = (
     "clipping='randomized' needs an accountant that can account for sketched norms; "
     "use accountant='rc'"
@@ -610,9 +613,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         build = None if request.config is None else _RandomizedBuild(request.config)
         self._build = build
         try:
-            out = super().make_private(
-                noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
-            )
+            with warnings.catch_warnings():
+                # The module warns about a passed sketch generator, and the accountant would
+                # log it again at the first step; one warning below says both, at the caller.
+                warnings.filterwarnings("ignore", message=_GENERATOR_WARNING_PREFIX)
+                out = super().make_private(
+                    noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
+                )
         except BaseException:
             if build is not None and build.module is not None:
                 build.module.cleanup()
@@ -622,6 +629,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise
         finally:
             self._build = None
+        if build is not None and build.config.sketch_generator is not None:
+            warnings.warn(
+                f"{_GENERATOR_WARNING_PREFIX}: the 'hidden' privacy guarantee of randomized "
+                "clipping holds only if its seed stays secret, so the sketch spec has "
+                "secret=False and the accountant uses the more conservative 'revealed' threat "
+                "model for every step (a larger epsilon); pass sketch_generator=None for a "
+                "secret sketch seeded from the operating system",
+                UserWarning,
+                stacklevel=3,
+            )
+            mark = getattr(self.accountant, "mark_revealed_warning_given", None)
+            if callable(mark):
+                mark()
         if build is not None:
             logger.info(
                 "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
