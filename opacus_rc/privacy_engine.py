@@ -76,6 +76,17 @@ __all__ = ["PrivacyEngine"]
 
 logger = logging.getLogger(__name__)
 
+#: ``poisson_sampling=False``: the accountant still assumes Poisson sampling at rate
+#: ``1 / len(data_loader)``, which fixed or shuffled batches do not give (Chua et al., "How
+#: Private are DP-SGD Implementations?", ICML 2024: shuffling can leak far more than the
+#: Poisson epsilon). Opacus accepts it silently (meta-pytorch/opacus PR 745).
+_NO_POISSON_WARNING = (
+    "poisson_sampling=False: the data loader's batches are not Poisson samples, but the "
+    "accountant's epsilon assumes Poisson sampling at rate 1/len(data_loader); for fixed or "
+    "shuffled batches it is not a valid guarantee. Keep poisson_sampling=True for a private "
+    "run (use BatchMemoryManager to bound the physical batch size)"
+)
+
 #: Start of the one warning given when a ``sketch_generator`` is passed (filters match it).
 _GENERATOR_WARNING_PREFIX = "a sketch_generator was passed"
 
@@ -255,7 +266,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             batch_first: Inputs are ``(B, ...)``.
             loss_reduction: ``"mean"`` or ``"sum"``.
             poisson_sampling: Replace the loader by a Poisson-sampling one (needed for the
-                guarantee).
+                guarantee; False warns that the reported epsilon does not hold).
             clipping: ``"randomized"``, or an Opacus value (``"flat"``, ``"per_layer"``,
                 ``"adaptive"``).
             noise_generator: Generator for the noise (not allowed in secure mode).
@@ -551,6 +562,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
+        if not opacus_options["poisson_sampling"]:
+            warnings.warn(_NO_POISSON_WARNING, UserWarning, stacklevel=3)
         clipping = opacus_options["clipping"]
         if clipping != "randomized":
             if any(o is not None for o in (sketch, sketch_dim, sketch_head_dim, sketch_generator)):
