@@ -76,6 +76,20 @@ __all__ = ["PrivacyEngine"]
 
 logger = logging.getLogger(__name__)
 
+#: ``poisson_sampling=False``: the accountant still assumes Poisson sampling at rate
+#: ``1 / len(data_loader)``, which fixed or shuffled batches do not give (Chua et al., "How
+#: Private are DP-SGD Implementations?", ICML 2024: shuffling can leak far more than the
+#: Poisson epsilon). Opacus accepts it silently (meta-pytorch/opacus PR 745).
+_NO_POISSON_WARNING = (
+    "poisson_sampling=False: the data loader's batches are not Poisson samples, but the "
+    "accountant's epsilon assumes Poisson sampling at rate 1/len(data_loader); for fixed or "
+    "shuffled batches it is not a valid guarantee. Keep poisson_sampling=True for a private "
+    "run (use BatchMemoryManager to bound the physical batch size)"
+)
+
+#: Start of the one warning given when a ``sketch_generator`` is passed (filters match it).
+_GENERATOR_WARNING_PREFIX = "a sketch_generator was passed"
+
 _ACCOUNTANT_ERROR = (
     "clipping='randomized' needs an accountant that can account for sketched norms; "
     "use accountant='rc'"
@@ -252,7 +266,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             batch_first: Inputs are ``(B, ...)``.
             loss_reduction: ``"mean"`` or ``"sum"``.
             poisson_sampling: Replace the loader by a Poisson-sampling one (needed for the
-                guarantee).
+                guarantee; False warns that the reported epsilon does not hold).
             clipping: ``"randomized"``, or an Opacus value (``"flat"``, ``"per_layer"``,
                 ``"adaptive"``).
             noise_generator: Generator for the noise (not allowed in secure mode).
@@ -548,6 +562,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
+        if not opacus_options["poisson_sampling"]:
+            warnings.warn(_NO_POISSON_WARNING, UserWarning, stacklevel=3)
         clipping = opacus_options["clipping"]
         if clipping != "randomized":
             if any(o is not None for o in (sketch, sketch_dim, sketch_head_dim, sketch_generator)):
@@ -610,9 +626,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         build = None if request.config is None else _RandomizedBuild(request.config)
         self._build = build
         try:
-            out = super().make_private(
-                noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
-            )
+            with warnings.catch_warnings():
+                # The module warns about a passed sketch generator, and the accountant would
+                # log it again at the first step; one warning below says both, at the caller.
+                warnings.filterwarnings("ignore", message=_GENERATOR_WARNING_PREFIX)
+                out = super().make_private(
+                    noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
+                )
         except BaseException:
             if build is not None and build.module is not None:
                 build.module.cleanup()
@@ -622,6 +642,19 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise
         finally:
             self._build = None
+        if build is not None and build.config.sketch_generator is not None:
+            warnings.warn(
+                f"{_GENERATOR_WARNING_PREFIX}: the 'hidden' privacy guarantee of randomized "
+                "clipping holds only if its seed stays secret, so the sketch spec has "
+                "secret=False and the accountant uses the more conservative 'revealed' threat "
+                "model for every step (a larger epsilon); pass sketch_generator=None for a "
+                "secret sketch seeded from the operating system",
+                UserWarning,
+                stacklevel=3,
+            )
+            mark = getattr(self.accountant, "mark_revealed_warning_given", None)
+            if callable(mark):
+                mark()
         if build is not None:
             logger.info(
                 "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",

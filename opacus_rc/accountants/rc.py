@@ -105,6 +105,15 @@ class RCAccountant(IAccountant):
         self.eps_error = float(eps_error)
         self._warned_revealed = False
 
+    def mark_revealed_warning_given(self) -> None:
+        """Skip the one-time log warning of :meth:`step` for a sketch that is not secret.
+
+        For a caller that has already told the user, e.g. ``opacus_rc.PrivacyEngine``, which
+        warns once at ``make_private`` when a ``sketch_generator`` is passed. The steps are
+        still accounted with the ``"revealed"`` threat model.
+        """
+        self._warned_revealed = True
+
     def __repr__(self) -> str:
         return (
             f"RCAccountant(sketch_dim={self.sketch_dim}, envelope={self.envelope!r}, "

@@ -73,7 +73,33 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     Arithmetic (``loss / 2``, ``loss + other``) keeps this class. See the module docstring.
     """
 
-    def backward(self) -> None:  # noqa: D102 - documented in the module docstring
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        """Run the private backward (see the module docstring); ``torch.Tensor.backward``'s
+        signature, so that training loops written for a plain loss keep working.
+
+        Args:
+            gradient: Must be ``None`` (the loss is a scalar); scale the loss instead
+                (``(loss * w).backward()``), which keeps the clipping.
+            retain_graph: ``None`` or False (the graph is freed, as PyTorch's default).
+                True is refused: a later backward through the kept graph would add an
+                unclipped gradient to the clipped one (the hooked modules see it only after
+                their parameters' gradients have grown).
+            create_graph: Must be False: higher-order gradients of the clipped loss are not
+                supported.
+            inputs: Must be ``None``: the private backward reaches every trainable parameter
+                (freeze the ones that should not train).
+
+        Raises:
+            TypeError: On a ``gradient``, ``retain_graph=True``, ``create_graph=True`` or
+                ``inputs``; the step is then refused (``step()`` raises until ``zero_grad()``),
+                as for any failed backward.
+        """
         module, optimizer = self.module, self.optimizer
         if self.loss_reduction == "mean":
             reduced_loss = torch.mean(self.loss_per_sample, dim=0)
@@ -92,6 +118,8 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             error: Exception | None = None
             coeff = None
             try:
+                _check_backward_arguments(gradient, retain_graph, create_graph, inputs)
+                self._check_loss_shape()
                 module.check_parameter_uses(reduced_loss)
                 bookkeeping = module.step_bookkeeping
                 # The first pass stops at the hooked modules' inputs, so no dL/dW is computed
@@ -135,6 +163,21 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             module.abort_step()
             raise
 
+    def _check_loss_shape(self) -> None:
+        """One loss per sample, shape ``(B,)``, before anything is backpropagated."""
+        losses = self.loss_per_sample
+        if losses.dim() == 1:
+            return
+        raise ValueError(
+            f"the criterion returned per-sample losses of shape {tuple(losses.shape)}; "
+            "randomized clipping needs one loss per sample, shape (B,). For a per-token loss, "
+            "flatten the logits and targets and pass shape=logits.shape: "
+            "criterion(logits.reshape(-1, V), labels.reshape(-1), shape=logits.shape) "
+            "(each sample's loss is then the mean over its positions whose label is not "
+            "criterion.ignore_index); or give a criterion that returns one loss per sample "
+            "(e.g. its (B, T) losses reduced over dim 1)"
+        )
+
     def _check_coefficients(self, coeff: torch.Tensor) -> None:
         """One clip factor per per-sample loss (see the module docstring, point 2)."""
         losses = self.loss_per_sample
@@ -146,6 +189,35 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 "Face position_ids of shape [1, T], Opacus issue 841: expand it to [B, T]), or "
                 "the loss is per token (pass shape=logits.shape to the criterion)"
             )
+
+
+def _check_backward_arguments(
+    gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any
+) -> None:
+    """Refuse the ``Tensor.backward`` arguments that the private backward cannot honour."""
+    if retain_graph:
+        raise TypeError(
+            "the DP loss's backward() does not support retain_graph=True: a later backward "
+            "through the kept graph would add an unclipped gradient to the clipped one. Add "
+            "every loss before the private backward ((loss + other).backward(), where other "
+            "also comes from the criterion returned by make_private), or run a new forward; "
+            "retain_graph=False (the default) is accepted"
+        )
+    if gradient is not None:
+        raise TypeError(
+            "the DP loss's backward() takes no gradient argument (the loss is a scalar); to "
+            "weight it, scale the loss instead: (loss * w).backward()"
+        )
+    if create_graph:
+        raise TypeError(
+            "the DP loss's backward() does not support create_graph=True: higher-order "
+            "gradients of the clipped loss are not computed"
+        )
+    if inputs is not None:
+        raise TypeError(
+            "the DP loss's backward() takes no inputs argument: it reaches every trainable "
+            "parameter; freeze (requires_grad_(False)) the ones that should not train"
+        )
 
 
 @contextlib.contextmanager
