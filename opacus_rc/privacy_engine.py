@@ -287,7 +287,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             bookkeeping: Randomized clipping only. ``True`` (default): one backward pass per
                 step (book-keeping; Bu, Wang, Zha and Karypis, ICML 2023) where every trainable
                 module supports it, else the two-pass path (logged once at INFO with the
-                modules that forced it; always two passes for DPDDP/DDP models). ``False``:
+                modules that forced it; under DPDDP/DDP too, each rank's clipped sum being
+                all-reduced once by the optimizer). ``False``:
                 always two backward passes. Both give the same clipped gradient and the same
                 privacy guarantee (the probes are drawn in the first pass only); book-keeping
                 is faster and frees the graph after the first pass. The module's
