@@ -63,6 +63,10 @@ from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
 )
+from opacus_rc.grad_sample.fsdp import (
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
+)
 from opacus_rc.grad_sample.grad_sample_module import (
     check_training_mode,
     strip_grad_sample_hooks,
@@ -412,9 +416,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
         # model with a message that does not say what to do.
         check_training_mode(module)
         self.validate(module=module, optimizer=None, data_loader=None)
-        module_class = (
-            GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
-        )
+        if isinstance(module, FSDPModule):
+            module_class = (
+                GradSampleModuleRandomizedClippingFSDP
+                if wrap_model
+                else GradSampleHooksRandomizedClippingFSDP
+            )
+        else:
+            module_class = (
+                GradSampleModuleRandomizedClipping
+                if wrap_model
+                else GradSampleHooksRandomizedClipping
+            )
         build.module = module_class(module, config=build.config)
         return build.module
 
@@ -488,7 +501,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        optimizer_class = get_optimizer_class(clipping, distributed=distributed)
+        sharded = isinstance(getattr(build.module, "_module", None), FSDPModule)
+        optimizer_class = get_optimizer_class(
+            clipping, distributed="fsdp" if sharded else distributed
+        )
         return optimizer_class(
             optimizer,
             grad_sample_module=build.module,
@@ -590,10 +606,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise ValueError(
                 f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
                 f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
-            )
-        if isinstance(module, FSDPModule):
-            raise NotImplementedError(
-                "clipping='randomized' does not support FSDP yet; use DPDDP or DDP"
             )
         _sample_rate(opacus_options["data_loader"])  # refuses an empty loader
         # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.

@@ -156,6 +156,10 @@ class _RandomizedClippingMixin:
     _step_bookkeeping: bool = False
     _distributed: bool = False
     _reducer_off: ReducerOff | None = None
+    #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
+    #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
+    #: that are not in the autograd graph).
+    _first_pass_output_edges: bool = False
     _step: StepState | None = None
     _tied: TiedSketches | None = None
 
@@ -191,8 +195,8 @@ class _RandomizedClippingMixin:
             sketched=self.SKETCHED_NORM_SAMPLERS,
             exact_types=self.EXACT_NORM_TYPES,
             clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
-            grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
-            norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+            grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
+            norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
             force_functorch=config.force_functorch,
             tied=tied_groups,
         )
@@ -238,8 +242,8 @@ class _RandomizedClippingMixin:
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(
                 sketched=self.SKETCHED_NORM_SAMPLERS,
-                grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
-                norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+                grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
+                norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
                 estimator=estimator,
                 sketch_dim=config.sketch_dim,
                 generator_for=self.generator_for,
@@ -639,7 +643,10 @@ class _RandomizedClippingMixin:
                 if self._tied is not None:
                     self._tied.clear()
             self._step.on_forward()
-            self._record_first_pass_inputs(module, forward_input, _forward_output if tied else None)
+            output_edge = tied or self._first_pass_output_edges
+            self._record_first_pass_inputs(
+                module, forward_input, _forward_output if output_edge else None
+            )
             if in_checkpointed_forward():
                 self._step_checkpointed = True
                 return  # the recomputation inside the backward records the inputs
