@@ -52,3 +52,33 @@ def test_two_process_gloo_fsdp2_randomized_clipping(tmp_path: Path) -> None:
     assert res["engine"]["accountant_steps"] == 8
     assert res["engine"]["steps_with_one_empty_rank"] >= 1
     assert res["denoise_refused"]["refused"]
+
+
+def test_torchrun_tutorial_script_fsdp(tmp_path: Path) -> None:
+    """tutorials/distributed_training.py under torchrun (2 CPU processes, gloo, FSDP2): it runs
+    both epochs and each epoch accounts its 8 steps (the README's launch command)."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            str(root / "tutorials" / "distributed_training.py"),
+            "--parallel",
+            "fsdp",
+            "--seq-len",
+            "8",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "16 steps accounted" in proc.stdout, proc.stdout
