@@ -10,7 +10,8 @@ Opacus' seams (OPACUS.md section 1.5):
   :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
 * ``_prepare_optimizer`` builds the optimizer registered for ``("randomized", distributed)`` in
   :mod:`opacus_rc.optimizers.registry` (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer`
-  or its DDP variant);
+  or its DDP or FSDP2 variant; an FSDP2 model also gets
+  :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
 * ``_prepare_criterion`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
   backward pass with book-keeping where the model allows it, else two).
 
