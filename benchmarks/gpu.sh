@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Items 1 (per-layer norm cost) and 3 (training step) of issue 5 on one CUDA GPU, then a short
-# table. Budget: under 8 minutes on one GPU (the steps are capped by `timeout`: 90 + 180 + 210 s).
+# table; with 2 GPUs also the distributed run of issue 15 (NCCL, FSDP2 and DDP, 2 x 120 s cap).
+# Budget: under 8 minutes on one GPU (the steps are capped by `timeout`: 90 + 180 + 210 s).
 #
 #   bash benchmarks/gpu.sh              # CUDA: profile "gpu" of benchmarks/config.json,
 #                                       # results in benchmarks/results/*_gpu.{csv,md,png}
@@ -40,6 +41,23 @@ echo "== item 1: per-layer norm cost (${ARGS[*]}) -> $OUT"
 timeout "$T1" "$PY" -m benchmarks.layer_norm_cost "${ARGS[@]}" --out "$OUT"
 echo "== item 3: training step (${ARGS[*]}) -> $OUT"
 timeout "$T3" "$PY" -m benchmarks.training_step "${ARGS[@]}" --out "$OUT"
+# Issue 15: randomized clipping on 2 GPUs (NCCL), FSDP2 then DDP, one process per GPU; skipped
+# cleanly with fewer than 2 GPUs, and in --dry-run (CI runs the gloo variant in tests/distributed).
+if [ "$DRY" = 1 ]; then
+  echo "== distributed (NCCL): skipped in --dry-run (tests/distributed runs it on CPU with gloo)"
+else
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$NGPU" -ge 2 ]; then
+    for PAR in fsdp ddp; do
+      echo "== distributed: 2 GPUs, NCCL, $PAR -> $OUT/distributed_${PAR}_gpu.txt"
+      timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        tutorials/distributed_training.py --parallel "$PAR" --backend nccl --seq-len 256 \
+        | tee "$OUT/distributed_${PAR}_gpu.txt"
+    done
+  else
+    echo "== distributed (NCCL): skipped, $NGPU GPU(s) present (needs 2)"
+  fi
+fi
 echo "== done in $(( $(date +%s) - start )) s; results in $OUT"
 echo
 "$PY" -m benchmarks.summary_table --dir "$OUT" --suffix "$SUFFIX"

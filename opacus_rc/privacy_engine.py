@@ -10,7 +10,8 @@ Opacus' seams (OPACUS.md section 1.5):
   :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
 * ``_prepare_optimizer`` builds the optimizer registered for ``("randomized", distributed)`` in
   :mod:`opacus_rc.optimizers.registry` (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer`
-  or its DDP variant);
+  or its DDP or FSDP2 variant; an FSDP2 model also gets
+  :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
 * ``_prepare_criterion`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
   backward pass with book-keeping where the model allows it, else two).
 
@@ -62,6 +63,10 @@ from opacus_rc.denoising import make_denoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
+)
+from opacus_rc.grad_sample.fsdp import (
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
 )
 from opacus_rc.grad_sample.grad_sample_module import (
     check_training_mode,
@@ -301,7 +306,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             bookkeeping: Randomized clipping only. ``True`` (default): one backward pass per
                 step (book-keeping; Bu, Wang, Zha and Karypis, ICML 2023) where every trainable
                 module supports it, else the two-pass path (logged once at INFO with the
-                modules that forced it; always two passes for DPDDP/DDP models). ``False``:
+                modules that forced it; under DPDDP/DDP too, each rank's clipped sum being
+                all-reduced once by the optimizer). ``False``:
                 always two backward passes. Both give the same clipped gradient and the same
                 privacy guarantee (the probes are drawn in the first pass only); book-keeping
                 is faster and frees the graph after the first pass. The module's
@@ -425,9 +431,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
         # model with a message that does not say what to do.
         check_training_mode(module)
         self.validate(module=module, optimizer=None, data_loader=None)
-        module_class = (
-            GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
-        )
+        if isinstance(module, FSDPModule):
+            module_class = (
+                GradSampleModuleRandomizedClippingFSDP
+                if wrap_model
+                else GradSampleHooksRandomizedClippingFSDP
+            )
+        else:
+            module_class = (
+                GradSampleModuleRandomizedClipping
+                if wrap_model
+                else GradSampleHooksRandomizedClipping
+            )
         build.module = module_class(module, config=build.config)
         return build.module
 
@@ -501,7 +516,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        optimizer_class = get_optimizer_class(clipping, distributed=distributed)
+        sharded = isinstance(getattr(build.module, "_module", None), FSDPModule)
+        optimizer_class = get_optimizer_class(
+            clipping, distributed="fsdp" if sharded else distributed
+        )
         return optimizer_class(
             optimizer,
             grad_sample_module=build.module,
@@ -605,10 +623,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise ValueError(
                 f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
                 f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
-            )
-        if isinstance(module, FSDPModule):
-            raise NotImplementedError(
-                "clipping='randomized' does not support FSDP yet; use DPDDP or DDP"
             )
         _sample_rate(opacus_options["data_loader"])  # refuses an empty loader
         # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.

@@ -14,6 +14,10 @@ from opacus_rc.grad_sample.embedding import (
     compute_embedding_clipped_sum,
     compute_embedding_norm_sample,
 )
+from opacus_rc.grad_sample.fsdp import (
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
+)
 from opacus_rc.grad_sample.grad_sample_module import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
@@ -43,7 +47,9 @@ __all__ = [
     "SKETCHED_NORM_SAMPLERS",
     "ClippedSumFunction",
     "GradSampleHooksRandomizedClipping",
+    "GradSampleHooksRandomizedClippingFSDP",
     "GradSampleModuleRandomizedClipping",
+    "GradSampleModuleRandomizedClippingFSDP",
     "ModuleCheck",
     "SketchedNormSampler",
     "check_embedding",

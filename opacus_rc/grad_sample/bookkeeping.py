@@ -23,7 +23,12 @@ from torch import nn
 from opacus_rc.grad_sample.registry import ClippedSumFunction
 from opacus_rc.sketching import autocast_off
 
-__all__ = ["BookkeepingStash", "per_sample_weighted_sum", "write_clipped_sums"]
+__all__ = [
+    "BookkeepingStash",
+    "compute_clipped_sums",
+    "per_sample_weighted_sum",
+    "write_clipped_sums",
+]
 
 
 class BookkeepingStash:
@@ -95,6 +100,29 @@ def write_clipped_sums(
         ValueError: If a clipped-sum function gives no tensor, or one of the wrong shape, for a
             parameter of its module.
     """
+    sums = compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of)
+    with torch.no_grad():
+        for p, g in sums.items():
+            g = g.to(device=p.device, dtype=p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+
+def compute_clipped_sums(
+    stashes: list[BookkeepingStash],
+    coef: torch.Tensor,
+    *,
+    clipped_sums: Mapping[type[nn.Module], ClippedSumFunction],
+    name_of: Callable[[object], str],
+) -> dict[nn.Parameter, torch.Tensor]:
+    """``{p: sum_i coef_i grad_p loss_i}`` for every parameter of ``stashes`` (nothing written).
+
+    Arguments and errors as :func:`write_clipped_sums`; each tensor has ``p.shape`` (the global
+    shape of a sharded parameter) and the dtype its clipped-sum function gave.
+    """
+    out: dict[nn.Parameter, torch.Tensor] = {}
     with torch.no_grad():
         for stash in stashes:
             module = stash.module
@@ -116,8 +144,6 @@ def write_clipped_sums(
                         f"{'no tensor' if g is None else f'shape {tuple(g.shape)}'} for "
                         f"parameter '{name_of(p)}' of shape {tuple(p.shape)}"
                     )
-                g = g.to(device=p.device, dtype=p.dtype)
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+                # A weight tied between two modules (tied.py) gets both modules' sums.
+                out[p] = out[p] + g.to(out[p]) if p in out else g
+    return out

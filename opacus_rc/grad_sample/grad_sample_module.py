@@ -60,6 +60,7 @@ from opacus_rc.grad_sample.checks import (
     check_training_mode,
     strip_grad_sample_hooks,
 )
+from opacus_rc.grad_sample.distributed import ReducerOff
 from opacus_rc.grad_sample.norms import ModuleNorms
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
@@ -154,6 +155,11 @@ class _RandomizedClippingMixin:
     _bookkeeping: bool = False
     _step_bookkeeping: bool = False
     _distributed: bool = False
+    _reducer_off: ReducerOff | None = None
+    #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
+    #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
+    #: that are not in the autograd graph).
+    _first_pass_output_edges: bool = False
     _step: StepState | None = None
     _tied: TiedSketches | None = None
 
@@ -189,8 +195,8 @@ class _RandomizedClippingMixin:
             sketched=self.SKETCHED_NORM_SAMPLERS,
             exact_types=self.EXACT_NORM_TYPES,
             clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
-            grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
-            norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+            grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
+            norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
             force_functorch=config.force_functorch,
             tied=tied_groups,
         )
@@ -236,8 +242,8 @@ class _RandomizedClippingMixin:
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(
                 sketched=self.SKETCHED_NORM_SAMPLERS,
-                grad_samplers=type(self).GRAD_SAMPLERS,  # type: ignore[attr-defined]
-                norm_samplers=type(self).NORM_SAMPLERS,  # type: ignore[attr-defined]
+                grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
+                norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
                 estimator=estimator,
                 sketch_dim=config.sketch_dim,
                 generator_for=self.generator_for,
@@ -263,6 +269,7 @@ class _RandomizedClippingMixin:
                 else 1
             )
             self._distributed = world > 1 or any(isinstance(sub, ddp) for sub in m.modules())
+            self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
             self._step_bookkeeping = self._bookkeeping
             self._step_checkpointed = False
@@ -348,8 +355,8 @@ class _RandomizedClippingMixin:
     def bookkeeping(self) -> bool:
         """Whether steps can use book-keeping (one backward pass) rather than two passes.
 
-        ``True`` only if book-keeping was requested, every trainable module supports it and the
-        model is not distributed (decided at construction). A step whose forward ran
+        ``True`` only if book-keeping was requested and every trainable module supports it
+        (decided at construction; under DDP/DPDDP too). A step whose forward ran
         activation-checkpointed regions takes two passes unless ``bookkeeping="always"``
         (:attr:`step_bookkeeping`).
         """
@@ -387,13 +394,11 @@ class _RandomizedClippingMixin:
     def _resolve_bookkeeping(self, m: nn.Module, *, requested: bool) -> bool:
         """Whether book-keeping can be used; logs once (INFO) why not if it was requested.
 
-        Available iff no module of ``m`` is a (DP)DDP wrapper, the process group (if any) has
-        one rank, and every route supports it (:attr:`NormRoute.supports_bookkeeping`).
+        Available iff every route supports it (:attr:`NormRoute.supports_bookkeeping`). Under
+        DDP/DPDDP each rank forms its clipped sum from its own samples and the distributed
+        optimizer all-reduces it once (:mod:`~opacus_rc.grad_sample.distributed`).
         """
         if not requested:
-            return False
-        if self._distributed:
-            _fallback_warning("distributed training (DDP/DPDDP) keeps two backward passes")
             return False
         blockers = [
             f"'{r.name}' ({r.module_type}): "
@@ -468,14 +473,14 @@ class _RandomizedClippingMixin:
         ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
         ``G^T A`` of every layer whose input carries a gradient (Bu et al., ICML 2023, section
         3). Modules whose inputs carry no gradient are reached through their parameters.
-        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``, and
-        under DDP the reducer expects every parameter's gradient: the pass then reaches every
-        leaf (None).
+        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``, and a
+        DDP reducer (turned off by :class:`~opacus_rc.grad_sample.distributed.ReducerOff`
+        unless the user turned it back on) expects every parameter's gradient: the pass then
+        reaches every leaf (None).
         """
         edges = self.step_state.take_first_pass_inputs()
-        # DDP's reducer must see every parameter's gradient once per backward pass, or the
-        # second pass marks parameters ready twice: distributed first passes reach every leaf.
-        return None if self._full_first_pass or self._distributed else edges
+        reducer = self._reducer_off is not None and self._reducer_off.reducer_active
+        return None if self._full_first_pass or reducer else edges
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norm estimates of the whole model (issues nothing).
@@ -638,7 +643,10 @@ class _RandomizedClippingMixin:
                 if self._tied is not None:
                     self._tied.clear()
             self._step.on_forward()
-            self._record_first_pass_inputs(module, forward_input, _forward_output if tied else None)
+            output_edge = tied or self._first_pass_output_edges
+            self._record_first_pass_inputs(
+                module, forward_input, _forward_output if output_edge else None
+            )
             if in_checkpointed_forward():
                 self._step_checkpointed = True
                 return  # the recomputation inside the backward records the inputs
@@ -778,6 +786,8 @@ class _RandomizedClippingMixin:
             self._step.consume()  # frees every stored tensor
         if self._tied is not None:
             self._tied.clear()
+        if self._reducer_off is not None:
+            self._reducer_off.restore()
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
 
@@ -806,7 +816,7 @@ class GradSampleModuleRandomizedClipping(
 
     Attributes:
         bookkeeping: Read-only; whether book-keeping (a single backward pass) is used: only if
-            requested, every route supports it and the model is not distributed.
+            requested and every route supports it.
         norm_routes: How each hooked module's norm is computed.
         step_state: The step protocol's state.
         clipping_config: The validated options.

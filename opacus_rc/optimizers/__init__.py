@@ -4,6 +4,7 @@ from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
 )
 from opacus_rc.optimizers.dp_loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
+from opacus_rc.optimizers.fsdp_randomized_clip_optimizer import FSDPRandomizedClipOptimizer
 from opacus_rc.optimizers.post_processing import PostProcessingHandle, attach_post_processing_hook
 from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
 from opacus_rc.optimizers.registry import OPTIMIZERS, get_optimizer_class, register_optimizer
@@ -13,6 +14,7 @@ __all__ = [
     "DPLossRandomizedClipping",
     "DPTensorRandomizedClipping",
     "DistributedRandomizedClipOptimizer",
+    "FSDPRandomizedClipOptimizer",
     "PostProcessingHandle",
     "RandomizedClipOptimizer",
     "attach_post_processing_hook",

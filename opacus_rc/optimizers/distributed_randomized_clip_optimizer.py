@@ -7,7 +7,10 @@ the world size under ``loss_reduction="mean"``, with ``expected_batch_size`` the
 expected batch size, as Opacus' engine sets it). The released gradient is therefore
 ``(sum over all ranks' samples of c_i g_i + one noise draw) / expected global batch size``:
 the single-process mechanism on the global batch, accounted once per step by each rank's
-accountant.
+accountant. Each rank's clipped sum is formed locally, with book-keeping from its one backward
+pass (or by its second pass), and all-reduced once per step, in flat buckets; torch DDP's
+reducer, which would all-reduce the first pass's discarded gradients, is turned off
+(:mod:`~opacus_rc.grad_sample.distributed`).
 
 Two differences from Opacus:
 
@@ -54,6 +57,9 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         RuntimeError: If ``torch.distributed`` is not initialised.
         (others): As :class:`RandomizedClipOptimizer`.
     """
+
+    #: Largest flat all-reduce bucket, in MiB (DDP's default ``bucket_cap_mb``).
+    bucket_cap_mb: float = 25.0
 
     def __init__(
         self,
@@ -140,10 +146,40 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """Sum ``p.grad`` over ranks; divide by the world size under ``"mean"`` (Opacus)."""
-        for p in self.params:
-            if not p.requires_grad:
-                continue
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        """Sum ``p.grad`` over ranks; divide by the world size under ``"mean"``.
+
+        Opacus' ``DistributedDPOptimizer.reduce_gradients``, with the gradients coalesced into
+        flat buckets of at most :attr:`bucket_cap_mb` MiB per dtype and device (one all-reduce
+        per bucket instead of one per parameter, as DDP's reducer buckets them). This is the
+        step's only gradient communication: with book-keeping each rank's clipped sum, with two
+        passes its second pass's gradients (torch DDP's own reducer is off,
+        :mod:`~opacus_rc.grad_sample.distributed`).
+        """
+        grads = [p.grad for p in self.params if p.requires_grad]
+        for bucket in _buckets(grads, cap_bytes=int(self.bucket_cap_mb * 2**20)):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             if self.loss_reduction == "mean":
-                p.grad /= self.world_size
+                flat /= self.world_size
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _buckets(tensors: list[torch.Tensor], *, cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Group ``tensors`` by (device, dtype), in order, into buckets of at most ``cap_bytes``
+    (a tensor larger than the cap is a bucket of its own)."""
+    out: list[list[torch.Tensor]] = []
+    open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        key = (t.device, t.dtype)
+        bucket, size = open_bucket.get(key, ([], 0))
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > cap_bytes:
+            out.append(bucket)
+            bucket, size = [], 0
+        bucket.append(t)
+        open_bucket[key] = (bucket, size + nbytes)
+    out.extend(bucket for bucket, _ in open_bucket.values() if bucket)
+    return out

@@ -13,8 +13,10 @@ the clip factors ``c`` are computed and checked as in the two-pass mode, and
 ``module.apply_clipped_sum(c)`` writes ``p.grad = sum_i c_i grad_p loss_i``: the gradient the
 second pass would give, without running it. The probes are drawn in the first pass only, in
 both modes, so the sketch randomness and the privacy analysis are the same. Otherwise (an
-``nn.Embedding`` or other module without per-sample gradients is trainable, distributed
-training, or ``bookkeeping=False``) the second backward pass of ``sum_i c_i loss_i`` runs.
+module without a clipped sum is trainable, or ``bookkeeping=False``) the second backward
+pass of ``sum_i c_i loss_i`` runs. Under DDP/DPDDP each rank forms its own clipped sum and the
+distributed optimizer all-reduces it once (torch DDP's reducer is off,
+:mod:`~opacus_rc.grad_sample.distributed`).
 
 1. **A failed backward never becomes a step.** If anything raises between the first pass and
    the end of the second (or of the clipped sum: a NaN/inf norm estimate, a module in eval

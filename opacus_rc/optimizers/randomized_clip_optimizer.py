@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from opacus.optimizers import DPOptimizerFastGradientClipping
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
@@ -205,7 +206,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             )
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads and not _all_finite(grads):
-            bad = sum(1 for g in grads if not bool(torch.isfinite(g).all()))
+            bad = sum(1 for g in grads if not _all_finite([g]))
             raise FloatingPointError(
                 f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
@@ -224,5 +225,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every entry of every tensor is finite: one reduction, one host synchronisation."""
+    # A sharded (FSDP2 DTensor) gradient: this rank's shard; the ranks then agree
+    # (DistributedRandomizedClipOptimizer.check_step_allowed).
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     flags = torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors])
     return bool(flags.all())

@@ -14,18 +14,24 @@ __all__ = ["OPTIMIZERS", "get_optimizer_class", "register_optimizer"]
 
 _T = TypeVar("_T", bound=type)
 
-#: ``(clipping, distributed) -> optimizer class``.
-OPTIMIZERS: dict[tuple[str, bool], type] = {}
+#: ``(clipping, distributed) -> optimizer class``; ``distributed`` is ``False``, ``True`` (data
+#: parallel: DPDDP/DDP) or ``"fsdp"`` (FSDP2).
+OPTIMIZERS: dict[tuple[str, bool | str], type] = {}
+
+
+def _kind(distributed: bool | str) -> bool | str:
+    return distributed if isinstance(distributed, str) else bool(distributed)
 
 
 def register_optimizer(
-    clipping: str, *, distributed: bool, force: bool = False
+    clipping: str, *, distributed: bool | str, force: bool = False
 ) -> Callable[[_T], _T]:
     """Class decorator registering a DP optimizer for ``(clipping, distributed)``.
 
     Args:
         clipping: The ``clipping=`` value of ``make_private`` (e.g. ``"randomized"``).
-        distributed: Whether the class is for a distributed (DDP) model.
+        distributed: ``False`` (one process), ``True`` (a DPDDP/DDP model) or ``"fsdp"`` (an
+            FSDP2 model).
         force: Replace an existing registration instead of raising.
 
     Returns:
@@ -36,7 +42,7 @@ def register_optimizer(
     """
 
     def decorator(cls: _T) -> _T:
-        key = (clipping, bool(distributed))
+        key = (clipping, _kind(distributed))
         if key in OPTIMIZERS and not force and OPTIMIZERS[key] is not cls:
             raise ValueError(
                 f"an optimizer is already registered for clipping={clipping!r}, "
@@ -48,16 +54,19 @@ def register_optimizer(
     return decorator
 
 
-def get_optimizer_class(clipping: str, *, distributed: bool) -> type:
+def get_optimizer_class(clipping: str, *, distributed: bool | str) -> type:
     """The optimizer class registered for ``(clipping, distributed)``.
 
     Raises:
         ValueError: If none is registered; the message lists what is.
     """
     try:
-        return OPTIMIZERS[(clipping, bool(distributed))]
+        return OPTIMIZERS[(clipping, _kind(distributed))]
     except KeyError:
-        known = ", ".join(f"(clipping={c!r}, distributed={d})" for c, d in sorted(OPTIMIZERS))
+        known = ", ".join(
+            f"(clipping={c!r}, distributed={d!r})"
+            for c, d in sorted(OPTIMIZERS, key=lambda k: (k[0], str(k[1])))
+        )
         raise ValueError(
             f"no optimizer for clipping={clipping!r} with distributed={distributed}; "
             f"registered: {known}"

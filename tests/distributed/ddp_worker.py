@@ -79,10 +79,17 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def rc_pieces(model: nn.Module, *, distributed: bool, C: float, sigma: float, reduction: str,
-              sketch_dim: int = 8) -> tuple[Any, Any, Any]:  # fmt: skip
+              sketch_dim: int = 8, bookkeeping: bool = True,
+              sketch_generator: torch.Generator | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
     gsm = GradSampleModuleRandomizedClipping(
-        model, max_grad_norm=C, sketch_dim=sketch_dim, loss_reduction=reduction
+        model,
+        max_grad_norm=C,
+        sketch_dim=sketch_dim,
+        loss_reduction=reduction,
+        bookkeeping=bookkeeping,
+        sketch_generator=sketch_generator,
     )
+    assert gsm.bookkeeping is bookkeeping
     cls = DistributedRandomizedClipOptimizer if distributed else RandomizedClipOptimizer
     opt = cls(
         torch.optim.SGD(gsm.parameters(), lr=0.5),
@@ -96,14 +103,24 @@ def rc_pieces(model: nn.Module, *, distributed: bool, C: float, sigma: float, re
     return gsm, opt, crit
 
 
-def scenario_parity_exact(rank: int, wrapper: type, reduction: str) -> dict[str, Any]:
-    """sigma = 0, exact norms, clipping active: 2 steps under DDP == 1 process, global batch."""
+def scenario_parity_exact(
+    rank: int, wrapper: type, reduction: str, *, bookkeeping: bool = True
+) -> dict[str, Any]:
+    """sigma = 0, exact norms, clipping active: 2 steps under DDP == 1 process, global batch
+    (book-keeping: each rank's one-pass clipped sum, all-reduced once; or two passes)."""
     torch.manual_seed(0)
     base = FlatMLP()
     C = 0.5
     gsm, opt, crit = rc_pieces(
-        wrapper(copy.deepcopy(base)), distributed=True, C=C, sigma=0.0, reduction=reduction
+        wrapper(copy.deepcopy(base)),
+        distributed=True,
+        C=C,
+        sigma=0.0,
+        reduction=reduction,
+        bookkeeping=bookkeeping,
     )
+    if wrapper is DDP:
+        assert gsm._module.require_backward_grad_sync is False  # the reducer is off
     clipped = 0
     for step in range(2):
         x, y = global_batch(False, step)
@@ -132,15 +149,28 @@ def scenario_parity_exact(rank: int, wrapper: type, reduction: str) -> dict[str,
     return {"max_abs_diff": diff, "clipped_samples": total_clipped}
 
 
-def scenario_parity_sketched(rank: int) -> dict[str, Any]:
+def scenario_parity_sketched(rank: int, wrapper: type, *, bookkeeping: bool) -> dict[str, Any]:
     """sigma = 0, sketched norms (k = 8): the DDP update equals theta - lr sum_i c_i g_i / B
     over the global batch, with c_i = min(1, C / (n_hat_i + 1e-6)) from the ranks' own sketches
-    and g_i exact per-sample gradients."""
+    and g_i exact per-sample gradients.
+
+    Each rank's probes come from a fixed, rank-seeded sketch generator, so the book-keeping
+    and two-pass runs draw the same probes, hence the same n_hat and clip factors, and their
+    updates must agree to float rounding (returned as "update", compared by the caller). A
+    single process on the global batch would draw different probes, so the comparison with it
+    is through the formula above, evaluated with this run's own n_hat (exact in the clipping
+    step, the only random part being n_hat itself)."""
     torch.manual_seed(1)
     base = SeqMLP()
     C = 0.5
     gsm, opt, crit = rc_pieces(
-        DPDDP(copy.deepcopy(base)), distributed=True, C=C, sigma=0.0, reduction="mean"
+        wrapper(copy.deepcopy(base)),
+        distributed=True,
+        C=C,
+        sigma=0.0,
+        reduction="mean",
+        bookkeeping=bookkeeping,
+        sketch_generator=torch.Generator().manual_seed(10 + rank),
     )
     x, y = global_batch(True, 5)
     crit(gsm(x[rank::WORLD]), y[rank::WORLD]).backward()
@@ -157,7 +187,96 @@ def scenario_parity_sketched(rank: int) -> dict[str, Any]:
     diff = (flat(gsm) - expected).abs().max().item()
     assert diff < 1e-5, f"sketched DDP update off by {diff}"
     assert (c < 1).sum() >= 4
-    return {"max_abs_diff": diff}
+    return {"max_abs_diff": diff, "update": flat(gsm)}
+
+
+def scenario_bookkeeping_vs_two_pass(rank: int) -> dict[str, Any]:
+    """Sketched norms under DPDDP and torch DDP: the book-keeping update (one pass, the clipped
+    sum all-reduced once) equals the two-pass update with the same probes, on every rank."""
+    out: dict[str, Any] = {}
+    for name, wrapper in (("dpddp", DPDDP), ("ddp", DDP)):
+        bk = scenario_parity_sketched(rank, wrapper, bookkeeping=True)
+        two = scenario_parity_sketched(rank, wrapper, bookkeeping=False)
+        diff = (bk["update"] - two["update"]).abs().max().item()
+        assert diff < 1e-6, f"{name}: book-keeping vs two passes off by {diff}"
+        out[name] = {
+            "bk_vs_two_pass": diff,
+            "vs_formula": max(bk["max_abs_diff"], two["max_abs_diff"]),
+        }
+    return out
+
+
+class WideSeq(nn.Module):
+    """Sequence model for the FLOP count: sketched Linear layers whose GEMMs dominate the sketch
+    (k (p + d) << 2 p d) behind a cheap input layer (a transformer's embedding), as in
+    transformers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(8, 128)
+        self.lin1 = nn.Linear(128, 128)
+        self.lin2 = nn.Linear(128, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.tanh(self.lin1(torch.tanh(self.lin0(x))))).mean(1)
+
+
+def _step_flops(gsm: Any, opt: Any, crit: Any, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Matmul FLOPs (torch's FlopCounterMode) of one whole step: forward, backward, step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        crit(gsm(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    return counter.get_total_flops()
+
+
+def scenario_flops(rank: int) -> dict[str, Any]:
+    """FLOPs per step per rank: torch DDP (and DPDDP) with book-keeping vs one process with
+    book-keeping on the same (local) batch. A count, not a time: deterministic.
+
+    Collectives are not matmuls and count 0, so book-keeping under DDP must cost the
+    single-process count (asserted <= 1.05x). So that the count can tell the paths apart, the
+    fallback that ran before (two passes, the first through every leaf because DDP's reducer
+    expected every gradient) is re-created by turning the reducer back on, and must count
+    >= 1.5x: it computes every weight gradient twice."""
+    torch.manual_seed(9)
+    base = WideSeq()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, 16, 8, generator=g)
+    y = torch.randint(0, CLASSES, (B,), generator=g)
+    xl, yl = x[rank::WORLD], y[rank::WORLD]
+    counts = {}
+    for name, wrapper, bookkeeping in (
+        ("ddp_bookkeeping", DDP, True),
+        ("dpddp_bookkeeping", DPDDP, True),
+        ("single_bookkeeping", None, True),
+        ("ddp_two_pass", DDP, False),
+        ("ddp_old_fallback", DDP, False),
+    ):
+        model = copy.deepcopy(base)
+        gsm, opt, crit = rc_pieces(
+            model if wrapper is None else wrapper(model),
+            distributed=wrapper is not None,
+            C=0.5,
+            sigma=0.0,
+            reduction="mean",
+            bookkeeping=bookkeeping,
+        )
+        if name == "ddp_old_fallback":
+            gsm._module.require_backward_grad_sync = True
+        _step_flops(gsm, opt, crit, xl, yl)  # warm-up (lazy generators)
+        counts[name] = _step_flops(gsm, opt, crit, xl, yl)
+        gsm.cleanup()
+        if wrapper is DDP:  # cleanup() gives DDP its reducer back
+            assert gsm._module.require_backward_grad_sync is True
+    single = counts["single_bookkeeping"]
+    ratios = {k: v / single for k, v in counts.items()}
+    assert ratios["ddp_bookkeeping"] <= 1.05, ratios
+    assert ratios["dpddp_bookkeeping"] <= 1.05, ratios
+    assert ratios["ddp_old_fallback"] >= 1.5, ratios
+    return {"flops": counts, "ratios": ratios}
 
 
 def scenario_noise_once(rank: int) -> dict[str, Any]:
@@ -336,7 +455,14 @@ def run(rank: int, port: int, out: str) -> None:
         results = {
             "parity_dpddp_mean": scenario_parity_exact(rank, DPDDP, "mean"),
             "parity_dpddp_sum": scenario_parity_exact(rank, DPDDP, "sum"),
-            "parity_sketched": scenario_parity_sketched(rank),
+            "parity_dpddp_mean_two_pass": scenario_parity_exact(
+                rank, DPDDP, "mean", bookkeeping=False
+            ),
+            "parity_torch_ddp_mean_two_pass": scenario_parity_exact(
+                rank, DDP, "mean", bookkeeping=False
+            ),
+            "bookkeeping_vs_two_pass": scenario_bookkeeping_vs_two_pass(rank),
+            "flops": scenario_flops(rank),
             "noise_once": scenario_noise_once(rank),
             "engine": scenario_engine(rank),
             "failure_on_one_rank": scenario_failure_on_one_rank(rank),

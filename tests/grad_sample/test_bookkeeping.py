@@ -453,11 +453,13 @@ def test_sketched_type_without_clipped_sum_uses_two_passes() -> None:
         CLIPPED_SUM_FUNCTIONS.pop(MyLinear, None)
 
 
-def test_distributed_world_keeps_two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_world_uses_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 15: each rank forms its clipped sum from its one pass and the distributed optimizer
+    # all-reduces it (tests/distributed checks the update and the FLOPs on 2 processes).
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
     gsm = GradSampleModuleRandomizedClipping(FlatMLP(), max_grad_norm=1.0)
-    assert gsm.bookkeeping is False
+    assert gsm.bookkeeping is True
     gsm.cleanup()
 
 

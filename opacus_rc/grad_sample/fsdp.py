@@ -1,0 +1,273 @@
+"""Randomized clipping of FSDP2-sharded models (``torch.distributed.fsdp.fully_shard``).
+
+Opacus 1.6 supports FSDP2 for ghost clipping (``grad_sample_mode="ghost_fsdp"``,
+``GradSampleModuleFastGradientClippingFSDP``, its optimizer ``FSDPOptimizerFastGradientClipping``
+and ``opacus.utils.fsdp_utils.FSDP2Wrapper``). This module does the same for
+``clipping="randomized"``, on top of the single-process randomized-clipping module.
+
+**Why the sketch sees the whole layer's gradient.** Data parallelism gives every rank its own
+samples; FSDP2 only shards the *parameters*. In each module's forward and backward FSDP2
+all-gathers the full weight, so the activations ``A_i`` (``T x d``) and output gradients
+``G_i`` (``T x p``) the hooks record are those of the whole, unsharded layer, for the rank's own
+samples ``i``. The per-sample weight gradient ``G_i^T A_i`` is a function of these alone, so the
+sketched norm ``||A_i^T (G_i Omega_i)||_F`` (docs/privacy/estimators.md#estimators-hutchinson)
+estimates the norm of the whole layer's gradient with no communication, and sample ``i``'s clip
+factor ``c_i`` multiplies every shard of its gradient alike. A sample lives on one rank only,
+so there is nothing to agree on across ranks but the released sum.
+
+**The clipped sum.** With book-keeping (the default) each rank forms its own
+``sum_i c_i G_i^T A_i`` in the parameter's global shape from its one backward pass and
+reduce-scatters it into the parameter's shards (a ``Partial`` DTensor redistributed to the
+parameter's placements): each shard then holds the sum over all ranks' samples. With two passes,
+FSDP2's own reduce-scatter of the second pass does the same; its divide factor is set to 1 so
+that it sums (the optimizer divides once, by the expected global batch size). Every rank issues
+the same collectives in the same order, an empty Poisson batch included (its sum is zero).
+
+**Differences from Opacus' FSDP class.** Opacus keeps its norms and forward counters on modules
+because its FSDP hooks do not rely on parameter identity; the randomized-clipping step state is
+keyed by parameter. Under ``fully_shard`` the parameters registered on a module outside its
+forward and backward are the sharded DTensors (the optimizer's parameters), and those are the
+ones the hooks see (each module's own ``fully_shard`` reshards after forward, the default that
+``FSDP2Wrapper`` uses; see :func:`check_fsdp_model`). FSDP2's per-module classes
+(``FSDPLinear``...) are mapped to their base type with Opacus' own ``_get_module_type``.
+
+Denoising is refused under FSDP (the engine): post-processing must see the whole noisy
+gradient, which no rank holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+)
+from opacus.utils.module_utils import trainable_parameters
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Partial
+
+from opacus_rc.grad_sample.bookkeeping import compute_clipped_sums
+from opacus_rc.grad_sample.grad_sample_module import (
+    GradSampleHooksRandomizedClipping,
+    GradSampleModuleRandomizedClipping,
+)
+from opacus_rc.grad_sample.routing import NormPath
+
+__all__ = [
+    "GradSampleHooksRandomizedClippingFSDP",
+    "GradSampleModuleRandomizedClippingFSDP",
+    "check_fsdp_model",
+    "fsdp_base_type",
+]
+
+
+def fsdp_base_type(module: nn.Module) -> type:
+    """The module's own type, FSDP2's per-module subclass (``FSDPLinear``) unwrapped.
+
+    Opacus' ``GradSampleHooksFastGradientClippingFSDP._get_module_type`` (it does not use its
+    instance).
+    """
+    return GradSampleHooksFastGradientClippingFSDP._get_module_type(None, module)  # type: ignore[arg-type]
+
+
+def _with_fsdp_types(registry: Mapping[type, Any], fsdp_types: Mapping[type, type]) -> dict:
+    """``registry`` plus an entry for each FSDP2 class whose base type is registered."""
+    out = dict(registry)
+    for cls, base in fsdp_types.items():
+        if base in registry:
+            out[cls] = registry[base]
+    return out
+
+
+def check_fsdp_model(m: nn.Module) -> dict[type, type]:
+    """Check an FSDP2 model for randomized clipping; return ``{FSDP2 class: base type}``.
+
+    Raises:
+        RuntimeError: If ``torch.distributed`` is not initialised.
+        ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a module with trainable
+            parameters of its own is not ``fully_shard``-ed itself: its parameters would belong
+            to an enclosing group that may stay unsharded after forward, so the hooks would see
+            other parameter objects at forward and at backward time. Shard each such module
+            (``opacus.utils.fsdp_utils.FSDP2Wrapper`` does).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "randomized clipping of an FSDP2 model needs an initialised torch.distributed "
+            "process group (torch.distributed.init_process_group)"
+        )
+    if not isinstance(m, FSDPModule):
+        raise ValueError(
+            "the model is not fully_shard-ed at its root: call fully_shard(model) after "
+            "sharding its layers (or use opacus.utils.fsdp_utils.FSDP2Wrapper)"
+        )
+    unsharded = [
+        name or "<root>"
+        for name, sub in m.named_modules()
+        if any(p.requires_grad for p in sub.parameters(recurse=False))
+        and not isinstance(sub, FSDPModule)
+    ]
+    if unsharded:
+        raise ValueError(
+            f"modules {unsharded[:5]} own trainable parameters but are not fully_shard-ed "
+            "themselves; randomized clipping under FSDP2 needs each of them sharded on its own "
+            "(fully_shard(module) for each, then fully_shard(model); "
+            "opacus.utils.fsdp_utils.FSDP2Wrapper does this)"
+        )
+    return {type(sub): fsdp_base_type(sub) for sub in m.modules() if isinstance(sub, FSDPModule)}
+
+
+class _FSDPRandomizedClippingMixin:
+    """The FSDP2 differences, before a randomized-clipping class in the bases."""
+
+    _first_pass_output_edges = True
+
+    def __init__(self, m: nn.Module, **kwargs: Any) -> None:
+        fsdp_types = check_fsdp_model(m)
+        # FSDP2's per-module classes (FSDPLinear...) take their base type's samplers. Set on
+        # the instance before the base class resolves the routes.
+        self.SKETCHED_NORM_SAMPLERS = _with_fsdp_types(
+            type(self).SKETCHED_NORM_SAMPLERS, fsdp_types
+        )
+        self.CLIPPED_SUM_FUNCTIONS = _with_fsdp_types(type(self).CLIPPED_SUM_FUNCTIONS, fsdp_types)
+        self.GRAD_SAMPLERS = _with_fsdp_types(type(self).GRAD_SAMPLERS, fsdp_types)  # type: ignore[attr-defined]
+        self.NORM_SAMPLERS = _with_fsdp_types(type(self).NORM_SAMPLERS, fsdp_types)  # type: ignore[attr-defined]
+        exact = set(type(self).EXACT_NORM_TYPES)
+        self.EXACT_NORM_TYPES = exact | {c for c, b in fsdp_types.items() if b in exact}
+        # The sharded parameters, registered now (outside forward and backward): the ones the
+        # optimizer holds and the step state is keyed by (see _sharded_view).
+        self._sharded_params = {
+            id(sub): dict(sub.named_parameters(recurse=False))
+            for sub in m.modules()
+            if any(True for _ in sub.parameters(recurse=False))
+        }
+        super().__init__(m, **kwargs)  # type: ignore[call-arg]
+        functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]  # type: ignore[attr-defined]
+        if functorch:
+            self.cleanup()  # type: ignore[attr-defined]
+            raise NotImplementedError(
+                f"modules {functorch[:5]} would take the functorch path, which evaluates the "
+                "module with its parameters: under FSDP2 those are shards. Register a grad "
+                "sampler or sketched norm sampler for their type, or freeze them"
+            )
+        # Gradients are summed over ranks by FSDP2's reduce-scatter (two passes) as by the
+        # book-keeping reduce-scatter; the optimizer divides by the expected batch size.
+        self._fsdp_modules = [sub for sub in m.modules() if isinstance(sub, FSDPModule)]
+        for sub in self._fsdp_modules:
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+    @contextlib.contextmanager
+    def _sharded_view(self, module: nn.Module) -> Iterator[None]:
+        """Register ``module``'s sharded parameters on it for the duration of a hook.
+
+        FSDP2 registers the unsharded parameters during a module's forward and backward and the
+        sharded DTensors outside them (``unsafe_setattr_param`` on ``module._parameters``);
+        which one a hook sees depends on the order of FSDP2's and Opacus' hooks. The step state
+        is keyed by parameter, so every hook sees the sharded ones (the optimizer's). No hook
+        of this class reads parameter values (functorch, which would, is refused): the norms
+        come from activations and output gradients alone.
+        """
+        registered = module._parameters
+        swapped: dict[str, Any] = {}
+        for name, sharded in self._sharded_params.get(id(module), {}).items():
+            current = registered.get(name)
+            if current is not sharded:
+                swapped[name] = current
+                registered[name] = sharded
+        try:
+            yield
+        finally:
+            for name, current in swapped.items():
+                registered[name] = current
+
+    def capture_activations_hook(self, module: nn.Module, *args: Any) -> None:
+        """The randomized-clipping forward hook, on the sharded parameters."""
+        with self._sharded_view(module):
+            super().capture_activations_hook(module, *args)  # type: ignore[misc]
+
+    def capture_backprops_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """The randomized-clipping backward hook, on the sharded parameters."""
+        with self._sharded_view(module):
+            super().capture_backprops_hook(module, *args, **kwargs)  # type: ignore[misc]
+
+    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
+        """Book-keeping under FSDP2: each rank's clipped sum, reduce-scattered into the shards.
+
+        For every trainable parameter, in the model's order (the same on every rank, so the
+        collectives line up; a parameter this rank's batch did not reach, or an empty batch,
+        contributes zeros), ``sum_i coef_i grad_p loss_i`` over this rank's samples is formed in
+        the parameter's global shape and redistributed from ``Partial`` (a sum over ranks) to
+        the parameter's placements: a reduce-scatter. ``p.grad`` then holds the shard of the
+        sum over all ranks' samples.
+
+        Raises:
+            RuntimeError, ValueError: As the single-process :meth:`apply_clipped_sum`.
+        """
+        if not self._step_bookkeeping:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
+                "run the second backward pass of sum_i c_i loss_i instead"
+            )
+        step = self.step_state  # type: ignore[attr-defined]
+        ready = step.take_stashes()
+        try:
+            sums = compute_clipped_sums(
+                ready,
+                coef,
+                clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
+                name_of=self._name_of,  # type: ignore[attr-defined]
+            )
+        finally:
+            ready.clear()
+        with torch.no_grad():
+            for p in _trainable(self._module):  # type: ignore[attr-defined]
+                g = sums.pop(p, None)
+                _add_reduced(p, g)
+        step.mark_applied()
+
+
+def _trainable(m: nn.Module) -> Iterable[nn.Parameter]:
+    return (p for _, p in trainable_parameters(m))
+
+
+def _add_reduced(p: nn.Parameter, local_sum: torch.Tensor | None) -> None:
+    """``p.grad += reduce_scatter(local_sum)`` for a sharded ``p`` (zeros if ``None``)."""
+    if not isinstance(p, DTensor):
+        raise TypeError(
+            "a trainable parameter of the FSDP2 model is not a DTensor; every module with "
+            "trainable parameters must be fully_shard-ed"
+        )
+    mesh = p.device_mesh
+    local = p.to_local()
+    if local_sum is None:
+        local_sum = torch.zeros(p.shape, device=local.device, dtype=local.dtype)
+    local_sum = local_sum.to(device=local.device, dtype=local.dtype).contiguous()
+    partial = DTensor.from_local(local_sum, mesh, [Partial()] * mesh.ndim, run_check=False)
+    reduced = partial.redistribute(mesh, p.placements)
+    if p.grad is None:
+        p.grad = reduced
+    else:
+        p.grad.add_(reduced)
+
+
+class GradSampleModuleRandomizedClippingFSDP(
+    _FSDPRandomizedClippingMixin, GradSampleModuleRandomizedClipping
+):
+    """:class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` for an FSDP2 model.
+
+    Arguments, attributes and errors as the single-process class; in addition the model must
+    be ``fully_shard``-ed at its root and at every module owning trainable parameters
+    (:func:`check_fsdp_model`). Use with
+    :class:`~opacus_rc.optimizers.FSDPRandomizedClipOptimizer`. See the module docstring.
+    """
+
+
+class GradSampleHooksRandomizedClippingFSDP(
+    _FSDPRandomizedClippingMixin, GradSampleHooksRandomizedClipping
+):
+    """Hooks-only twin of :class:`GradSampleModuleRandomizedClippingFSDP` (``wrap_model=False``)."""

@@ -1,0 +1,110 @@
+"""Randomized clipping of FSDP2-sharded models: noise added once, sharded consistently.
+
+Extends Opacus' ``FSDPOptimizerFastGradientClipping`` (its rank bookkeeping and its
+``implicit_replication`` around the noise) with the randomized-clipping step protocol of
+:class:`~opacus_rc.optimizers.DistributedRandomizedClipOptimizer` (checks agreed on by all ranks).
+
+When ``step()`` runs, each rank's ``p.grad`` is the shard of the clipped gradient summed over
+all ranks' samples (:mod:`opacus_rc.grad_sample.fsdp`). The noise is drawn as Opacus draws it:
+``N(0, sigma^2 C^2)`` of the parameter's *global* shape on every rank, of which each rank adds
+only its own shard (a replicated tensor added to a sharded one). Every coordinate therefore
+receives exactly one Gaussian draw, from the rank that holds it: the noise of the single-process
+mechanism. (Each rank drawing only its shard's values would be cheaper, but ranks seeded alike,
+as FSDP scripts seed them for identical initialisations, would then add *the same* noise to
+different shards, and the difference of two equal-shaped shards would be released noise-free.)
+The released gradient is ``(sum over all ranks' samples of c_i g_i + one noise draw) /
+expected global batch size`` (``"mean"``; ``expected_batch_size`` is the per-rank size, as
+Opacus' engine sets it, multiplied here by the world size), accounted once per step by each
+rank's accountant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
+    FSDPOptimizerFastGradientClipping,
+)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.optim import Optimizer
+
+from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
+    DistributedRandomizedClipOptimizer,
+)
+from opacus_rc.optimizers.registry import register_optimizer
+
+__all__ = ["FSDPRandomizedClipOptimizer"]
+
+
+@register_optimizer("randomized", distributed="fsdp")
+class FSDPRandomizedClipOptimizer(
+    DistributedRandomizedClipOptimizer, FSDPOptimizerFastGradientClipping
+):
+    """:class:`DistributedRandomizedClipOptimizer` for FSDP2 models (noise on every shard once).
+
+    Args:
+        optimizer: The wrapped ``torch.optim.Optimizer`` over the model's (sharded) parameters.
+        grad_sample_module: This rank's
+            :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`.
+        noise_multiplier: ``sigma``; each coordinate gets one ``N(0, sigma^2 C^2)`` draw.
+        max_grad_norm: ``C``.
+        expected_batch_size: The **per-rank** expected batch size (global / world size).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        generator: Noise generator (each rank draws the global shape and keeps its shard).
+        secure_mode: Opacus' secure noise.
+
+    Raises:
+        RuntimeError: If ``torch.distributed`` is not initialised.
+        (others): As :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
+    """
+
+    def __init__(self, optimizer: Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+
+    def accumulate(self) -> None:
+        """The step's clipped gradient shards into Opacus' FSDP ``grad_state`` (zeros for a
+        parameter without ``.grad``); the step's clipped gradients are consumed."""
+        for p in self.params:
+            grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            state = self.grad_state[p]
+            if state["summed_grad"] is not None:
+                state["summed_grad"].add_(grad)
+            else:
+                state["summed_grad"] = torch.clone(grad)
+            p.summed_grad = state["summed_grad"]  # for Opacus' processed-flag checks
+        self._step_state.consume()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus' FSDP ``zero_grad`` (clears ``grad_state``), ending the step."""
+        super().zero_grad(set_to_none)
+        if not self._is_last_step_skipped:
+            for p in self.params:
+                p.summed_grad = None
+
+    def add_noise(self) -> None:
+        """``p.grad = summed shard + the shard of one global N(0, sigma^2 C^2) draw``."""
+        with implicit_replication():
+            for p in self.params:
+                summed = self.grad_state[p]["summed_grad"]
+                _check_processed_flag(summed)
+                noise = _generate_noise(
+                    std=self.noise_multiplier * self.max_grad_norm,
+                    reference=summed,  # a DTensor: the noise has its global shape
+                    generator=self.generator,
+                    secure_mode=self.secure_mode,
+                )
+                p.grad = (summed + noise).view_as(p)
+                _mark_as_processed(summed)
+
+    def scale_grad(self) -> None:
+        """Divide by the expected global batch size (per-rank size times world size) under
+        ``"mean"``; no communication (the shards are already summed over ranks)."""
+        super(DistributedRandomizedClipOptimizer, self).scale_grad()
+        if self.loss_reduction == "mean":
+            for p in self.params:
+                p.grad /= self.world_size
+
+    def reduce_gradients(self) -> None:
+        """Nothing: FSDP2 gradients are reduce-scattered in the backward (or the clipped sum)."""
