@@ -45,7 +45,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")  # a script writes the file only; a notebook shows the figure
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F

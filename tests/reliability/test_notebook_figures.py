@@ -17,7 +17,7 @@ PLOTTING = ("savefig(", "plt.show(")
 
 #: Notebooks whose plotting cell ran under the Agg backend and was saved without its image;
 #: the script must stop forcing Agg inside Jupyter and the notebook be re-executed (minutes).
-NEEDS_REEXECUTION = {"guide_to_sketched_norm_samplers"}
+NEEDS_REEXECUTION: set[str] = set()
 
 
 def plotting_cells_without_image(name: str) -> list[int]:
