@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from opacus.data_loader import DPDataLoader, dtype_safe, shape_safe, wrap_collate_with_empty
 from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
@@ -28,7 +29,42 @@ logger = logging.getLogger(__name__)
 
 class DistributedPoissonSampler(DistributedUniformWithReplacementSampler):
     """Opacus' distributed Poisson sampler, but every one of ``num_batches`` batches is yielded
-    (an empty index tensor when no record of this rank's shard is sampled)."""
+    (an empty index tensor when no record of this rank's shard is sampled), and the ranks'
+    masks are independent when no generator is given.
+
+    Poisson subsampling includes every record independently with probability ``q``
+    (docs/privacy/mechanism.md). Opacus' sampler draws each rank's mask from the global RNG
+    when ``generator`` is None, and ranks are usually seeded alike (identical initialisation):
+    every rank then draws the *same* mask over its own shard, so record ``j`` of rank 0 is
+    sampled exactly when record ``j`` of rank 1 is. Without a generator this sampler therefore
+    draws one seed from the global RNG (reproducible under ``torch.manual_seed``) and derives
+    the rank's own generator from it and the rank with :class:`numpy.random.SeedSequence`
+    (independent streams per rank). A passed ``generator`` is used as given: it must differ
+    between ranks (Opacus' secure-mode generator does).
+
+    Args:
+        total_size: Number of records in the dataset.
+        sample_rate: ``q``.
+        generator: Source of the masks on this rank, or None (see above).
+        **kwargs: Opacus' ``DistributedUniformWithReplacementSampler`` arguments
+            (``shuffle``, ``shuffle_seed``, ``steps``).
+    """
+
+    def __init__(
+        self,
+        *,
+        total_size: int,
+        sample_rate: float,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            total_size=total_size, sample_rate=sample_rate, generator=generator, **kwargs
+        )
+        if generator is None:
+            base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            seed = np.random.SeedSequence(base, spawn_key=(self.rank,)).generate_state(1)[0]
+            self.generator = torch.Generator().manual_seed(int(seed))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self.shuffle:

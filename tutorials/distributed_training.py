@@ -90,8 +90,10 @@ def main() -> None:
         clipping="randomized",
         sketch_dim=32,
     )
-    # The sampler draws from the global RNG: seed it per rank (the ranks' shards are then
-    # sampled independently, as single-process Poisson sampling samples every record).
+    # The ranks were seeded alike (same model); each rank's Poisson sampler derived its own
+    # generator from the seed and its rank, so the shards are sampled independently, as
+    # single-process Poisson sampling samples every record (opacus_rc.data_loader). Seed the
+    # rest of each rank's run (dropout, noise draws) per rank.
     torch.manual_seed(1000 + rank)
 
     start = time.perf_counter()

@@ -298,8 +298,9 @@ def scenario_engine(rank: int) -> dict[str, Any]:
     assert type(module) is GradSampleModuleRandomizedClippingFSDP and module.bookkeeping
     assert isinstance(loader, DistributedDPDataLoader)
     assert opt.expected_batch_size == 1
-    # The sampler draws from the global RNG; seeded alike, the ranks would draw the same masks
-    # over their shards, and an empty batch would be empty on both.
+    # Each rank's sampler derived its own generator at construction, so the ranks' masks are
+    # independent although the ranks are seeded alike (opacus_rc.data_loader); this seed only
+    # varies what the rest of the step draws.
     torch.manual_seed(20 + rank)
     steps = 0
     empty: list[int] = []
