@@ -58,6 +58,7 @@ import rc_models  # noqa: E402  (the packaged SmolLM2 weights)
 
 import opacus_rc  # noqa: E402, F401  (registers the "rc" accountant in Opacus)
 from opacus_rc import PrivacyEngine  # noqa: E402
+from opacus_rc.grad_sample.routing import NormPath  # noqa: E402
 
 # Opacus warns on every two-pass backward and about the non-cryptographic noise RNG; neither
 # matters for this example (pass secure_mode=True to PrivacyEngine for a real deployment).
@@ -181,6 +182,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evaluate on a random subset of this many test documents (default: all; spam: 100)",
     )
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument(
+        "--no-ablation",
+        action="store_true",
+        help="skip the ablation run (the head alone on the frozen pretrained model, same "
+        "privacy budget), which otherwise runs after the main one",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the split, head and data order")
     p.add_argument(
         "--smoke",
@@ -340,6 +347,156 @@ def build_classifier(
     return model, {"trainable": trainable, "total": total + model.head.weight.numel() + 2}
 
 
+class PooledHead(nn.Module):
+    """The ablation: :class:`DocumentClassifier`'s head alone, on pooled features of the frozen
+    pretrained top (a linear probe). ``(B, hidden)`` pooled vectors -> ``(B, labels)`` logits,
+    with the same centring, logit scale and zero initialisation as the full classifier."""
+
+    def __init__(self, center: torch.Tensor, num_labels: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(center.numel(), num_labels)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.register_buffer("center", center.detach().clone())
+        self.logit_scale = LOGIT_SCALE
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.logit_scale * self.head(pooled - self.center)
+
+
+@torch.no_grad()
+def pooled_features(
+    model: DocumentClassifier, features: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``model.pool`` of every document at the model's current (pretrained) weights,
+    ``(N, hidden)``: the input of the head-only ablation, computed once."""
+    training = model.training
+    model.eval()
+    out = [model.pool(features[i : i + 4], mask[i : i + 4]) for i in range(0, len(features), 4)]
+    model.train(training)
+    return torch.cat(out) if out else torch.zeros(0, model.center.numel())
+
+
+def sketched_parameter_names(model: nn.Module) -> frozenset[str]:
+    """Names of the trainable parameters whose per-document norm is a *sketch*.
+
+    A parameter counts as sketched when its module's route (``model.norm_routes``, the
+    library's record of how each module's norm is computed) is ``SKETCHED`` or ``TIED``, it
+    is the module's ``weight`` and the module reads a sequence: the ``nn.Linear`` layers of the
+    trained decoder blocks, whose inputs are ``(B, T, d)``. Everything else is exact: the
+    biases (the sum of the output gradient over tokens), the RMSNorm weights (Opacus' per-sample
+    gradients) and the head, which reads the pooled ``(B, hidden)`` vector, for which the
+    library's ``nn.Linear`` sampler computes ``||g_i|| ||a_i||`` exactly
+    (:func:`opacus_rc.grad_sample.compute_linear_sketched_norm_sample`: "weight norms of rank-2
+    inputs ... are exact"). ``tests/tutorials/test_main_job.py`` checks the split empirically
+    (two sketch seeds change exactly these norms).
+
+    Args:
+        model: The model returned by ``make_private`` (``clipping="randomized"``).
+
+    Returns:
+        The qualified parameter names, as keys of ``model.norm_samples``.
+    """
+    return frozenset(
+        f"{route.name}.weight"
+        for route in model.norm_routes.values()
+        if route.path in (NormPath.SKETCHED, NormPath.TIED) and route.name.startswith("top.")
+    )
+
+
+def norm_split(
+    norm_samples: dict[str, torch.Tensor], sketched: frozenset[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each document's norm estimate and the share of its square that sketched layers give.
+
+    With per-parameter norms ``n_{i,q}`` (``model.norm_samples``), the norm the step clipped
+    with is ``n_hat_i = sqrt(sum_q n_{i,q}^2)`` (docs/privacy/estimators.md, several layers),
+    and the clipped gradient is ``min(1, C / n_hat_i)`` times the whole gradient, so the share
+    of the *clipped* squared norm from the sketched parameters is that of the unclipped one:
+    ``s_i = sum_{q sketched} n_{i,q}^2 / n_hat_i^2`` (0 where ``n_hat_i = 0``).
+
+    Args:
+        norm_samples: ``{parameter name: (B,) norm}``.
+        sketched: The names counted as sketched (:func:`sketched_parameter_names`).
+
+    Returns:
+        ``(n_hat, s)``, both ``(B,)`` float64.
+    """
+    squares = {name: t.detach().double().cpu() ** 2 for name, t in norm_samples.items()}
+    total = torch.stack(list(squares.values())).sum(dim=0)
+    part = sum((sq for name, sq in squares.items() if name in sketched), torch.zeros_like(total))
+    share = torch.where(total > 0, part / total.clamp(min=1e-300), torch.zeros_like(total))
+    return total.sqrt(), share
+
+
+class NormRecorder:
+    """Per-step record of the norms each step clipped with (read after ``optimizer.step()``).
+
+    For every non-empty step: the ``(B,)`` per-document norm estimates ``n_hat_i`` and, under
+    randomized clipping, each document's sketched share of ``n_hat_i^2``
+    (:func:`norm_split`). A document is clipped when ``n_hat_i > C``. These are the
+    non-privatized norms, recorded for the results table only (as Opacus' own
+    ``per_sample_gradient_norms``); nothing here feeds back into training.
+    """
+
+    def __init__(self, model: nn.Module, *, clipping: str, max_grad_norm: float) -> None:
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.randomized = clipping == "randomized"
+        self.private = clipping != "none"
+        self.sketched = sketched_parameter_names(model) if self.randomized else frozenset()
+        self.norms: list[list[float]] = []
+        self.shares: list[list[float]] = []
+
+    def record(self) -> None:
+        if not self.private:
+            return
+        if self.randomized:
+            norms, shares = norm_split(self.model.norm_samples, self.sketched)
+            self.shares.append(shares.tolist())
+        else:  # Opacus' ghost clipping keeps the last step's norms
+            norms = self.model.per_sample_gradient_norms.detach().double().cpu()
+        self.norms.append(norms.tolist())
+
+    def summary(self) -> dict[str, Any]:
+        """Means and ranges over documents (shares) and over steps (clipped fractions)."""
+        if not self.norms:
+            return {"norms_per_step": None, "clipped_fraction": None, "sketched_share": None}
+        c = self.max_grad_norm
+        fractions = [sum(n > c for n in step) / len(step) for step in self.norms]
+        shares = [s for step in self.shares for s in step]
+        all_norms = [n for step in self.norms for n in step]
+        out: dict[str, Any] = {
+            "norms_per_step": self.norms,
+            "norm_mean": sum(all_norms) / len(all_norms),
+            "clipped_fraction_per_step": fractions,
+            "clipped_fraction": {
+                "mean": sum(fractions) / len(fractions),
+                "min": min(fractions),
+                "max": max(fractions),
+            },
+            "sketched_share": None,
+        }
+        if shares:
+            out["sketched_share_per_step"] = self.shares
+            out["sketched_share"] = {
+                "mean": sum(shares) / len(shares),
+                "min": min(shares),
+                "max": max(shares),
+                "sketched_parameters": len(self.sketched),
+            }
+        return out
+
+
+def weight_change(before: dict[str, torch.Tensor], module: nn.Module) -> float:
+    """``||theta - theta_0|| / ||theta_0||`` over the parameters in ``before`` (name ->
+    initial value, names of ``module.named_parameters()``)."""
+    after = dict(module.named_parameters())
+    delta = sum(float(((after[n].detach() - p) ** 2).sum()) for n, p in before.items())
+    base = sum(float((p**2).sum()) for p in before.values())
+    return math.sqrt(delta / base)
+
+
 # ------------------------------------------------------------------------------------------------
 # Training and evaluation
 # ------------------------------------------------------------------------------------------------
@@ -370,6 +527,13 @@ def make_private(args, model, optimizer, train_loader):
     return engine, model, optimizer, criterion, train_loader
 
 
+def batch_generator(args: argparse.Namespace) -> torch.Generator:
+    """The generator of the Poisson batches (Opacus' ``DPDataLoader`` takes the loader's): its
+    own, so that the main run and the ablation draw the same batches whatever the noise
+    draws from torch's global generator."""
+    return torch.Generator().manual_seed(args.seed)
+
+
 def noise_only_step(optimizer) -> None:
     """An empty Poisson batch: no document, but the step is still noised and accounted."""
     for group in optimizer.param_groups:
@@ -379,24 +543,29 @@ def noise_only_step(optimizer) -> None:
     optimizer.step()
 
 
-def train(args, engine, model, optimizer, criterion, train_loader) -> dict[str, Any]:
+def train(
+    args, engine, model, optimizer, criterion, train_loader, *, desc: str = "training"
+) -> dict[str, Any]:
+    """Train for ``--epochs`` (at most ``--max-steps``); records each step's norms."""
     n_steps = math.ceil(args.epochs * len(train_loader))
     if args.max_steps is not None:
         n_steps = min(n_steps, args.max_steps)
     model.train()
     losses: list[float] = []
-    bar = tqdm(total=n_steps, desc="training", unit="step", disable=args.no_progress)
+    recorder = NormRecorder(model, clipping=args.clipping, max_grad_norm=args.max_grad_norm)
+    bar = tqdm(total=n_steps, desc=desc, unit="step", disable=args.no_progress)
     step = 0
     while step < n_steps:
-        for features, attention_mask, labels in train_loader:
+        for *inputs, labels in train_loader:
             optimizer.zero_grad()
-            if features.shape[0] == 0:  # Poisson sampling drew no document
+            if labels.shape[0] == 0:  # Poisson sampling drew no document
                 noise_only_step(optimizer)
             else:
-                logits = model(features, attention_mask)
+                logits = model(*inputs)
                 loss = criterion(logits, labels)
-                loss.backward()  # DP: both passes (norms, then clipped gradients)
+                loss.backward()  # DP: the per-document norms, then the clipped gradients
                 optimizer.step()
+                recorder.record()  # the norms this step clipped with (logging only)
                 losses.append(loss.item())
             step += 1
             postfix = {"loss": f"{sum(losses[-10:]) / max(1, len(losses[-10:])):.3f}"}
@@ -407,7 +576,7 @@ def train(args, engine, model, optimizer, criterion, train_loader) -> dict[str, 
             if step >= n_steps:
                 break
     bar.close()
-    return {"steps": step, "losses": losses}
+    return {"steps": step, "losses": losses, **recorder.summary()}
 
 
 @torch.no_grad()
@@ -415,8 +584,8 @@ def evaluate(model: nn.Module, loader: DataLoader) -> float:
     """Test accuracy: forward passes only, no gradient and no privacy cost (test data)."""
     model.eval()
     correct = total = 0
-    for features, attention_mask, labels in loader:
-        logits = model(features, attention_mask)
+    for *inputs, labels in loader:
+        logits = model(*inputs)
         correct += (logits.argmax(-1) == labels).sum().item()
         total += labels.numel()
     model.train()
@@ -428,6 +597,51 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def run_ablation(
+    args: argparse.Namespace,
+    classifier: DocumentClassifier,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> dict[str, Any]:
+    """Train and evaluate the head alone (:class:`PooledHead`) on the pooled features of the
+    frozen pretrained top, under the same privacy settings as the main run.
+
+    The data order is reseeded as for the main run, so both draw the same Poisson batches.
+    ``make_private_with_epsilon`` is called with the same target epsilon, delta, epochs,
+    sampling rate, clip bound and clipping method, so the noise multiplier is the same.
+
+    Returns:
+        Test accuracy, epsilon, noise multiplier, losses, clipped fractions and times.
+    """
+    start = time.perf_counter()
+    train_pooled, train_labels, test_pooled, test_labels = inputs
+    torch.manual_seed(args.seed)  # the DP noise's generator, reseeded as for the main run
+    head = PooledHead(classifier.center, num_labels=2).train()
+    loader = DataLoader(
+        TensorDataset(train_pooled, train_labels),
+        batch_size=args.batch_size,
+        shuffle=True,
+        generator=batch_generator(args),  # the main run's Poisson batches
+    )
+    optimizer = torch.optim.SGD(head.parameters(), lr=args.lr)
+    engine, head, optimizer, criterion, loader = make_private(args, head, optimizer, loader)
+    quiet = argparse.Namespace(**{**vars(args), "no_progress": True})
+    history = train(quiet, engine, head, optimizer, criterion, loader, desc="ablation")
+    test_loader = DataLoader(TensorDataset(test_pooled, test_labels), batch_size=64)
+    losses = history["losses"]
+    return {
+        "test_accuracy": evaluate(head, test_loader),
+        "epsilon": engine.get_epsilon(args.delta) if engine is not None else None,
+        "noise_multiplier": optimizer.noise_multiplier if engine is not None else 0.0,
+        "steps": history["steps"],
+        "trainable_params": sum(p.numel() for p in head.parameters() if p.requires_grad),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "clipped_fraction": history["clipped_fraction"],
+        "norms_per_step": history["norms_per_step"],
+        "time_s": time.perf_counter() - start,
+    }
+
+
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
@@ -437,7 +651,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start = time.perf_counter()
     load_at_start = os.getloadavg()[0]
-    torch.manual_seed(args.seed)  # data order (Poisson sampling draws from torch's generator)
+    torch.manual_seed(args.seed)  # DP noise (Poisson batches: batch_generator)
 
     # 1. Data: the first --max-length tokens of every document, right-padded if shorter.
     tokenizer = rc_models.load_smollm2_tokenizer()
@@ -464,12 +678,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             frozen_features(bottom, reference, desc="", disable=True),
             reference.attention_mask,
         )
-    features_time = time.perf_counter() - t_features
     model, counts = build_classifier(body, args, public)
+    # The ablation's input: the pretrained top's pooled output of every document, computed
+    # before anything is trained (the head alone is then a linear probe of the frozen model).
+    ablation_inputs = None
+    if not args.no_ablation:
+        ablation_inputs = (
+            pooled_features(model, train_features, train_set.attention_mask),
+            train_set.labels,
+            pooled_features(model, test_features, test_set.attention_mask),
+            test_set.labels,
+        )
+    features_time = time.perf_counter() - t_features
     train_loader = DataLoader(
         TensorDataset(train_features, train_set.attention_mask, train_set.labels),
         batch_size=args.batch_size,
         shuffle=True,
+        generator=batch_generator(args),
     )
     test_loader = DataLoader(
         TensorDataset(test_features, test_set.attention_mask, test_set.labels), batch_size=4
@@ -479,6 +704,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # weights (see the comment at LOGIT_SCALE for the values). It is still trained under
     # DP-SGD-RC: its sequence-level nn.Linear norms are sketched and clipped at every step.
     top_params = [p for p in model.top.parameters() if p.requires_grad]
+    block_start = {
+        n: p.detach().clone() for n, p in model.top.named_parameters() if p.requires_grad
+    }
+    plain = model
     optimizer = torch.optim.SGD(
         [
             {"params": list(model.head.parameters()), "lr": args.lr},
@@ -503,6 +732,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     history = train(args, engine, model, optimizer, criterion, train_loader)
     t_eval = time.perf_counter()
     accuracy = evaluate(model, test_loader)
+    t_ablation = time.perf_counter()
+    # How far the decoder block moved, against what the DP noise alone moves it: each step adds
+    # N(0, (sigma C / B)^2) to every coordinate's gradient (B the expected batch), so after n
+    # steps at learning rate body_lr the noise displacement has norm body_lr sigma C / B
+    # sqrt(n P) for P block parameters (in expectation, up to O(1/sqrt(nP))).
+    n_block = sum(p.numel() for p in block_start.values())
+    block = {
+        "relative_change": weight_change(block_start, plain.top) if block_start else 0.0,
+        "noise_relative_change": (
+            args.body_lr
+            * sigma
+            * args.max_grad_norm
+            / args.batch_size
+            * math.sqrt(history["steps"] * n_block)
+            / math.sqrt(sum(float((p**2).sum()) for p in block_start.values()))
+            if block_start
+            else 0.0
+        ),
+        "params": n_block,
+    }
+    del block_start
+
+    # 5. Ablation, as the job runs: the head alone on the frozen pretrained model (its pooled
+    # features computed above), with the same epsilon, sampling rate, steps, clip bound, head
+    # learning rate and data order. What training the decoder block adds is the difference.
+    ablation = None if ablation_inputs is None else run_ablation(args, plain, ablation_inputs)
+    del ablation_inputs
     end = time.perf_counter()
 
     losses = history["losses"]
@@ -528,11 +784,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trainable_params": counts["trainable"],
         "train_docs": len(train_set),
         "test_docs": len(test_set),
+        "max_grad_norm": args.max_grad_norm,
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "sketched_share": history["sketched_share"],
+        "clipped_fraction": history["clipped_fraction"],
+        "block_weight_change": block,
+        "ablation_head_only": ablation,
         "features_time_s": features_time,
         "train_time_s": t_eval - t_train,
-        "eval_time_s": end - t_eval,
+        "eval_time_s": t_ablation - t_eval,
+        "ablation_time_s": end - t_ablation,
         "wall_time_s": end - start,
         "cpu_time_s": time.process_time(),  # all threads of this process
         "peak_memory_gib": peak_memory_gib(),
@@ -540,12 +802,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average_1min": [load_at_start, os.getloadavg()[0]],  # at start and end
         "seed": args.seed,
         "smoke": args.smoke,
+        # Per step: the (non-privatized) norm estimates each document was clipped with and,
+        # under randomized clipping, each document's sketched share of its squared norm.
+        "norms_per_step": history["norms_per_step"],
+        "sketched_share_per_step": history.get("sketched_share_per_step"),
     }
     print_table(results)
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def share_row(share: dict[str, float] | None, clipping: str) -> str:
+    """The table's sketched-share row (mean and range over every document of every step)."""
+    if share is None:
+        return "n/a (exact norms)" if clipping != "randomized" else "n/a (no step)"
+    return (
+        f"{share['mean']:.3f} mean, {share['min']:.3f}-{share['max']:.3f} over documents "
+        f"({share['sketched_parameters']} sketched weight matrices; the rest exact)"
+    )
+
+
+def clipped_row(clipped: dict[str, float] | None, c: float) -> str:
+    """The table's clipped-fraction row (mean and range over steps)."""
+    if clipped is None:
+        return "n/a (non-private)"
+    return (
+        f"{clipped['mean']:.3f} mean, {clipped['min']:.2f}-{clipped['max']:.2f} over steps "
+        f"(n_hat_i > C = {c:g})"
+    )
+
+
+def block_row(block: dict[str, float]) -> str:
+    """The table's row on how far the trained decoder block moved."""
+    if not block["params"]:
+        return "n/a (no block trained)"
+    return (
+        f"||theta - theta_0|| / ||theta_0|| = {block['relative_change']:.2e} "
+        f"(DP noise alone: {block['noise_relative_change']:.2e})"
+    )
+
+
+def ablation_row(a: dict[str, Any] | None) -> str:
+    """The table's ablation row: the head alone on the frozen pretrained model."""
+    if a is None:
+        return "not run (--no-ablation)"
+    eps = "non-private" if a["epsilon"] is None else f"epsilon {a['epsilon']:.3f}"
+    clipped = a["clipped_fraction"]
+    tail = "" if clipped is None else f", {clipped['mean']:.3f} clipped / step"
+    return (
+        f"test accuracy {a['test_accuracy']:.3f}, final loss {a['final_loss']:.4f} "
+        f"(block frozen; {eps}, noise {a['noise_multiplier']:.4f}{tail}; {a['time_s']:.0f} s)"
+    )
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -566,6 +875,10 @@ def print_table(r: dict[str, Any]) -> None:
         ("noise multiplier", f"{r['noise_multiplier']:.4f}"),
         ("steps", f"{r['steps']}  (expected batch {r['batch_size']}, {r['epochs']:g} epochs)"),
         ("final training loss", fmt(r["final_loss"], ".4f")),
+        ("sketched share of norm^2", share_row(r["sketched_share"], r["clipping"])),
+        ("documents clipped / step", clipped_row(r["clipped_fraction"], r["max_grad_norm"])),
+        ("decoder block moved", block_row(r["block_weight_change"])),
+        ("ablation: head only", ablation_row(r["ablation_head_only"])),
         (
             "wall time",
             f"{r['wall_time_s']:.0f} s  (frozen blocks {r['features_time_s']:.0f} s, "
