@@ -183,10 +183,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument(
-        "--no-ablation",
-        action="store_true",
-        help="skip the ablation run (the head alone on the frozen pretrained model, same "
-        "privacy budget), which otherwise runs after the main one",
+        "--ablation-seeds",
+        type=int,
+        default=10,
+        help="runs of the ablation (the head alone on the frozen pretrained model, same "
+        "privacy budget and batches) after the main run, one per DP-noise seed (seed, "
+        "seed + 1, ...; a few seconds each); 0 skips it",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the split, head and data order")
     p.add_argument(
@@ -601,20 +603,25 @@ def run_ablation(
     args: argparse.Namespace,
     classifier: DocumentClassifier,
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    noise_seed: int,
 ) -> dict[str, Any]:
     """Train and evaluate the head alone (:class:`PooledHead`) on the pooled features of the
     frozen pretrained top, under the same privacy settings as the main run.
 
-    The data order is reseeded as for the main run, so both draw the same Poisson batches.
-    ``make_private_with_epsilon`` is called with the same target epsilon, delta, epochs,
-    sampling rate, clip bound and clipping method, so the noise multiplier is the same.
+    The Poisson batches are the main run's (:func:`batch_generator`). ``make_private_with_epsilon``
+    is called with the same target epsilon, delta, epochs, sampling rate, clip bound and
+    clipping method, so the noise multiplier is the same. The DP noise is drawn from torch's
+    global generator seeded with ``noise_seed``; even at the main run's seed its values differ
+    from the main run's head noise (that run also draws the block's noise from the same
+    generator), hence several seeds for the spread.
 
     Returns:
         Test accuracy, epsilon, noise multiplier, losses, clipped fractions and times.
     """
     start = time.perf_counter()
     train_pooled, train_labels, test_pooled, test_labels = inputs
-    torch.manual_seed(args.seed)  # the DP noise's generator, reseeded as for the main run
+    torch.manual_seed(noise_seed)  # the DP noise
     head = PooledHead(classifier.center, num_labels=2).train()
     loader = DataLoader(
         TensorDataset(train_pooled, train_labels),
@@ -682,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The ablation's input: the pretrained top's pooled output of every document, computed
     # before anything is trained (the head alone is then a linear probe of the frozen model).
     ablation_inputs = None
-    if not args.no_ablation:
+    if args.ablation_seeds > 0:
         ablation_inputs = (
             pooled_features(model, train_features, train_set.attention_mask),
             train_set.labels,
@@ -757,7 +764,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 5. Ablation, as the job runs: the head alone on the frozen pretrained model (its pooled
     # features computed above), with the same epsilon, sampling rate, steps, clip bound, head
     # learning rate and data order. What training the decoder block adds is the difference.
-    ablation = None if ablation_inputs is None else run_ablation(args, plain, ablation_inputs)
+    ablation = None
+    if ablation_inputs is not None:
+        seeds = [args.seed + j for j in range(args.ablation_seeds)]
+        runs = [run_ablation(args, plain, ablation_inputs, noise_seed=s) for s in seeds]
+        accuracies = [run["test_accuracy"] for run in runs]
+        ablation = {
+            **runs[0],  # noise seed = the main run's
+            "noise_seeds": seeds,
+            "test_accuracy_over_seeds": {
+                "values": accuracies,
+                "mean": sum(accuracies) / len(accuracies),
+                "min": min(accuracies),
+                "max": max(accuracies),
+            },
+            "time_s": sum(run["time_s"] for run in runs),
+        }
     del ablation_inputs
     end = time.perf_counter()
 
@@ -847,13 +869,16 @@ def block_row(block: dict[str, float]) -> str:
 def ablation_row(a: dict[str, Any] | None) -> str:
     """The table's ablation row: the head alone on the frozen pretrained model."""
     if a is None:
-        return "not run (--no-ablation)"
+        return "not run (--ablation-seeds 0)"
     eps = "non-private" if a["epsilon"] is None else f"epsilon {a['epsilon']:.3f}"
     clipped = a["clipped_fraction"]
     tail = "" if clipped is None else f", {clipped['mean']:.3f} clipped / step"
+    over = a["test_accuracy_over_seeds"]
     return (
-        f"test accuracy {a['test_accuracy']:.3f}, final loss {a['final_loss']:.4f} "
-        f"(block frozen; {eps}, noise {a['noise_multiplier']:.4f}{tail}; {a['time_s']:.0f} s)"
+        f"test accuracy {a['test_accuracy']:.3f}, {over['mean']:.3f} mean and "
+        f"{over['min']:.3f}-{over['max']:.3f} over {len(over['values'])} noise seeds; "
+        f"final loss {a['final_loss']:.4f} (block frozen; {eps}, noise "
+        f"{a['noise_multiplier']:.4f}{tail}; {a['time_s']:.0f} s in all)"
     )
 
 
