@@ -142,45 +142,18 @@ def test_smoke_run_results_table(tmp_path) -> None:
     assert over["values"][0] == a["test_accuracy"] and all(0 <= x <= 1 for x in over["values"])
     assert over["min"] <= over["mean"] <= over["max"]
     assert [len(n) for n in a["norms_per_step"]] == [len(n) for n in norms]
-    # Step 1: both heads are zero and the block's gradient is zero, so each document's norm is
-    # its head's, computed on the same pooled vector (float32 roundoff of batched matmuls).
-    torch.testing.assert_close(
-        torch.tensor(a["norms_per_step"][0]), torch.tensor(norms[0]), rtol=1e-4, atol=0.0
-    )
-
-
-@pytest.mark.slow
-def test_ablation_is_the_main_run_with_the_block_frozen(tmp_path) -> None:
-    """With ``--body-lr 0`` the main run's block never moves, so the ablation at the main run's
-    noise seed (same batches, the head's noise value for value, the block's drawn and
-    discarded) must retrace it: the same losses and accuracy, and norms that differ only by
-    the block's own part of each document's norm (its share here is < 1e-2, so each norm
-    differs by less than 1%; at step 1 the block's gradient is zero and they are equal)."""
-    out = tmp_path / "results.json"
-    proc = run_job(
-        "--smoke",
-        "--body-lr",
-        "0",
-        "--ablation-seeds",
-        "1",
-        "--no-progress",
-        "--output-json",
-        str(out),
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(out.read_text())
-    a = r["ablation_head_only"]
-    assert r["block_weight_change"]["relative_change"] == 0.0
+    # Paired: at the main run's noise seed the ablation gets the same batches and the head's
+    # noise value for value (the block's drawn and discarded), so it is the main run with the
+    # block frozen. At body_lr 1e-6 the block moves by ~1e-4 (relative), so the two runs must
+    # agree: at step 1 exactly (both heads zero, the block's gradient zero: each norm is the
+    # head's, on the same pooled vector, up to float32 roundoff), later within the block's own
+    # part of each norm (share < 1e-2, so < 1%), and in their losses. Without the pairing
+    # (measured, the block's draws not skipped) the step-3 norms differ by 8-65% and the final
+    # loss by 2%, so this fails.
+    for step, (x, y) in enumerate(zip(a["norms_per_step"], norms)):  # batch sizes vary
+        rtol = 1e-4 if step == 0 else 1e-2
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=rtol, atol=0.0)
     assert a["final_loss"] == pytest.approx(r["final_loss"], rel=1e-4)
-    assert a["test_accuracy"] == r["test_accuracy"]
-    main_norms = torch.tensor(r["norms_per_step"])
-    torch.testing.assert_close(
-        torch.tensor(a["norms_per_step"][0]), main_norms[0], rtol=1e-5, atol=0
-    )
-    torch.testing.assert_close(torch.tensor(a["norms_per_step"]), main_norms, rtol=1e-2, atol=0)
-    # Without the pairing (the block's draws not skipped) the head's noise differs from the
-    # second step on: measured, the step-3 norms then differ by 8-65% and the final loss by
-    # 2%, so this test fails.
 
 
 def test_frozen_bottom_split_is_exact() -> None:
