@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Differentially private fine-tuning of SmolLM2-135M on 2,048-token documents (DP-SGD-RC).
+"""Differentially private classification of 2,048-token documents on SmolLM2-135M (DP-SGD-RC).
 
 The project's main job. A pretrained language model (SmolLM2-135M, Llama architecture, 8,192
 positions) learns to tell imaginative prose (fiction, mystery, romance, ...) from informative
@@ -34,7 +34,7 @@ does as well (README, "The main job"; the comment at ``LOGIT_SCALE``).
 
 Usage::
 
-    python tutorials/long_document_classification.py              # default run (DURATION)
+    python tutorials/long_document_classification.py              # default run (~15 min, 2 CPU cores)
     python tutorials/long_document_classification.py --clipping ghost
     python tutorials/long_document_classification.py --clipping none
     python tutorials/long_document_classification.py --smoke      # a few steps at length 128 (CI)
@@ -119,10 +119,11 @@ DEFAULTS = {
 # (in practice ~0.06 of each document's norm: its share of n_hat^2 is ~0.003), so its
 # displacement is the noise's to three digits at every body_lr (the job prints both). Measured
 # at 512 tokens (same batches, noise seed 0): body_lr 0 / 1e-6 / 1e-5 / 1e-4 / 1e-3 ->
-# relative change 0 / 2.5e-4 / 2.5e-3 / 2.5e-2 / 0.25, test accuracy LR0 / 0.85 / 0.85 / 0.84 /
-# 0.74 (majority 0.74); the head alone 0.86-0.94 over 10 noise seeds (mean 0.90). So the
-# default keeps body_lr = 1e-6 and says what it is: a DP linear probe, with the block's
-# sketched norms computed and clipped but its updates noise.
+# relative change 0 / 2.5e-4 / 2.5e-3 / 2.5e-2 / 0.25, test accuracy 0.85 / 0.85 / 0.85 / 0.84 /
+# 0.74 (majority 0.74); the head alone 0.86-0.94 over 10 noise seeds (mean 0.90)
+# (tutorials/outputs/long_documents_body_lr.md). So the default keeps body_lr = 1e-6 and says
+# what it is: a DP linear probe, with the block's sketched norms computed and clipped with, but
+# its updates noise.
 LOGIT_SCALE = 100.0
 # --smoke: the real model and data, a few steps at a short length, under ~90 s.
 SMOKE = {"max_length": 128, "max_steps": 3, "batch_size": 4, "train_docs": 48, "test_docs": 8}
@@ -135,7 +136,8 @@ SMOKE = {"max_length": 128, "max_steps": 3, "batch_size": 4, "train_docs": 48, "
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="DP fine-tuning of SmolLM2-135M on long documents with randomized clipping "
+        description="DP training of a document classifier on SmolLM2-135M (its top block, "
+        "final norm and a mean-pooling head) on long documents with randomized clipping "
         "(opacus_rc). Prints a progress bar, then a results table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -927,7 +929,7 @@ def block_row(block: dict[str, float]) -> str:
     if not block["params"]:
         return "n/a (no block trained)"
     return (
-        f"||theta - theta_0|| / ||theta_0|| = {block['relative_change']:.2e} "
+        f"{block['relative_change']:.2e} of its weights' norm, ||theta - theta_0|| / ||theta_0|| "
         f"(DP noise alone: {block['noise_relative_change']:.2e})"
     )
 
