@@ -541,7 +541,7 @@ def measure_meta(
             # real training frees (module docstring).
             extra, _ = common.peak_extra_bytes(step, meta)
             reads = sum(oracle.answered.values()) if meta.type == "meta" else None
-            layers = dict(method.mixed.ghost_layers) if method.mixed is not None else None
+            layers = Counter(method.mixed.ghost_layers) if method.mixed is not None else None
             _, flops = common.count_flops(step)
             row.update(
                 status="ok",
