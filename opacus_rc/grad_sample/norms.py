@@ -20,16 +20,17 @@ module when book-keeping runs in a step whose forward was checkpointed and ``boo
 gradients (``p d + p`` floats per sample). Without checkpointing ``A`` is held by autograd anyway,
 but under checkpointing keeping it undoes what checkpointing freed. So each layer whose type has
 a per-sample gradient function (:data:`STASH_GRAD_SAMPLERS`) keeps whichever is smaller
-(:func:`prefers_grad_sample_stash`; the rule of fastDP's mixed book-keeping, Bu, Wang, Zha and
-Karypis, ICML 2023, section 4, with the sizes of the two stashes in place of the two norm
-costs). Where it keeps per-sample gradients, a sketched layer's norms are their exact Frobenius
+(:func:`prefers_grad_sample_stash`: the per-layer choice of the hybrid book-keeping of Bu, Wang,
+Zha and Karypis, ICML 2023, implemented in fastDP, which compares the costs of the ghost norm
+and of per-sample gradients, ``2 T^2`` against ``p d``; here the sizes of the two stashes are
+compared). Where it keeps per-sample gradients, a sketched layer's norms are their exact Frobenius
 norms (no probe is drawn): exact parts inside a sketched step never worsen the accounted
 envelope (docs/privacy/envelope.md#envelope-lemma-d, Lemma D, for any exact share ``a``), so the
 step is accounted with the module's sketch spec unchanged. The choice depends on shapes only,
 never on values or probes, and costs no host synchronisation. A tied weight's head keeps its
 joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes its per-sample
-gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient ignores
-``padding_idx``) keeps its ids and output gradient, ``T (1 + d)`` floats per sample, which is
+gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
+``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)`` floats per sample, which is
 smaller than ``V d`` at every practical ``T`` anyway.
 """
 
@@ -80,8 +81,8 @@ def prefers_grad_sample_stash(
 
     Per sample, the per-sample gradients of ``params`` hold ``sum_p numel(p)`` floats (``p d + p``
     for an ``nn.Linear``), the stash of the clipped-sum function ``numel(A_i) + numel(G_i)``
-    (``T (d + p)``): fastDP's mixed rule (Bu et al., ICML 2023, section 4) applied to the stash
-    sizes. Shapes only: no host synchronisation.
+    (``T (d + p)``): the per-layer choice of fastDP's hybrid book-keeping (Bu et al., ICML
+    2023) applied to the stash sizes. Shapes only: no host synchronisation.
 
     Args:
         params: The layer's trainable parameters.
