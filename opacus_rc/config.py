@@ -109,7 +109,11 @@ class RandomizedClippingConfig:
             Lemma D) or its input and output gradient (``T (p + d)``), so the stored tensors do
             not undo checkpointing's memory saving (fastDP's per-layer rule applied to the
             stash; :mod:`opacus_rc.grad_sample.norms`). Embeddings, and the embedding side of a
-            tied weight, keep their ids and output gradient. ``"always"``: every layer keeps
+            tied weight, keep their ids and output gradient. The stash is then at most ``B``
+            copies of the trainable weights: negligible at long ``T`` (30 SmolLM2 blocks, T =
+            32768: 1.00x the checkpointed non-private step's peak memory), but at short ``T``
+            it can dominate a checkpointed step (T = 512: 1.34-1.51x), where ``False`` needs
+            less memory at 1.6-1.8x the FLOPs (``python -m benchmarks.long_context``). ``"always"``: every layer keeps
             its input and output gradient, checkpointed or not (all sketched norms, more memory
             under checkpointing). ``False``: two backward passes always. The guarantee is the
             same in every mode (the same sketch spec is accounted).
