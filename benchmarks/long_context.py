@@ -853,14 +853,14 @@ def plot(rows: list[dict], cfg: dict, path: Path) -> None:
             (("flops_ratio", "FLOPs / non-private"), ("memory_ratio", "peak memory / non-private"))
         ):
             ax = axes[i][j]
-            for m in cfg["methods"]:
+            for k, m in enumerate(cfg["methods"]):
                 pts = [
                     (r["T"], r[col])
                     for r in rows
                     if (r["checkpointing"], r["B"], r["method"]) == (ckpt, B, m) and r.get(col)
                 ]
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), marker="o", label=m)
+                if pts:  # one colour per method in every panel, whichever methods failed
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=m, color=f"C{k}")
             ax.axhline(1, color="k", lw=0.5)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("T")
