@@ -2,8 +2,9 @@
 
 The model is ``LlamaForCausalLM`` with SmolLM2-135M's shapes (30 blocks, hidden 576, 9 heads, 3
 KV heads, MLP 1536, vocabulary 49,152, tied input embedding and LM head), randomly initialised
-from the config. Every block and the final norm train; the tied embedding / LM head is frozen
-(tied parameters are not supported by randomized clipping today, issue 13 item 3). The loss is
+from the config. Every block and the final norm train; the tied embedding / LM head is frozen so
+that every method trains the same parameters (Opacus' ghost clipping refuses tied parameters;
+randomized clipping supports them, :mod:`opacus_rc.grad_sample.tied`). The loss is
 next-token cross-entropy over the full ``B x T x V`` logits, one privacy unit per sequence.
 Methods (SGD, ``noise_multiplier = 1``, ``max_grad_norm = 1``):
 
@@ -15,7 +16,9 @@ Methods (SGD, ``noise_multiplier = 1``, ``max_grad_norm = 1``):
   machinery (:class:`MixedGhostClippingModule`; two backward passes, fastDP's ``MixGhostClip``;
   fastDP itself is not on PyPI, and its default ``MixOpt`` is the same rule with one backward);
 * ``rc_two_pass`` / ``rc_bookkeeping``: ``opacus_rc.PrivacyEngine(clipping="randomized")``,
-  Hutchinson ``k``, ``bookkeeping=False`` / ``True``.
+  Hutchinson ``k``, ``bookkeeping=False`` / ``True`` (under checkpointing, ``True`` keeps one
+  backward pass and each layer stashes the smaller of its per-sample gradients and its input
+  and output gradient, :mod:`opacus_rc.grad_sample.norms`).
 
 Each runs with activation checkpointing ``off``, ``non-reentrant`` (HF
 ``gradient_checkpointing_enable()``'s default) and ``reentrant`` (``use_reentrant=True``).
@@ -23,7 +26,14 @@ Each runs with activation checkpointing ``off``, ``non-reentrant`` (HF
 Measurements, per (checkpointing, T, B, method):
 
 * **FLOPs and peak memory on the meta device** (shapes only, so T = 65536 and B = 8 are
-  measured): ``FlopCounterMode`` and the live-tensor-bytes tracker of :mod:`benchmarks.common`.
+  measured): ``FlopCounterMode`` and the live-tensor-bytes tracker of :mod:`benchmarks.common`,
+  in two separate steps of the same method (memory first): ``FlopCounterMode``'s
+  ``ModuleTracker`` registers a multi-grad hook on the inputs and outputs of every module
+  forward it sees and keeps the handles, hence the autograd graphs, until it exits; under
+  activation checkpointing that includes the forwards recomputed inside the backward, so a
+  memory peak measured under it counts recomputed activations that training frees (at T = 8192,
+  30 blocks, B = 1, non-reentrant, the step's extra bytes: 5.07 GiB for both non-private and
+  randomized book-keeping measured alone, 5.76 and 9.88 GiB measured under ``FlopCounterMode``).
   Attention uses the CPU flash kernel on CPU and on meta (:func:`register_flash_attention`; on
   meta, ``scaled_dot_product_attention`` would fall back to the ``T x T`` math path). The few
   data-dependent scalar reads of a step (HF's packed-sequence check; the libraries' overflow and
@@ -518,33 +528,32 @@ def measure_meta(
         try:
             model, ids = build_base(cfg, T, B, meta)
             method = LMMethod(name, model, ids, cfg, checkpointing)
-            result: dict[str, Any] = {}
             oracle = BenignScalarReads()
 
-            def step(
-                method: LMMethod = method,
-                oracle: BenignScalarReads = oracle,
-                result: dict[str, Any] = result,
-            ) -> None:
-                def run() -> None:
-                    with meta_autocast(), oracle:
-                        method.step()
+            def step(method: LMMethod = method, oracle: BenignScalarReads = oracle) -> None:
+                with meta_autocast(), oracle:
+                    method.step()
 
-                _, result["flops"] = common.count_flops(run)
-
+            # Memory and FLOPs from two separate steps: FlopCounterMode's module tracker keeps
+            # an autograd hook, and with it the graph, of every module forward it sees until it
+            # exits, including the forwards that activation checkpointing recomputes inside the
+            # backward, so memory measured under it would count recomputed activations that
+            # real training frees (module docstring).
             extra, _ = common.peak_extra_bytes(step, meta)
+            reads = sum(oracle.answered.values()) if meta.type == "meta" else None
+            layers = Counter(method.mixed.ghost_layers) if method.mixed is not None else None
+            _, flops = common.count_flops(step)
             row.update(
                 status="ok",
-                step_flops=result["flops"],
+                step_flops=flops,
                 step_extra_bytes=extra,
                 persistent_bytes=method.persistent_bytes(),
-                scalar_reads=sum(oracle.answered.values()) if meta.type == "meta" else None,
+                scalar_reads=reads,
             )
             row["peak_bytes"] = row["step_extra_bytes"] + row["persistent_bytes"]
-            if method.mixed is not None:
+            if layers is not None:  # of the first step (the counts add up over steps)
                 row["ghost_layers"] = "{ghost}/{total}".format(
-                    ghost=method.mixed.ghost_layers["ghost"],
-                    total=sum(method.mixed.ghost_layers.values()),
+                    ghost=layers["ghost"], total=sum(layers.values())
                 )
         except Exception as err:  # noqa: BLE001 - reported in the results
             row["status"] = first_line(err)
@@ -686,18 +695,24 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         "# Long-context whole-model DP fine-tuning (issue 13, item 6)",
         "",
         f"`LlamaForCausalLM` with {arch} ({cfg['layers']} blocks), random init; **all blocks and the final norm trainable; the "
-        "tied input embedding / LM head frozen** (tied parameters are not supported by "
-        "randomized clipping today, issue 13 item 3). Next-token loss over the full B x T x V "
+        "tied input embedding / LM head frozen**, so that every method trains the same "
+        "parameters (Opacus' ghost clipping refuses tied parameters; randomized clipping "
+        "supports them, `opacus_rc/grad_sample/tied.py`). Next-token loss over the full B x T x V "
         f"logits, one privacy unit per sequence. SGD, sigma = 1, C = 1; Hutchinson k = "
         f"{cfg['k']}. `mixed_ghost`: fastDP's per-layer rule (ghost norm where 2T^2 <= p d, "
         "per-sample gradient elsewhere) in Opacus' two-pass ghost machinery (fastDP's "
         "MixGhostClip; fastDP is not on PyPI; its default MixOpt applies the same rule with one "
-        "backward pass). Checkpointing: HF `gradient_checkpointing_enable()` (`non-reentrant` is "
-        "its default; `reentrant` is `use_reentrant=True`).",
+        "backward pass). `rc_two_pass` is `bookkeeping=False`; `rc_bookkeeping` is the default "
+        "`bookkeeping=True`: one backward pass, and under checkpointing each layer keeps the "
+        "smaller of its per-sample gradients (its norm then exact) and its input and output "
+        "gradient for the clipped sum. Checkpointing: HF `gradient_checkpointing_enable()` "
+        "(`non-reentrant` is its default; `reentrant` is `use_reentrant=True`).",
         "",
         "FLOPs (`FlopCounterMode`, matrix products) and peak memory (parameters + peak bytes of "
         "live tensors created during the step) are measured on the **meta device** for every "
-        "cell (`benchmarks/long_context.py` docstring: attention runs the CPU flash kernel on "
+        "cell, in two separate steps (`FlopCounterMode` keeps the graphs of the forwards that "
+        "checkpointing recomputes, which would inflate the memory; `benchmarks/long_context.py` "
+        "docstring: attention runs the CPU flash kernel on "
         "meta too; data-dependent scalar reads are answered with the healthy branch; "
         "`torch.autocast` is a no-op for meta during the measurement). Wall time: CPU, "
         f"{cfg.get('threads') or 'default'} thread(s), the cells in `time_cells`, every method in one "
@@ -838,14 +853,14 @@ def plot(rows: list[dict], cfg: dict, path: Path) -> None:
             (("flops_ratio", "FLOPs / non-private"), ("memory_ratio", "peak memory / non-private"))
         ):
             ax = axes[i][j]
-            for m in cfg["methods"]:
+            for k, m in enumerate(cfg["methods"]):
                 pts = [
                     (r["T"], r[col])
                     for r in rows
                     if (r["checkpointing"], r["B"], r["method"]) == (ckpt, B, m) and r.get(col)
                 ]
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), marker="o", label=m)
+                if pts:  # one colour per method in every panel, whichever methods failed
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=m, color=f"C{k}")
             ax.axhline(1, color="k", lw=0.5)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("T")

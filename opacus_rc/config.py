@@ -99,12 +99,24 @@ class RandomizedClippingConfig:
         loss_reduction: ``"mean"`` or ``"sum"``, as the criterion's ``reduction``.
         strict: Opacus' ``strict`` (reject trainable modules with buffers).
         force_functorch: Use functorch for every layer without a sketched sampler.
-        bookkeeping: ``True`` (default): one backward pass per step (book-keeping) where the
-            model allows it, except in steps whose forward ran activation-checkpointed regions,
-            which take two passes (book-keeping keeps every layer's input and output gradient
-            until the clip factors exist, which would undo checkpointing's memory saving).
-            ``"always"``: book-keeping in those steps too (faster, more memory). ``False``: two
-            backward passes always. The clipped gradient and the guarantee are the same.
+        bookkeeping: ``True`` (default): one backward pass per step (book-keeping; Bu, Wang,
+            Zha and Karypis, ICML 2023) where the model allows it, also in steps whose forward
+            ran activation-checkpointed regions (HF ``gradient_checkpointing_enable()``, either
+            ``use_reentrant``, or ``torch.utils.checkpoint``). Each layer keeps what its clipped
+            sum needs until the clip factors exist; in a checkpointed step an ``nn.Linear``
+            keeps whichever is smaller, its per-sample gradients (``p d + p`` floats per sample;
+            its norm is then exact, which the accounting allows: docs/privacy/envelope.md,
+            Lemma D) or its input and output gradient (``T (p + d)``), so the stored tensors do
+            not undo checkpointing's memory saving (fastDP's per-layer rule applied to the
+            stash; :mod:`opacus_rc.grad_sample.norms`). Embeddings, and the embedding side of a
+            tied weight, keep their ids and output gradient. The stash is then at most ``B``
+            copies of the trainable weights: negligible at long ``T`` (30 SmolLM2 blocks, T =
+            32768: 1.00x the checkpointed non-private step's peak memory), but at short ``T``
+            it can dominate a checkpointed step (T = 512: 1.34-1.51x), where ``False`` needs
+            less memory at 1.6-1.8x the FLOPs (``python -m benchmarks.long_context``). ``"always"``: every layer keeps
+            its input and output gradient, checkpointed or not (all sketched norms, more memory
+            under checkpointing). ``False``: two backward passes always. The guarantee is the
+            same in every mode (the same sketch spec is accounted).
 
     Attributes:
         sketch_spec: The :class:`~opacus_rc.sketching.SketchSpec` that every step of a module

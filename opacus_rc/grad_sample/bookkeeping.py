@@ -5,7 +5,8 @@ ICML 2023. Ghost and randomized clipping need a second backward pass of ``sum_i 
 once the clip factors ``c`` are known. Book-keeping instead keeps, during the first (only)
 pass, what each module's clipped sum needs (:class:`BookkeepingStash`): a sketched or exact
 layer with a clipped-sum function keeps its input and output gradient, a layer on Opacus'
-per-sample-gradient path keeps those per-sample gradients. :func:`write_clipped_sums` then
+per-sample-gradient path keeps those per-sample gradients, and in an activation-checkpointed
+step each layer keeps whichever of the two is smaller (:mod:`~opacus_rc.grad_sample.norms`). :func:`write_clipped_sums` then
 writes ``p.grad += sum_i c_i grad_p loss_i``, exactly what the second pass accumulates. No
 random number is drawn here: the probes of the first pass are the only ones, in both modes.
 
@@ -26,6 +27,7 @@ from opacus_rc.sketching import autocast_off
 __all__ = [
     "BookkeepingStash",
     "compute_clipped_sums",
+    "consume_weighted_sum",
     "per_sample_weighted_sum",
     "write_clipped_sums",
 ]
@@ -80,6 +82,25 @@ def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> to
         return torch.tensordot(c, grad_sample, dims=1)
 
 
+def consume_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
+    """:func:`per_sample_weighted_sum` of a stash that is used up: for ``B = 1`` the one
+    per-sample gradient is scaled in place and returned (a view of ``grad_sample``), so the
+    clipped sum takes no second copy of the stash.
+
+    Args:
+        coef: ``(B,)`` clip factors.
+        grad_sample: ``(B, *shape)`` per-sample gradients, not used afterwards by the caller.
+
+    Returns:
+        Tensor of shape ``shape``.
+    """
+    if grad_sample.shape[0] != 1:
+        return per_sample_weighted_sum(coef, grad_sample)
+    with autocast_off(grad_sample.device):
+        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
+        return grad_sample[0].mul_(c[0])
+
+
 def write_clipped_sums(
     stashes: list[BookkeepingStash],
     coef: torch.Tensor,
@@ -90,7 +111,8 @@ def write_clipped_sums(
     """Add ``sum_i coef_i grad_p loss_i`` to ``p.grad`` for every parameter of ``stashes``.
 
     Args:
-        stashes: This step's stashes (consumed by the caller).
+        stashes: This step's stashes (consumed: a ``B = 1`` per-sample-gradient stash is
+            scaled in place, :func:`consume_weighted_sum`).
         coef: ``(B,)`` clip factors of this step.
         clipped_sums: Module type -> clipped-sum function
             (:data:`~opacus_rc.grad_sample.registry.CLIPPED_SUM_FUNCTIONS`).
@@ -127,9 +149,7 @@ def compute_clipped_sums(
         for stash in stashes:
             module = stash.module
             if stash.grad_samples is not None:
-                sums = {
-                    p: per_sample_weighted_sum(coef, gs) for p, gs in stash.grad_samples.items()
-                }
+                sums = {p: consume_weighted_sum(coef, gs) for p, gs in stash.grad_samples.items()}
             else:
                 fn = clipped_sums[type(module)]
                 assert stash.backprops is not None and stash.activations is not None
@@ -144,6 +164,10 @@ def compute_clipped_sums(
                         f"{'no tensor' if g is None else f'shape {tuple(g.shape)}'} for "
                         f"parameter '{name_of(p)}' of shape {tuple(p.shape)}"
                     )
-                # A weight tied between two modules (tied.py) gets both modules' sums.
-                out[p] = out[p] + g.to(out[p]) if p in out else g
+                # A weight tied between two modules (tied.py) gets both modules' sums, added
+                # in place (the first may be a B = 1 stash scaled in place: no second copy).
+                if p in out:
+                    out[p].add_(g.to(out[p]))
+                else:
+                    out[p] = g
     return out

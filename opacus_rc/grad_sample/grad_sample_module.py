@@ -19,6 +19,16 @@ each:
 * :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable parameters,
   parameters used outside their module's forward.
 
+Book-keeping policy (``RandomizedClippingConfig.bookkeeping``): ``True`` (default) runs one
+backward pass per step wherever every route supports it and the model is not distributed, with
+activation checkpointing too (HF ``gradient_checkpointing_enable()``, either ``use_reentrant``,
+or ``torch.utils.checkpoint``): in a checkpointed step each ``nn.Linear`` keeps whichever is
+smaller for its clipped sum, its per-sample gradients (``p d + p`` floats per sample; its norm
+is then exact) or its input and output gradient (``T (p + d)``), so the stored tensors do not
+undo checkpointing's memory saving (:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied
+weight's embedding side keep their ids and output gradient. ``"always"`` keeps every layer's
+input and output gradient, checkpointed or not; ``False`` runs two backward passes.
+
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
 caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
@@ -61,7 +71,7 @@ from opacus_rc.grad_sample.checks import (
     strip_grad_sample_hooks,
 )
 from opacus_rc.grad_sample.distributed import ReducerOff
-from opacus_rc.grad_sample.norms import ModuleNorms
+from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     EXACT_NORM_TYPES,
@@ -150,10 +160,13 @@ class _RandomizedClippingMixin:
     CLIPPED_SUM_FUNCTIONS: dict[type[nn.Module], ClippedSumFunction] = CLIPPED_SUM_FUNCTIONS
     #: Types of SKETCHED_NORM_SAMPLERS whose sampler is exact.
     EXACT_NORM_TYPES: set[type[nn.Module]] = EXACT_NORM_TYPES
+    #: Per-sample gradient functions a checkpointed book-keeping step may stash, by exact type.
+    STASH_GRAD_SAMPLERS: dict[type[nn.Module], Any] = STASH_GRAD_SAMPLERS
 
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
     _step_bookkeeping: bool = False
+    _step_smaller_stash: bool = False
     _distributed: bool = False
     _reducer_off: ReducerOff | None = None
     #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
@@ -249,6 +262,7 @@ class _RandomizedClippingMixin:
                 generator_for=self.generator_for,
                 tied=self._tied,
                 name_of=self._name_of,
+                stash_grad_samplers=self.STASH_GRAD_SAMPLERS,
             )
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
@@ -272,6 +286,7 @@ class _RandomizedClippingMixin:
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
             self._step_bookkeeping = self._bookkeeping
+            self._step_smaller_stash = False
             self._step_checkpointed = False
             self._told_checkpointing = False
         except BaseException:
@@ -356,9 +371,11 @@ class _RandomizedClippingMixin:
         """Whether steps can use book-keeping (one backward pass) rather than two passes.
 
         ``True`` only if book-keeping was requested and every trainable module supports it
-        (decided at construction; under DDP/DPDDP too). A step whose forward ran
-        activation-checkpointed regions takes two passes unless ``bookkeeping="always"``
-        (:attr:`step_bookkeeping`).
+        (decided at construction; under DDP/DPDDP and FSDP2 too). Activation-checkpointed steps
+        use it too: with ``bookkeeping=True`` each layer then keeps the smaller of its
+        per-sample gradients and its input and output gradient (:attr:`step_smaller_stash`,
+        :mod:`~opacus_rc.grad_sample.norms`); ``bookkeeping="always"`` keeps the inputs and
+        output gradients everywhere.
         """
         return self._bookkeeping
 
@@ -367,6 +384,15 @@ class _RandomizedClippingMixin:
         """Whether the current step uses book-keeping (decided when its private backward
         starts, :meth:`check_parameter_uses`)."""
         return self._step_bookkeeping
+
+    @property
+    def step_smaller_stash(self) -> bool:
+        """Whether the current step's layers keep the smaller of their per-sample gradients and
+        their input and output gradient: a book-keeping step whose forward ran activation-
+        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`step_bookkeeping`).
+        Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
+        D: the step is accounted with the same sketch spec)."""
+        return self._step_smaller_stash
 
     # ------------------------------------------------------------------------------------------
     # Construction-time decisions
@@ -454,15 +480,19 @@ class _RandomizedClippingMixin:
             self.discard_recorded()
             raise
         checkpointed = self._step_checkpointed or self._full_first_pass
-        self._step_bookkeeping = self._bookkeeping and (
-            self._config.bookkeeping == "always" or not checkpointed
+        self._step_bookkeeping = self._bookkeeping
+        # Checkpointed: each layer keeps the smaller of its per-sample gradients and its input
+        # and output gradient (norms.py), unless bookkeeping="always" (inputs everywhere).
+        self._step_smaller_stash = (
+            self._bookkeeping and checkpointed and self._config.bookkeeping is True
         )
-        if self._bookkeeping and not self._step_bookkeeping and not self._told_checkpointing:
+        if self._step_smaller_stash and not self._told_checkpointing:
             self._told_checkpointing = True
             logger.info(
-                "activation checkpointing: two backward passes per step (book-keeping would "
-                "keep every layer's input and output gradient until the clip factors exist); "
-                "pass bookkeeping='always' for one pass"
+                "activation checkpointing: one backward pass; each layer keeps the smaller of "
+                "its per-sample gradients (then its norm is exact) and its input and output "
+                "gradient for the clipped sum; bookkeeping='always' keeps the inputs everywhere, "
+                "bookkeeping=False takes two passes"
             )
 
     def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
@@ -640,6 +670,7 @@ class _RandomizedClippingMixin:
                 self._trainable.check()
                 self._step_checkpointed = False
                 self._step_bookkeeping = self._bookkeeping
+                self._step_smaller_stash = False
                 if self._tied is not None:
                     self._tied.clear()
             self._step.on_forward()
@@ -753,6 +784,7 @@ class _RandomizedClippingMixin:
             backprops,
             step=self.step_state,
             bookkeeping=self._step_bookkeeping,
+            smaller_stash=self._step_smaller_stash,
         )
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len

@@ -12,6 +12,26 @@ clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.step.StepState`:
 * ghost: Opacus' norm sampler;
 * grad sampler or functorch: Opacus' per-sample gradients, accumulated over repeated uses (RNNs),
   the norm taken at a parameter's last use; with book-keeping the per-sample gradients are kept.
+
+**The stash of an activation-checkpointed step** (``smaller_stash=True``, set by the grad-sample
+module when book-keeping runs in a step whose forward was checkpointed and ``bookkeeping`` is
+``True``). A layer's clipped sum needs either its input ``A`` and output gradient ``G``
+(``T (p + d)`` floats per sample for an ``nn.Linear`` with weight ``p x d``) or its per-sample
+gradients (``p d + p`` floats per sample). Without checkpointing ``A`` is held by autograd anyway,
+but under checkpointing keeping it undoes what checkpointing freed. So each layer whose type has
+a per-sample gradient function (:data:`STASH_GRAD_SAMPLERS`) keeps whichever is smaller
+(:func:`prefers_grad_sample_stash`: the per-layer choice of the hybrid book-keeping of Bu, Wang,
+Zha and Karypis, ICML 2023, implemented in fastDP, which compares the costs of the ghost norm
+and of per-sample gradients, ``2 T^2`` against ``p d``; here the sizes of the two stashes are
+compared). Where it keeps per-sample gradients, a sketched layer's norms are their exact Frobenius
+norms (no probe is drawn): exact parts inside a sketched step never worsen the accounted
+envelope (docs/privacy/envelope.md#envelope-lemma-d, Lemma D, for any exact share ``a``), so the
+step is accounted with the module's sketch spec unchanged. The choice depends on shapes only,
+never on values or probes, and costs no host synchronisation. A tied weight's head keeps its
+joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes its per-sample
+gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
+``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)`` floats per sample, which is
+smaller than ``V d`` at every practical ``T`` anyway.
 """
 
 from __future__ import annotations
@@ -25,13 +45,75 @@ from opacus.grad_sample.grad_sample_module import (
     create_or_accumulate_grad_sample,
     promote_current_grad_sample,
 )
+from opacus.grad_sample.linear import compute_linear_grad_sample
 from torch import nn
 
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
 from opacus_rc.grad_sample.step import StepState
+from opacus_rc.sketching import autocast_off
 
-__all__ = ["ModuleNorms"]
+__all__ = [
+    "STASH_GRAD_SAMPLERS",
+    "ModuleNorms",
+    "exact_norms_of_grad_samples",
+    "prefers_grad_sample_stash",
+]
+
+#: Module type -> per-sample gradient function ``fn(layer, activations, backprops) -> {param:
+#: (B, *param.shape)}`` (Opacus' grad-sampler signature) that a checkpointed book-keeping step
+#: may stash instead of the layer's input and output gradient (see the module docstring). Only
+#: types whose function gives exactly autograd's per-sample gradient belong here (Opacus'
+#: ``nn.Embedding`` sampler counts the ``padding_idx`` row, so ``nn.Embedding`` is not listed).
+#: Lookup is by exact type.
+STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torch.Tensor]]] = {
+    nn.Linear: compute_linear_grad_sample,
+}
+
+#: Routes whose clipped sum may come from a per-sample-gradient stash in a checkpointed step.
+_MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)
+
+
+def prefers_grad_sample_stash(
+    params: tuple[nn.Parameter, ...], activations: list[Any], backprops: torch.Tensor
+) -> bool:
+    """Whether a layer's per-sample gradients are no larger than its input and output gradient.
+
+    Per sample, the per-sample gradients of ``params`` hold ``sum_p numel(p)`` floats (``p d + p``
+    for an ``nn.Linear``), the stash of the clipped-sum function ``numel(A_i) + numel(G_i)``
+    (``T (d + p)``): the per-layer choice of fastDP's hybrid book-keeping (Bu et al., ICML
+    2023) applied to the stash sizes. Shapes only: no host synchronisation.
+
+    Args:
+        params: The layer's trainable parameters.
+        activations: Its forward inputs, batch first (non-tensors count nothing).
+        backprops: Its output gradient, ``(B, ..., p)``.
+
+    Returns:
+        True if the per-sample gradients are the smaller (or equal) stash; False for ``B = 0``.
+    """
+    batch = backprops.shape[0] if backprops.dim() > 0 else 0
+    if batch == 0:
+        return False
+    grads = sum(p.numel() for p in params)
+    inputs = sum(a.numel() for a in activations if isinstance(a, torch.Tensor))
+    return grads * batch <= inputs + backprops.numel()
+
+
+def exact_norms_of_grad_samples(
+    grad_samples: Mapping[nn.Parameter, torch.Tensor],
+) -> dict[nn.Parameter, torch.Tensor]:
+    """``{param: (B,) Frobenius norm}`` of per-sample gradients, accumulated in float64.
+
+    Returned in at least float32 (float64 for float64 gradients), like the sketched samplers.
+    """
+    out = {}
+    with autocast_off(next(iter(grad_samples.values())).device if grad_samples else "cpu"):
+        for p, gs in grad_samples.items():
+            dtype = torch.promote_types(gs.dtype, torch.float32)
+            norm = torch.linalg.vector_norm(gs.reshape(len(gs), -1), dim=1, dtype=torch.float64)
+            out[p] = norm.to(dtype)
+    return out
 
 
 class ModuleNorms:
@@ -46,6 +128,8 @@ class ModuleNorms:
         generator_for: Device -> the sketch generator for tensors on it.
         tied: The tied-weight sketches (:class:`~opacus_rc.grad_sample.tied.TiedSketches`).
         name_of: Qualified name of a module or parameter (for errors).
+        stash_grad_samplers: Type -> per-sample gradient function a checkpointed step may stash
+            (default :data:`STASH_GRAD_SAMPLERS`).
     """
 
     def __init__(
@@ -59,7 +143,11 @@ class ModuleNorms:
         generator_for: Callable[[torch.device], torch.Generator],
         tied: Any,
         name_of: Callable[[Any], str],
+        stash_grad_samplers: Mapping[type, Callable[..., Any]] | None = None,
     ) -> None:
+        self._stash_grad_samplers = (
+            STASH_GRAD_SAMPLERS if stash_grad_samplers is None else stash_grad_samplers
+        )
         self._sketched = sketched
         self._grad_samplers = grad_samplers
         self._norm_samplers = norm_samplers
@@ -79,6 +167,7 @@ class ModuleNorms:
         *,
         step: StepState,
         bookkeeping: bool,
+        smaller_stash: bool = False,
     ) -> None:
         """Record the norms (and, with book-keeping, the stash) of this use of ``module``.
 
@@ -90,6 +179,9 @@ class ModuleNorms:
             backprops: Its output gradient, ``(B, ..., p)``, rescaled to per-sample losses.
             step: The step state the norms go into.
             bookkeeping: Whether this step keeps tensors for the clipped sum.
+            smaller_stash: With book-keeping, keep the per-sample gradients instead of the
+                input and output gradient where they are smaller (an activation-checkpointed
+                step; see the module docstring).
 
         Raises:
             RuntimeError: If a sampler gives no norm for one of ``params``.
@@ -98,8 +190,51 @@ class ModuleNorms:
             self._from_grad_samples(
                 module, route, params, activations, backprops, step, bookkeeping
             )
+        elif (
+            bookkeeping
+            and smaller_stash
+            and params
+            and route.path in _MIXED_STASH_PATHS
+            and type(module) in self._stash_grad_samplers
+            and prefers_grad_sample_stash(params, activations, backprops)
+        ):
+            self._sampled_with_grad_samples(module, route, params, activations, backprops, step)
         else:
             self._sampled(module, route, params, activations, backprops, step, bookkeeping)
+
+    def _sampled_with_grad_samples(
+        self,
+        module: nn.Module,
+        route: NormRoute,
+        params: tuple[nn.Parameter, ...],
+        activations: list[torch.Tensor],
+        backprops: torch.Tensor,
+        step: StepState,
+    ) -> None:
+        """Book-keeping with the per-sample-gradient stash (a checkpointed step).
+
+        A sketched layer's norms are the exact norms of its per-sample gradients (no probe is
+        drawn); a tied head's norm is still the joint sketch of the shared weight. The
+        per-sample gradients are computed with autocast off, in the output gradient's dtype (as
+        the clipped-sum function's product and autograd's weight gradient).
+        """
+        with autocast_off(backprops.device):
+            grad_samples = self._stash_grad_samplers[type(module)](module, activations, backprops)
+        grad_samples = {p: grad_samples[p].detach() for p in params if p in grad_samples}
+        if route.path is NormPath.TIED:
+            self._sampled(module, route, params, activations, backprops, step, False)
+        else:
+            missing = [p for p in params if p not in grad_samples]
+            if missing:
+                raise RuntimeError(
+                    f"the per-sample gradient function for '{self._name_of(module)}' "
+                    f"({type(module).__name__}) returned nothing for {len(missing)} trainable "
+                    "parameter(s); it must cover every trainable parameter of its module"
+                )
+            for p in params:
+                p._forward_counter -= 1
+            step.record_norms(exact_norms_of_grad_samples(grad_samples))
+        step.stash(BookkeepingStash(module, tuple(grad_samples), grad_samples=grad_samples))
 
     def _sampled(
         self,
