@@ -607,6 +607,16 @@ class _RandomizedClippingMixin:
         self.discard_recorded()
         self.step_state.fail()
 
+    def _drop_after_hook_error(self) -> None:
+        """A hook is about to raise: inside a backward (the recomputed forward of a checkpointed
+        region) gradients may already have been accumulated, so the step fails
+        (:meth:`abort_step`); in a forward nothing reached a gradient yet, so only the records
+        are dropped (:meth:`discard_recorded`)."""
+        if in_backward():
+            self.abort_step()
+        else:
+            self.discard_recorded()
+
     def discard_recorded(self) -> None:
         """Drop the activations and forward counters Opacus stored, and this step's records."""
         for sub in self._module.modules():  # type: ignore[attr-defined]
@@ -692,10 +702,10 @@ class _RandomizedClippingMixin:
             else:
                 super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
-            self.discard_recorded()
+            self._drop_after_hook_error()
             raise self._reuse_error(module) from err
         except AttributeError:
-            self.discard_recorded()
+            self._drop_after_hook_error()
             self._trainable.check()  # a parameter Opacus never saw: the clear error
             raise
         if not recording or not hasattr(module, "activations"):
@@ -705,7 +715,7 @@ class _RandomizedClippingMixin:
             and route.path in _NORM_SAMPLED
             and any(p._forward_counter > 1 for _, p in trainable_parameters(module))
         ):
-            self.discard_recorded()
+            self._drop_after_hook_error()
             raise self._reuse_error(module)
         # Index inputs expanded over the batch (position_ids.expand(B, -1), the fix for Opacus
         # issue 841) are non-contiguous; Opacus' Embedding norm sampler calls .view() on them.
@@ -757,7 +767,7 @@ class _RandomizedClippingMixin:
         if not params and not getattr(module, "activations", None):
             return  # every parameter frozen since make_private: no gradient, no norm needed
         if not getattr(module, "activations", None):
-            self.discard_recorded()
+            self.abort_step()  # in a backward: gradients may already hold unclipped parts
             raise self._no_activations_error(module)
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding

@@ -276,6 +276,30 @@ def test_eval_mode_after_make_private_raises_naming_the_module() -> None:
     assert_refused_then_recovers(engine, module, opt, crit, model)
 
 
+def test_a_failed_hooked_backward_after_the_clipped_one_refuses_the_step() -> None:
+    """After a clipped backward, a second backward of an eval-mode forward (no inputs recorded)
+    raises in the hook, after autograd may already have added its unclipped gradient to
+    ``p.grad``. The step must then be refused, not released with the first backward's factors:
+    the hook used to drop only the records (the phase stayed "applied" and ``step()`` went
+    through); now it fails the step."""
+    model = SeqMLP()
+    engine, module, opt, crit, _ = private(model)
+    x, y = batch()
+    crit(module(x), y).backward()
+    module.eval()
+    with pytest.raises(RuntimeError, match=r"is in eval mode"):
+        module(x).sum().backward()
+    module.train()
+    steps, theta = len(engine.accountant), params(model)
+    with pytest.raises(RuntimeError, match="no step is taken and nothing is accounted"):
+        opt.step()
+    assert len(engine.accountant) == steps and torch.equal(params(model), theta)
+    opt.zero_grad()
+    crit(module(x), y).backward()
+    opt.step()
+    assert len(engine.accountant) == steps + 1
+
+
 # --------------------------------------------------------------------------------------------
 # a module used twice: exact-path modules sum their per-sample gradients over uses
 # --------------------------------------------------------------------------------------------
