@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import sys
 import warnings
 from datetime import timedelta
@@ -25,6 +24,18 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import DataLoader, TensorDataset
+from worker_common import (  # noqa: E402  (the script's folder)
+    CLASSES,
+    WORLD,
+    B,
+    D,
+    FlatMLP,
+    SeqMLP,
+    T,
+    free_port,
+    gather,
+    global_batch,
+)
 
 import opacus_rc  # noqa: F401  (registers the "rc" accountant)
 from opacus_rc.accountants import RCAccountant
@@ -38,44 +49,11 @@ from opacus_rc.optimizers import (
 )
 from opacus_rc.privacy_engine import PrivacyEngine
 
-WORLD = 2
-D, H, CLASSES, T = 5, 6, 3, 4
-B = 8  # global batch; each rank gets B / WORLD rows
-
-
-class FlatMLP(nn.Module):
-    """Rank-2 inputs: exact norms, so DDP and one process compare exactly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(D, H)
-        self.lin2 = nn.Linear(H, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin2(torch.tanh(self.lin1(x)))
-
-
-class SeqMLP(FlatMLP):
-    """Rank-3 inputs: sketched norms."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).mean(1)
-
-
-def global_batch(seq: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = 3 * torch.randn((B, T, D) if seq else (B, D), generator=g)
-    return x, torch.randint(0, CLASSES, (B,), generator=g)
+H = 6
 
 
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.zeros_like(t) for _ in range(WORLD)]
-    dist.all_gather(out, t.contiguous())
-    return out
 
 
 def rc_pieces(model: nn.Module, *, distributed: bool, C: float, sigma: float, reduction: str,
@@ -109,7 +87,7 @@ def scenario_parity_exact(
     """sigma = 0, exact norms, clipping active: 2 steps under DDP == 1 process, global batch
     (book-keeping: each rank's one-pass clipped sum, all-reduced once; or two passes)."""
     torch.manual_seed(0)
-    base = FlatMLP()
+    base = FlatMLP(H)
     C = 0.5
     gsm, opt, crit = rc_pieces(
         wrapper(copy.deepcopy(base)),
@@ -161,7 +139,7 @@ def scenario_parity_sketched(rank: int, wrapper: type, *, bookkeeping: bool) -> 
     is through the formula above, evaluated with this run's own n_hat (exact in the clipping
     step, the only random part being n_hat itself)."""
     torch.manual_seed(1)
-    base = SeqMLP()
+    base = SeqMLP(H)
     C = 0.5
     gsm, opt, crit = rc_pieces(
         wrapper(copy.deepcopy(base)),
@@ -331,7 +309,7 @@ def scenario_engine(rank: int) -> dict[str, Any]:
     distributed optimizer, per-rank expected batch size; each rank's accountant counts each
     step once and reports the single-process epsilon; the ranks stay in sync."""
     torch.manual_seed(3)
-    model = DPDDP(SeqMLP())
+    model = DPDDP(SeqMLP(H))
     g = torch.Generator().manual_seed(4)
     data = TensorDataset(
         torch.randn(32, T, D, generator=g), torch.randint(0, 3, (32,), generator=g)
@@ -372,7 +350,7 @@ def scenario_batch_memory_manager(rank: int) -> dict[str, Any]:
     they meet at every logical step (no deadlock, no misaligned all-reduce), stay in sync, and
     each accountant counts one step per logical batch."""
     torch.manual_seed(6)
-    model = DPDDP(SeqMLP())
+    model = DPDDP(SeqMLP(H))
     g = torch.Generator().manual_seed(8)
     data = TensorDataset(
         torch.randn(24, T, D, generator=g), torch.randint(0, 3, (24,), generator=g)
@@ -419,7 +397,7 @@ def scenario_failure_on_one_rank(rank: int) -> dict[str, Any]:
     and both continue with the next batch."""
     torch.manual_seed(5)
     gsm, opt, crit = rc_pieces(
-        DPDDP(SeqMLP()), distributed=True, C=1.0, sigma=1.0, reduction="mean"
+        DPDDP(SeqMLP(H)), distributed=True, C=1.0, sigma=1.0, reduction="mean"
     )
     hook_calls: list[int] = []
     opt.attach_step_hook(lambda o: hook_calls.append(1))
@@ -478,12 +456,6 @@ def run(rank: int, port: int, out: str) -> None:
                 json.dump(results, f, indent=1)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import os
-import socket
 import sys
 import warnings
 from datetime import timedelta
@@ -24,6 +23,17 @@ import torch.multiprocessing as mp
 from opacus.utils.fsdp_utils import FSDP2Wrapper
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from worker_common import (  # noqa: E402  (the script's folder)
+    WORLD,
+    B,
+    D,
+    FlatMLP,
+    SeqMLP,
+    T,
+    free_port,
+    gather,
+    global_batch,
+)
 
 import opacus_rc  # noqa: F401  (registers the "rc" accountant)
 from opacus_rc.accountants import RCAccountant
@@ -37,35 +47,8 @@ from opacus_rc.optimizers import (
 )
 from opacus_rc.privacy_engine import PrivacyEngine
 
-WORLD = 2
-D, H, CLASSES, T = 5, 7, 3, 4  # H odd: FSDP2 pads the uneven shards of lin1
-B = 8  # global batch; each rank gets B / WORLD rows
+H = 7  # H odd: FSDP2 pads the uneven shards of lin1
 LR = 0.5
-
-
-class FlatMLP(nn.Module):
-    """Rank-2 inputs: exact norms, so FSDP and one process compare exactly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(D, H)
-        self.lin2 = nn.Linear(H, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin2(torch.tanh(self.lin1(x)))
-
-
-class SeqMLP(FlatMLP):
-    """Rank-3 inputs: sketched norms."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).mean(1)
-
-
-def global_batch(seq: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = 3 * torch.randn((B, T, D) if seq else (B, D), generator=g)
-    return x, torch.randint(0, CLASSES, (B,), generator=g)
 
 
 def full(model: nn.Module) -> torch.Tensor:
@@ -76,12 +59,6 @@ def full(model: nn.Module) -> torch.Tensor:
             for p in model.parameters()
         ]
     )
-
-
-def gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.zeros_like(t) for _ in range(WORLD)]
-    dist.all_gather(out, t.contiguous())
-    return out
 
 
 ORDER = torch.cat([torch.arange(r, B, WORLD) for r in range(WORLD)])
@@ -132,7 +109,7 @@ def single_pieces(base: nn.Module, *, C: float, sigma: float, reduction: str = "
 def scenario_parity_exact(rank: int, *, reduction: str, bookkeeping: bool) -> dict[str, Any]:
     """sigma = 0, exact norms, clipping active: 2 FSDP2 steps == 1 process on the global batch."""
     torch.manual_seed(0)
-    base = FlatMLP()
+    base = FlatMLP(H)
     C = 0.5
     gsm, opt, crit = fsdp_pieces(base, C=C, sigma=0.0, reduction=reduction, bookkeeping=bookkeeping)
     clipped = 0
@@ -186,7 +163,7 @@ def scenario_parity_sketched(rank: int, *, bookkeeping: bool) -> dict[str, Any]:
     runs' c_i known). A wrong clip factor (e.g. a world-size factor in n_hat) breaks it.
     """
     torch.manual_seed(1)
-    base = SeqMLP()
+    base = SeqMLP(H)
     C = 0.5
     x, y = global_batch(True, 5)
     g = _per_sample_grads(base, x[ORDER], y[ORDER])
@@ -279,7 +256,7 @@ def scenario_engine(rank: int) -> dict[str, Any]:
     each rank, the single-process epsilon; a rank with an empty batch stays in step (its
     collectives line up, the ranks' parameters stay identical)."""
     torch.manual_seed(3)
-    model = FSDP2Wrapper(SeqMLP())
+    model = FSDP2Wrapper(SeqMLP(H))
     g = torch.Generator().manual_seed(4)
     data = TensorDataset(
         torch.randn(16, T, D, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -334,7 +311,7 @@ def scenario_engine(rank: int) -> dict[str, Any]:
 
 def scenario_denoise_refused(rank: int) -> dict[str, Any]:
     """denoise= under FSDP2 is refused before any hook is attached."""
-    model = FSDP2Wrapper(SeqMLP())
+    model = FSDP2Wrapper(SeqMLP(H))
     data = TensorDataset(torch.randn(8, T, D), torch.randint(0, 3, (8,)))
     try:
         PrivacyEngine().make_private(
@@ -382,12 +359,6 @@ def run(rank: int, port: int | None, out: str) -> None:
                 json.dump(results, f, indent=1)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
