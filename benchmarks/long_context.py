@@ -729,7 +729,7 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         parts += ["## Floors (issue 13)", "", "| requirement | value | bound | result | status |"]
         parts.append("|---|---|---|---|---|")
         for c in crit:
-            value = "" if c["value"] is None else f"{c['value']:.3g}"
+            value = "" if c["value"] is None else f"{c['value']:.3f}"
             status = f"FAILED [{codes[c['status']]}]" if c["status"] in codes else c["status"]
             parts.append(
                 f"| {c['requirement']} | {value} | {c['bound']} | "
@@ -997,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
     crit = write()
     plot(rows, cfg, out / f"{stem}.png")
     for c in crit:
-        value = "n/a" if c["value"] is None else f"{c['value']:.3g}"
+        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         print(f"{'PASS' if c['passed'] else 'FAIL'} {c['requirement']}: {value} ({c['status']})")
     print(f"wrote {out / stem}.csv, .md, .png")
     return 0
