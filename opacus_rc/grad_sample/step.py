@@ -118,7 +118,33 @@ class StepState:
             self.phase = StepPhase.RECORDED
 
     def record_norms(self, norms: dict[nn.Parameter, torch.Tensor]) -> None:
-        """Store per-sample norms ``{param: (B,) tensor}`` computed by a backward hook."""
+        """Store per-sample norms ``{param: (B,) tensor}`` computed by a backward hook.
+
+        Each parameter gets its norm once per step: a module whose uses are summed (Opacus'
+        per-sample-gradient path) records it at its last use, a tied weight at its second
+        module. A second record means the module ran more than once where no forward-time
+        check could see it (once in each of two activation-checkpointed segments: every
+        recomputation then looks like a single use), and the later norm would silently replace
+        the norm of the summed gradient. The step fails instead.
+
+        Raises:
+            NotImplementedError: If a parameter of ``norms`` already has a norm in this step
+                (the step is failed first: ``step()`` refuses until ``zero_grad()``).
+        """
+        again = [p for p in norms if p in self._norms]
+        if again:
+            names = [self._name_of(p) for p in again[:5]]
+            self.fail()
+            raise NotImplementedError(
+                f"the per-sample norm of {names} was computed twice in one step: its module ran "
+                "more than once before the backward pass, e.g. once in each of two "
+                "activation-checkpointed segments (torch.utils.checkpoint), where the "
+                "recomputed forwards each look like a single use, so the uses cannot be combined. "
+                "Use separate modules, or put every use of a shared module in one checkpointed "
+                "segment or outside checkpointing (there a sketched module used twice is "
+                "refused at the forward pass, and an exactly normed one has its per-sample "
+                "gradients summed over its uses)."
+            )
         self._norms.update(norms)
         if self.phase is not StepPhase.FAILED:
             # A hooked backward after factors were issued invalidates them (step() refuses).

@@ -48,6 +48,7 @@ from opacus_rc.grad_sample.bookkeeping import (
 )
 from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
 from opacus_rc.grad_sample.routing import NormPath
+from opacus_rc.grad_sample.step import StepPhase
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 
 transformers = pytest.importorskip("transformers")
@@ -543,3 +544,58 @@ def test_checkpointed_forward_keeps_no_activations() -> None:
     assert all(not getattr(m, "activations", None) for m in inside)
     assert len(model.head.activations) == 1 and len(model.inp.activations) == 1
     gsm.cleanup()
+
+
+class _SharedAcrossSegments(nn.Module):
+    """One ``nn.Linear`` called once in each of two checkpointed segments (weight sharing)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def segment(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch_checkpoint.checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_module_shared_across_checkpointed_segments_is_refused(
+    bookkeeping: bool, reentrant: bool
+) -> None:
+    """Each recomputed segment looks like one use of ``shared``, so no forward-time check sees
+    the reuse; its norm used to be recorded once per segment, the later replacing the earlier
+    (a new-user test: n_hat 0.81 against the true 0.89, and with two passes a released clipped
+    gradient of norm 0.55 at C = 0.5). Now the second record fails the step: backward raises,
+    step() refuses and changes nothing, zero_grad() resets the step."""
+    torch.manual_seed(0)
+    model = _SharedAcrossSegments(reentrant).train()
+    gsm = GradSampleModuleRandomizedClipping(
+        model, max_grad_norm=0.5, sketch_dim=16, bookkeeping=bookkeeping
+    )
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.1),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        max_grad_norm=0.5,
+        expected_batch_size=3,
+    )
+    crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+    x, y = torch.randn(3, 12, 8), torch.tensor([0, 1, 0])
+    with pytest.raises(NotImplementedError, match="computed twice in one step"):
+        crit(gsm(x), y).backward()
+    theta = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="no step is taken and nothing is accounted"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(theta, model.parameters(), strict=True))
+    assert gsm.step_state.phase is StepPhase.FAILED
+    opt.zero_grad()
+    assert gsm.step_state.phase is StepPhase.IDLE
