@@ -44,6 +44,7 @@ from typing import Any
 import opacus
 import torch
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
+from opacus.data_loader import DPDataLoader
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
@@ -580,7 +581,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
-        if not opacus_options["poisson_sampling"]:
+        if not opacus_options["poisson_sampling"] and not isinstance(
+            opacus_options.get("data_loader"), DPDataLoader
+        ):
+            # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
+            # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.
             warnings.warn(_NO_POISSON_WARNING, UserWarning, stacklevel=3)
         clipping = opacus_options["clipping"]
         if clipping != "randomized":

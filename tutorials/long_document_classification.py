@@ -74,6 +74,7 @@ import rc_models  # noqa: E402  (the packaged SmolLM2 weights)
 import opacus_rc  # noqa: E402, F401  (registers the "rc" accountant in Opacus)
 from opacus_rc import PrivacyEngine  # noqa: E402
 from opacus_rc.grad_sample.routing import NormPath  # noqa: E402
+from opacus_rc.optimizers import RandomizedClipOptimizer  # noqa: E402
 
 # Opacus warns on every two-pass backward and about the non-cryptographic noise RNG; neither
 # matters for this example (pass secure_mode=True to PrivacyEngine for a real deployment).
@@ -563,7 +564,15 @@ def batch_generator(args: argparse.Namespace) -> torch.Generator:
 
 
 def noise_only_step(optimizer) -> None:
-    """An empty Poisson batch: no document, but the step is still noised and accounted."""
+    """An empty Poisson batch: no document, but the step is still noised and accounted.
+
+    The model cannot run on zero documents (its attention reshapes by the batch size).
+    Randomized clipping's optimizer has a step for exactly this
+    (``RandomizedClipOptimizer.noise_only_step``: its step protocol refuses gradients that no
+    clipped backward produced); Opacus' optimizers noise the zero gradients set here."""
+    if isinstance(optimizer, RandomizedClipOptimizer):
+        optimizer.noise_only_step()
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:

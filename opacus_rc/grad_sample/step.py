@@ -342,6 +342,28 @@ class StepState:
         self._ready = None
         self.phase = StepPhase.APPLIED
 
+    def mark_empty_batch(self) -> None:
+        """An empty batch without a forward pass: the clipped sum of no sample is zero.
+
+        Moves IDLE to APPLIED with no parameter clipped, so ``step()`` noises zero gradients
+        and accounts the step, as it does after the forward and backward of a ``B = 0`` batch.
+
+        Raises:
+            StepProtocolError: If the step is not idle (something was recorded, clip factors
+                were issued or applied, or the last backward failed): the batch was not empty,
+                or ``zero_grad()`` was not called.
+        """
+        if self.phase is not StepPhase.IDLE:
+            raise StepProtocolError(
+                f"an empty-batch step was requested in phase {self.phase.value!r}: it must "
+                "replace the batch's forward and backward (call optimizer.zero_grad() first, "
+                "and do not run the model on the batch)"
+            )
+        self._clear_records()
+        self.per_sample_gradient_norms = torch.zeros(0, dtype=torch.float64)
+        self._clipped = frozenset()
+        self.phase = StepPhase.APPLIED
+
     def fail(self) -> None:
         """A private backward failed: drop everything stored; ``step()`` refuses until consumed."""
         self._clear_records()

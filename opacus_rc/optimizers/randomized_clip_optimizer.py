@@ -212,6 +212,34 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
             )
 
+    def noise_only_step(self, closure: Any = None) -> Any:
+        """The step of an empty Poisson batch, for a model that cannot run on ``B = 0``.
+
+        Poisson sampling draws an empty batch with probability ``(1 - q)^N``; the step must
+        still be taken, noised and accounted (docs/privacy/mechanism.md: an empty batch is a
+        noise-only step), and a model that takes ``B = 0`` does this through its forward and
+        backward. Many cannot (Hugging Face attention reshapes with ``view(B, T, -1, ...)``):
+        call this instead of the forward, backward and ``step()``. Every gradient is the clipped
+        sum of no sample, zero, so each parameter gets ``N(0, sigma^2 C^2)`` noise, scaled as
+        Opacus scales it (by ``expected_batch_size`` under ``loss_reduction="mean"``), and the
+        accountant counts one step. Any ``.grad`` the parameters hold is dropped. In a
+        distributed run every rank must instead run its forward and backward (FSDP2's
+        collectives need them; docs/distributed.md).
+
+        Args:
+            closure: Passed to the wrapped optimizer's ``step``.
+
+        Returns:
+            What ``step()`` returns.
+
+        Raises:
+            StepProtocolError: If a forward or backward ran since the last step (see
+                :meth:`~opacus_rc.grad_sample.step.StepState.mark_empty_batch`).
+        """
+        self._step_state.mark_empty_batch()
+        self.discard_gradients()
+        return self.step(closure)
+
     def pre_step(self, closure: Any = None) -> bool | None:
         """:meth:`check_step_allowed`, then Opacus' accumulation, noise, scaling and hooks.
 

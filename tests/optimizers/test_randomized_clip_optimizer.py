@@ -224,3 +224,36 @@ def test_parameter_without_gradient_is_still_noised() -> None:
     before = model.unused.weight.detach().clone()
     params_after_one_step(gsm, crit, opt, *data(0))
     assert not torch.equal(model.unused.weight, before)
+
+
+def test_noise_only_step_of_an_empty_batch_is_noised_and_accounted() -> None:
+    """An empty Poisson batch for a model that cannot run on B = 0 (a new-user test: the
+    tutorials zeroed the gradients and called step(), which the step protocol refuses). The
+    update of every coordinate is -lr * N(0, (sigma C)^2) / expected_batch_size. With
+    sigma = 2, C = 3, lr = 1, B = 8 its sd is 0.75; over the n = 92 coordinates the sample sd
+    has relative standard error 1 / sqrt(2 n) = 0.074, so 0.75 * (1 +- 0.37) is a 5-sigma
+    band. The accountant's hook runs once; a second call, or one after a backward, refuses."""
+    torch.manual_seed(0)
+    model = SeqClassifier()
+    gsm, opt, crit = rc_setup(model, max_grad_norm=3.0, sketch_dim=4, noise_multiplier=2.0, lr=1.0)
+    calls = []
+    opt.attach_step_hook(lambda o: calls.append(o.noise_multiplier))
+    theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # stale gradients are dropped, not released
+    opt.zero_grad(set_to_none=False)
+    opt.noise_only_step()
+    delta = torch.cat([p.detach().flatten() for p in model.parameters()]) - theta
+    assert calls == [2.0]
+    assert delta.numel() == 92
+    assert 0.75 * 0.63 < float(delta.std()) < 0.75 * 1.37, float(delta.std())
+    assert abs(float(delta.mean())) < 5 * 0.75 / 92**0.5
+    with pytest.raises(RuntimeError, match="No step is taken and nothing is accounted"):
+        opt.step()  # nothing new since the noise-only step
+    x, y = data(1)
+    opt.zero_grad()
+    crit(gsm(x), y).backward()
+    with pytest.raises(RuntimeError, match="empty-batch step was requested in phase"):
+        opt.noise_only_step()  # the batch was not empty: its clipped gradients are kept
+    opt.step()
+    assert calls == [2.0, 2.0]

@@ -471,6 +471,34 @@ def test_poisson_sampling_false_warns_that_the_epsilon_does_not_hold() -> None:
         private(FlatMLP())  # the default (Poisson) does not warn
 
 
+def test_poisson_sampling_false_with_a_poisson_loader_does_not_warn() -> None:
+    """A loader that is already Opacus' ``DPDataLoader`` (Poisson batches; the generative
+    tutorial shares one seeded loader between its methods) with ``poisson_sampling=False``
+    is a valid Poisson run: no warning (the second new-user test saw the warning on every
+    tutorial run). Opacus accounts it at rate 1 / len(loader) = 1 / floor(1 / q), here exactly
+    q = 0.25."""
+    from opacus.data_loader import DPDataLoader
+
+    loader = DPDataLoader.from_data_loader(DataLoader(data(), batch_size=B))
+    model = FlatMLP()
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        module, opt, crit, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=C,
+            clipping="randomized",
+            sketch_dim=8,
+            poisson_sampling=False,
+        )
+    train_all(module, opt, crit, loader)
+    assert engine.accountant.history[0][:2] == (1.0, 0.25)
+
+
 def test_runs_are_reproducible_with_seeded_generators_only() -> None:
     """meta-pytorch/opacus#692 (2024-12 comment): ghost clipping did not obey the random seed.
     With randomized clipping the probes come by default from a secret generator seeded by the

@@ -339,3 +339,30 @@ def test_norm_recorder_summary() -> None:
     assert out["sketched_share"]["mean"] == pytest.approx(2.05 / 6)
     assert (out["sketched_share"]["min"], out["sketched_share"]["max"]) == (0.0, 1.0)
     assert out["norm_mean"] == pytest.approx(11.75 / 6)
+
+
+def test_noise_only_step_of_the_job_takes_an_accounted_step_with_randomized_clipping() -> None:
+    """The job's empty-batch branch (``noise_only_step``, also used by the generative tutorial)
+    zeroed the gradients and called ``step()``, which randomized clipping's step protocol
+    refuses ("no clip factors"): the job crashed on any empty Poisson batch (new-user test).
+    Now it takes the optimizer's noise-only step: parameters move, one step is accounted."""
+    job = load_job()
+    from opacus_rc import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    engine = PrivacyEngine()
+    module, opt, crit, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=2),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        clipping="randomized",
+    )
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    job.noise_only_step(opt)
+    assert len(engine.accountant) == 1
+    assert not torch.equal(model.weight, before)
