@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from opacus.data_loader import DPDataLoader, dtype_safe, shape_safe, wrap_collate_with_empty
+from opacus.data_loader import CollateFnWithEmpty, DPDataLoader, dtype_safe, shape_safe
 from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["DistributedDPDataLoader", "DistributedPoissonSampler"]
+__all__ = ["DistributedDPDataLoader", "DistributedPoissonSampler", "RandomOnEmptyCollate"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,61 @@ class DistributedPoissonSampler(DistributedUniformWithReplacementSampler):
             yield indices[mask.nonzero(as_tuple=False).reshape(-1)]
 
 
+class RandomOnEmptyCollate(CollateFnWithEmpty):
+    """Opacus' ``CollateFnWithEmpty``, with ``rand_on_empty`` honoured from the first batch on.
+
+    Opacus' wrapper learns a batch's structure from the first non-empty batch; an empty batch
+    *before* it is returned with a zero-length batch dimension even when ``rand_on_empty=True``.
+    One process rarely meets that (``P = (1 - q)^N``), but a rank Poisson-samples only its shard
+    of ``N / world_size`` records, so with a small ``q`` its first batch is often empty: a model
+    that cannot take ``B = 0`` (an HF Llama) then crashes on the very batch ``rand_on_empty``
+    was asked to replace. This wrapper learns the structure instead from ``collate_fn`` applied
+    to the dataset's first record, and replaces it as Opacus replaces an empty batch: every
+    tensor with batch size 1 (dimension 0, or 1 if not ``batch_first``), filled with random
+    0/1 values of its dtype (``torch.randint(0, 2)``). Only the structure, shapes and dtypes of
+    that record are used (as Opacus' own first-batch fallback uses ``dataset[0]``'s shapes), not
+    its values.
+
+    Privacy: the random batch depends on no record (only on the public parameters through its
+    gradient), so the released step is still the Poisson-subsampled Gaussian mechanism and is
+    accounted as one: a data-independent term changes no sensitivity. It is a bias, not a
+    leak: the noise-only step of an empty batch becomes the noisy clipped gradient of one
+    random input (Opacus' ``rand_on_empty``).
+
+    Args:
+        collate_fn: The loader's collate function.
+        dataset: The dataset (its first record gives the structure of a random batch).
+        batch_first: Batch dimension 0 (else 1).
+        rand_on_empty: Opacus' flag; False behaves exactly as Opacus' wrapper.
+    """
+
+    def __init__(
+        self, *, collate_fn: Any, dataset: Dataset, batch_first: bool, rand_on_empty: bool
+    ) -> None:
+        super().__init__(
+            collate_fn,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+            sample_empty_shapes=[(0, *shape_safe(x)) for x in dataset[0]],
+            dtypes=[dtype_safe(x) for x in dataset[0]],
+        )
+        self._dataset = dataset
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if not batch and self.rand_on_empty and self.first_batch is None:
+            template = self.wrapped_collator_fn([self._dataset[0]])
+            return self._make_empty_batch(template)  # random, batch size 1 (Opacus)
+        return super().__call__(batch)
+
+
 class DistributedDPDataLoader(DPDataLoader):
     """``DPDataLoader(distributed=True)`` with :class:`DistributedPoissonSampler`.
 
     Build it with ``DistributedDPDataLoader.from_data_loader(loader, distributed=True, ...)``,
-    exactly as Opacus' ``DPDataLoader``; empty batches are collated by Opacus' wrapper.
+    exactly as Opacus' ``DPDataLoader``. Empty batches are collated by Opacus' wrapper; with
+    ``rand_on_empty=True`` an empty batch is replaced by a random batch of size 1 as in Opacus,
+    the first batch included (:class:`RandomOnEmptyCollate`; the random input is
+    data-independent, so the guarantee is unchanged).
 
     Raises:
         ValueError: If ``distributed`` is ``False`` (use Opacus' ``DPDataLoader``).
@@ -117,12 +167,11 @@ class DistributedDPDataLoader(DPDataLoader):
             self,
             dataset=dataset,
             batch_sampler=batch_sampler,
-            collate_fn=wrap_collate_with_empty(
+            collate_fn=RandomOnEmptyCollate(
                 collate_fn=default_collate if collate_fn is None else collate_fn,
+                dataset=dataset,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
-                sample_empty_shapes=[(0, *shape_safe(x)) for x in dataset[0]],
-                dtypes=[dtype_safe(x) for x in dataset[0]],
             ),
             generator=generator,
             **kwargs,
