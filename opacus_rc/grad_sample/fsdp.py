@@ -92,8 +92,10 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
         ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a module with trainable
             parameters of its own is not ``fully_shard``-ed itself: its parameters would belong
             to an enclosing group that may stay unsharded after forward, so the hooks would see
-            other parameter objects at forward and at backward time. Shard each such module
-            (``opacus.utils.fsdp_utils.FSDP2Wrapper`` does).
+            other parameter objects at forward and at backward time. The message names the
+            modules and their types and says to ``fully_shard`` each of them before the root
+            (Opacus' ``FSDP2Wrapper`` shards only the types Opacus has a grad sampler for, and
+            frozen modules), or to freeze them.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -106,17 +108,21 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
             "sharding its layers (or use opacus.utils.fsdp_utils.FSDP2Wrapper)"
         )
     unsharded = [
-        name or "<root>"
+        (name or "<root>", type(sub).__name__)
         for name, sub in m.named_modules()
         if any(p.requires_grad for p in sub.parameters(recurse=False))
         and not isinstance(sub, FSDPModule)
     ]
     if unsharded:
+        types = sorted({t for _, t in unsharded})
         raise ValueError(
-            f"modules {unsharded[:5]} own trainable parameters but are not fully_shard-ed "
-            "themselves; randomized clipping under FSDP2 needs each of them sharded on its own "
-            "(fully_shard(module) for each, then fully_shard(model); "
-            "opacus.utils.fsdp_utils.FSDP2Wrapper does this)"
+            f"{len(unsharded)} module(s) own trainable parameters but are not fully_shard-ed "
+            f"themselves: {[n for n, _ in unsharded[:5]]} (types {types}). Randomized clipping "
+            "under FSDP2 needs each of them sharded on its own: call "
+            "torch.distributed.fsdp.fully_shard(module) on every one of them, innermost "
+            "first, before fully_shard(model) (or before opacus.utils.fsdp_utils.FSDP2Wrapper"
+            "(model), which shards only the module types Opacus has a grad sampler for, and "
+            f"frozen modules, so it leaves {types} unsharded), or freeze their parameters"
         )
     return {type(sub): fsdp_base_type(sub) for sub in m.modules() if isinstance(sub, FSDPModule)}
 
@@ -127,6 +133,11 @@ class _FSDPRandomizedClippingMixin:
     _first_pass_output_edges = True
 
     def __init__(self, m: nn.Module, **kwargs: Any) -> None:
+        if isinstance(m, FSDPModule):  # else check_fsdp_model says what to do
+            _refuse_tied(m)
+            config = kwargs.get("config")
+            force = config.force_functorch if config is not None else kwargs.get("force_functorch")
+            self._refuse_functorch(m, force_functorch=bool(force))
         fsdp_types = check_fsdp_model(m)
         # FSDP2's per-module classes (FSDPLinear...) take their base type's samplers. Set on
         # the instance before the base class resolves the routes.
@@ -147,19 +158,43 @@ class _FSDPRandomizedClippingMixin:
         }
         super().__init__(m, **kwargs)  # type: ignore[call-arg]
         functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]  # type: ignore[attr-defined]
-        if functorch:
+        if functorch:  # _refuse_functorch refuses these first; the routes are the reference
             self.cleanup()  # type: ignore[attr-defined]
-            raise NotImplementedError(
-                f"modules {functorch[:5]} would take the functorch path, which evaluates the "
-                "module with its parameters: under FSDP2 those are shards. Register a grad "
-                "sampler or sketched norm sampler for their type, or freeze them"
-            )
+            raise NotImplementedError(_functorch_message(functorch, []))
         # Gradients are summed over ranks by FSDP2's reduce-scatter (two passes) as by the
         # book-keeping reduce-scatter; the optimizer divides by the expected batch size.
         self._fsdp_modules = [sub for sub in m.modules() if isinstance(sub, FSDPModule)]
         for sub in self._fsdp_modules:
             sub.set_gradient_divide_factor(1.0)
             sub.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+    def _refuse_functorch(self, m: nn.Module, *, force_functorch: bool) -> None:
+        """Refuse, before Opacus attaches hooks, a trainable module that would take functorch.
+
+        Opacus prepares a functorch module when it attaches its hooks (``prepare_layer``
+        deep-copies it), and FSDP2 refuses a deep copy with a bare ``AssertionError``; a module
+        left unsharded would get there too. A module whose base type (FSDP2's ``FSDPLinear``
+        unwrapped) has no sketched norm sampler, ghost norm sampler or grad sampler (or every
+        non-sketched one under ``force_functorch``) takes that path.
+
+        Raises:
+            NotImplementedError: Naming the modules and their types: register a sampler, or
+                freeze them.
+        """
+        sketched = type(self).SKETCHED_NORM_SAMPLERS
+        samplers = {**type(self).GRAD_SAMPLERS, **type(self).NORM_SAMPLERS}  # type: ignore[attr-defined]
+        bad = []
+        for name, sub in m.named_modules():
+            if not any(p.requires_grad for p in sub.parameters(recurse=False)):
+                continue
+            base = fsdp_base_type(sub)
+            if base in sketched or (base in samplers and not force_functorch):
+                continue
+            bad.append((name or "<root>", base.__name__))
+        if bad:
+            raise NotImplementedError(
+                _functorch_message([n for n, _ in bad], sorted({t for _, t in bad}))
+            )
 
     @contextlib.contextmanager
     def _sharded_view(self, module: nn.Module) -> Iterator[None]:
@@ -229,6 +264,44 @@ class _FSDPRandomizedClippingMixin:
                 g = sums.pop(p, None)
                 _add_reduced(p, g)
         step.mark_applied()
+
+
+def _functorch_message(names: list[str], types: list[str]) -> str:
+    of = f" (types {types})" if types else ""
+    return (
+        f"modules {names[:5]}{of} own trainable parameters but have no grad sampler or "
+        "sketched norm sampler: in one process they take Opacus' functorch path, which "
+        "evaluates the module with its parameters; under FSDP2 those are shards, so they are "
+        "refused. Freeze them (p.requires_grad_(False) for their parameters; FSDP2Wrapper "
+        "then shards them too), or register a grad sampler for their type "
+        "(opacus.grad_sample.register_grad_sampler) or a sketched norm sampler "
+        "(opacus_rc.grad_sample.register_sketched_norm_sampler) and fully_shard each "
+        "such module before the root"
+    )
+
+
+def _refuse_tied(m: nn.Module) -> None:
+    """Refuse a trainable parameter shared by several modules of an FSDP2 model.
+
+    Raises:
+        NotImplementedError: Naming the modules: untie, freeze, or use DDP/DPDDP.
+    """
+    owners: dict[int, list[str]] = {}
+    for name, sub in m.named_modules():
+        for p in sub.parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(
+                    f"'{name or '<root>'}' ({fsdp_base_type(sub).__name__})"
+                )
+    tied = [users for users in owners.values() if len(users) > 1]
+    if tied:
+        raise NotImplementedError(
+            f"a trainable parameter is tied between modules {', '.join(tied[0])}: tied "
+            "weights (e.g. an input embedding tied to an LM head) are not supported under "
+            "FSDP2 by randomized clipping. Untie them (HF: tie_word_embeddings=False), freeze "
+            "the shared weight, or train with DDP/DPDDP, where a tied embedding and LM head "
+            "are supported"
+        )
 
 
 def _trainable(m: nn.Module) -> Iterable[nn.Parameter]:
