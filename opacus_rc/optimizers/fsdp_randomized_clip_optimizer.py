@@ -30,6 +30,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, 
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim import Optimizer
 
+from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
 )
@@ -62,6 +63,34 @@ class FSDPRandomizedClipOptimizer(
 
     def __init__(self, optimizer: Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
+
+    def check_step_allowed(self) -> None:
+        """The distributed check, but a rank that ran no forward or backward raises at once.
+
+        Under FSDP2 every forward all-gathers each layer's weight and every backward
+        reduce-scatters its gradient, so when one rank skips its forward and backward (an
+        empty batch, say) the other ranks wait in those collectives: this rank must not enter
+        the step's agreement all-reduce (it would wait for them forever, silently). It raises
+        instead; the other ranks stay blocked until the process group's timeout or the
+        launcher stops them. Nothing is noised or accounted.
+
+        Raises:
+            StepProtocolError: No private backward ran on this rank since the last step.
+            RuntimeError, FloatingPointError: As
+                :meth:`DistributedRandomizedClipOptimizer.check_step_allowed`.
+        """
+        if not self._check_skip_next_step(pop_next=False) and self._step_state.phase in (
+            StepPhase.IDLE,
+            StepPhase.RECORDED,
+        ):
+            raise StepProtocolError(
+                f"rank {self.rank}: optimizer.step() without a forward and private backward on "
+                "this rank since the last step. Under FSDP2 every rank must run forward and "
+                "backward on its batch at every step, an empty Poisson batch included "
+                "(rand_on_empty=True if the model cannot take B = 0): the other ranks are "
+                "waiting in FSDP2's all-gather or reduce-scatter for this one"
+            )
+        super().check_step_allowed()
 
     def accumulate(self) -> None:
         """The step's clipped gradient shards into Opacus' FSDP ``grad_state`` (zeros for a
