@@ -248,7 +248,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         denoise_kappa: float | None = None,
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
-        bookkeeping: bool = True,
+        bookkeeping: bool | str = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Make the model, optimizer, criterion and data loader private.
@@ -308,11 +308,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 step (book-keeping; Bu, Wang, Zha and Karypis, ICML 2023) where every trainable
                 module supports it, else the two-pass path (logged once at INFO with the
                 modules that forced it; under DPDDP/DDP too, each rank's clipped sum being
-                all-reduced once by the optimizer). ``False``:
-                always two backward passes. Both give the same clipped gradient and the same
-                privacy guarantee (the probes are drawn in the first pass only); book-keeping
-                is faster and frees the graph after the first pass. The module's
-                ``bookkeeping`` property says which is used.
+                all-reduced once by the optimizer). Under activation checkpointing each
+                ``nn.Linear`` then keeps the smaller of its per-sample gradients (its norm
+                exact) and its input and output gradient
+                (:class:`~opacus_rc.config.RandomizedClippingConfig`). ``"always"``: every
+                layer keeps its input and output gradient, checkpointed or not. ``False``:
+                always two backward passes. All give the same privacy guarantee (the probes
+                are drawn in the first pass only; the same sketch spec is accounted);
+                book-keeping is faster and frees the graph after the first pass. The
+                module's ``bookkeeping`` property says which is used.
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -369,7 +373,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         denoise_kappa: float | None = None,
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
-        bookkeeping: bool = True,
+        bookkeeping: bool | str = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
