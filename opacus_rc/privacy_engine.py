@@ -59,7 +59,7 @@ from opacus_rc.config import (
     RandomizedClippingConfig,
     validate_noise_multiplier,
 )
-from opacus_rc.data_loader import DistributedDPDataLoader
+from opacus_rc.data_loader import DistributedDPDataLoader, RandomOnEmptyCollate
 from opacus_rc.denoising import make_denoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
@@ -467,13 +467,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
         :class:`DistributedDPDataLoader` yields it as a noise-only step.
         """
         if self._build is None or not (distributed and poisson_sampling):
-            return super()._prepare_data_loader(
+            loader = super()._prepare_data_loader(
                 data_loader,
                 poisson_sampling=poisson_sampling,
                 distributed=distributed,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
+            if self._build is not None and rand_on_empty and isinstance(loader, DPDataLoader):
+                # Opacus' wrapper returns B = 0 for an empty batch before the first non-empty
+                # one even with rand_on_empty; ours honours it from the first batch on.
+                loader.collate_fn = RandomOnEmptyCollate(
+                    collate_fn=loader.collate_fn.wrapped_collator_fn,
+                    dataset=loader.dataset,
+                    batch_first=batch_first,
+                    rand_on_empty=True,
+                )
+            return loader
         # Opacus' method without sampling: it records (or checks) the engine's dataset.
         super()._prepare_data_loader(
             data_loader,

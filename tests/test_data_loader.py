@@ -51,3 +51,34 @@ def test_a_passed_generator_is_used_as_given() -> None:
     a = masks(0, seed=0, generator=torch.Generator().manual_seed(5))
     b = masks(1, seed=9, generator=torch.Generator().manual_seed(5))
     assert torch.equal(a, b)  # the user's generator, unchanged (documented: must differ per rank)
+
+
+def test_rand_on_empty_holds_from_the_first_batch_in_one_process() -> None:
+    """Opacus' collate wrapper learns the batch layout from the first non-empty batch, so an
+    empty *first* batch came back with B = 0 even with ``rand_on_empty=True`` (a model that
+    cannot take B = 0 then crashed on the batch the flag was meant to replace). The engine's
+    randomized path now uses :class:`RandomOnEmptyCollate`: a batch of one random input
+    (data-independent, so the accounting is unchanged)."""
+    import warnings
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_rc import PrivacyEngine
+
+    data = TensorDataset(torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+    model = nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, _, loader = PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=1),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            rand_on_empty=True,
+        )
+    x, y = loader.collate_fn([])  # an empty Poisson batch before any non-empty one
+    assert x.shape == (1, 3) and y.shape == (1,)
+    assert bool(((x == 0) | (x == 1)).all())  # Opacus' random 0/1 input, not a record
