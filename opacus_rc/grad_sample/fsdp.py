@@ -243,7 +243,7 @@ class _FSDPRandomizedClippingMixin:
         Raises:
             RuntimeError, ValueError: As the single-process :meth:`apply_clipped_sum`.
         """
-        if not self._step_bookkeeping:  # type: ignore[attr-defined]
+        if not self._bookkeeping:  # type: ignore[attr-defined]
             raise RuntimeError(
                 "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"

@@ -165,7 +165,6 @@ class _RandomizedClippingMixin:
 
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
-    _step_bookkeeping: bool = False
     _step_smaller_stash: bool = False
     _distributed: bool = False
     _reducer_off: ReducerOff | None = None
@@ -285,7 +284,6 @@ class _RandomizedClippingMixin:
             self._distributed = world > 1 or any(isinstance(sub, ddp) for sub in m.modules())
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
-            self._step_bookkeeping = self._bookkeeping
             self._step_smaller_stash = False
             self._step_checkpointed = False
             self._told_checkpointing = False
@@ -381,9 +379,9 @@ class _RandomizedClippingMixin:
 
     @property
     def step_bookkeeping(self) -> bool:
-        """Whether the current step uses book-keeping (decided when its private backward
-        starts, :meth:`check_parameter_uses`)."""
-        return self._step_bookkeeping
+        """Whether the current step uses book-keeping: :attr:`bookkeeping`, in every step
+        (checkpointed steps too, where :attr:`step_smaller_stash` says what is kept)."""
+        return self._bookkeeping
 
     @property
     def step_smaller_stash(self) -> bool:
@@ -480,7 +478,6 @@ class _RandomizedClippingMixin:
             self.discard_recorded()
             raise
         checkpointed = self._step_checkpointed or self._full_first_pass
-        self._step_bookkeeping = self._bookkeeping
         # Checkpointed: each layer keeps the smaller of its per-sample gradients and its input
         # and output gradient (norms.py), unless bookkeeping="always" (inputs everywhere).
         self._step_smaller_stash = (
@@ -560,7 +557,7 @@ class _RandomizedClippingMixin:
             return self.step_state.issue_clip_factors(
                 max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
                 params=self.trainable_parameters,  # type: ignore[attr-defined]
-                bookkeeping=self._step_bookkeeping,
+                bookkeeping=self._bookkeeping,
             )
         finally:
             self._uses.clear()
@@ -583,7 +580,7 @@ class _RandomizedClippingMixin:
                 :meth:`get_clipping_coef` of this step.
             ValueError: If a clipped sum has the wrong shape or misses a parameter.
         """
-        if not self._step_bookkeeping:
+        if not self._bookkeeping:
             raise RuntimeError(
                 "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
@@ -679,7 +676,6 @@ class _RandomizedClippingMixin:
                 # tied since make_private raises here, before Opacus' counters trip over it.
                 self._trainable.check()
                 self._step_checkpointed = False
-                self._step_bookkeeping = self._bookkeeping
                 self._step_smaller_stash = False
                 if self._tied is not None:
                     self._tied.clear()
@@ -793,7 +789,7 @@ class _RandomizedClippingMixin:
             activations,
             backprops,
             step=self.step_state,
-            bookkeeping=self._step_bookkeeping,
+            bookkeeping=self._bookkeeping,
             smaller_stash=self._step_smaller_stash,
         )
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):

@@ -224,16 +224,8 @@ class ModuleNorms:
         if route.path is NormPath.TIED:
             self._sampled(module, route, params, activations, backprops, step, False)
         else:
-            missing = [p for p in params if p not in grad_samples]
-            if missing:
-                raise RuntimeError(
-                    f"the per-sample gradient function for '{self._name_of(module)}' "
-                    f"({type(module).__name__}) returned nothing for {len(missing)} trainable "
-                    "parameter(s); it must cover every trainable parameter of its module"
-                )
-            for p in params:
-                p._forward_counter -= 1
-            step.record_norms(exact_norms_of_grad_samples(grad_samples))
+            norms = exact_norms_of_grad_samples(grad_samples)
+            self._record(module, params, norms, step, what="per-sample gradient function")
         step.stash(BookkeepingStash(module, tuple(grad_samples), grad_samples=grad_samples))
 
     def _sampled(
@@ -268,20 +260,34 @@ class ModuleNorms:
                 sketch_dim=self._sketch_dim,
                 generator=self._generator_for(backprops.device),
             )
-        missing = [p for p in params if p not in norms and id(p) not in deferred]
-        if missing:
-            raise RuntimeError(
-                f"the norm sampler for '{self._name_of(module)}' ({type(module).__name__}) "
-                f"returned no norm for {len(missing)} trainable parameter(s); a sampler must "
-                "cover every trainable parameter of its module"
-            )
-        for p in params:
-            p._forward_counter -= 1
-        step.record_norms({p: norms[p] for p in params if p in norms})
+        self._record(module, params, norms, step, what="norm sampler", deferred=deferred)
         if bookkeeping and params:
             step.stash(
                 BookkeepingStash(module, params, activations=activations, backprops=backprops)
             )
+
+    def _record(
+        self,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        norms: Mapping[nn.Parameter, torch.Tensor],
+        step: StepState,
+        *,
+        what: str,
+        deferred: frozenset[int] = frozenset(),
+    ) -> None:
+        """Check that ``norms`` covers every parameter of this use (but those ``deferred`` to
+        the other module of a tied group), count the use, and record the norms."""
+        missing = [p for p in params if p not in norms and id(p) not in deferred]
+        if missing:
+            raise RuntimeError(
+                f"the {what} for '{self._name_of(module)}' ({type(module).__name__}) returned "
+                f"no norm for {len(missing)} trainable parameter(s); it must cover every "
+                "trainable parameter of its module"
+            )
+        for p in params:
+            p._forward_counter -= 1
+        step.record_norms({p: norms[p] for p in params if p in norms})
 
     def _from_grad_samples(
         self,
@@ -309,18 +315,17 @@ class ModuleNorms:
                 param=param, grad_sample=gs, max_batch_len=module.max_batch_len
             )
         del grad_samples
-        norms: dict[nn.Parameter, torch.Tensor] = {}
+        last: dict[nn.Parameter, torch.Tensor] = {}
         done: dict[nn.Parameter, torch.Tensor] = {}
         for p in params:
             p._forward_counter -= 1
             if p._forward_counter == 0:
                 promote_current_grad_sample(p)
-                gs = p.grad_sample
-                norms[p] = gs.reshape(len(gs), -1).norm(2, dim=-1)
+                last[p] = p.grad_sample.detach()
                 if bookkeeping:
-                    done[p] = gs.detach()
+                    done[p] = last[p]
                 p.grad_sample = None
-        if norms:
-            step.record_norms(norms)
+        if last:
+            step.record_norms(exact_norms_of_grad_samples(last))
         if done:
             step.stash(BookkeepingStash(module, tuple(done), grad_samples=done))
