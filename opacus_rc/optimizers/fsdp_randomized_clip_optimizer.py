@@ -92,6 +92,19 @@ class FSDPRandomizedClipOptimizer(
             )
         super().check_step_allowed()
 
+    def noise_only_step(self, closure: Any = None) -> Any:
+        """Refused under FSDP2: the other ranks' forward and backward wait in FSDP2's
+        collectives for this rank's (see :meth:`check_step_allowed`).
+
+        Raises:
+            StepProtocolError: Always, before anything is noised or accounted.
+        """
+        raise StepProtocolError(
+            f"rank {self.rank}: noise_only_step() is not available under FSDP2: every rank must "
+            "run forward and backward on its batch at every step, an empty Poisson batch "
+            "included (rand_on_empty=True if the model cannot take B = 0)"
+        )
+
     def accumulate(self) -> None:
         """The step's clipped gradient shards into Opacus' FSDP ``grad_state`` (zeros for a
         parameter without ``.grad``); the step's clipped gradients are consumed."""

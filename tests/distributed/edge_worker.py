@@ -170,7 +170,7 @@ def scenario_skip_forward(rank: int) -> dict[str, Any]:
     """FSDP2: a rank that calls step() without forward/backward (skipping its empty batch)
     raises at once instead of entering the step's all-reduce while the other rank waits in
     FSDP2's all-gather (a silent deadlock). Running the forward/backward of its empty batch
-    then lets both ranks step in sync."""
+    then lets both ranks step in sync. ``noise_only_step()`` is refused likewise."""
     torch.manual_seed(5)
     model = FSDP2Wrapper(SeqMLP(H))
     data = TensorDataset(torch.randn(16, T, D), torch.randint(0, 3, (16,)))
@@ -196,6 +196,12 @@ def scenario_skip_forward(rank: int) -> dict[str, Any]:
         except StepProtocolError as err:
             raised = str(err)
         assert "every rank must run forward and backward" in raised, raised
+        try:  # the empty-batch step of one process is refused here too, for the same reason
+            opt.noise_only_step()
+            raised = ""
+        except StepProtocolError as err:
+            raised = str(err)
+        assert "noise_only_step() is not available under FSDP2" in raised, raised
     crit(module(x), y).backward()
     opt.step()
     opt.zero_grad()
