@@ -27,6 +27,7 @@ from opacus_rc.accountants import (
 from opacus_rc.accountants.analysis.envelope import ENVELOPES
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.version import __version__
 
 __all__ = ["EXAMPLES", "arg_parser", "main"]
 
@@ -106,8 +107,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--envelope",
         choices=ENVELOPES,
         default="chi2",
-        help="law of the worst-case sensitivity: 'chi2' (default, the paper's) or 'chernoff' "
-        "(fully proved, more conservative).",
+        help="law of the worst-case sensitivity: 'chi2' (default, the paper's), 'schur' "
+        "(proved: Schur-convexity region plus a convex-order bound) or 'chernoff' (proved, "
+        "the most conservative).",
     )
     p.add_argument(
         "--eps-error",
@@ -124,6 +126,7 @@ def arg_parser() -> argparse.ArgumentParser:
         description="Privacy accounting for DP-SGD with randomized clipping (opacus_rc): "
         "epsilon or noise multiplier for exact clipping and for sketched norms, side by side.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     eps = sub.add_parser(
         "epsilon",

@@ -8,7 +8,9 @@ import re
 
 import pytest
 
+from opacus_rc.accountants.analysis.envelope import ENVELOPES
 from opacus_rc.cli import EXAMPLES, arg_parser, main
+from opacus_rc.version import __version__
 
 
 def _row(out: str, label: str) -> list[str]:
@@ -95,6 +97,24 @@ def test_help_documents_every_flag() -> None:
                 assert action.option_strings[0] in text
     eps_help = sub.choices["epsilon"].format_help()
     assert "noise standard deviation" in eps_help and "(0, 1]" in eps_help
+
+
+def test_envelope_help_names_every_envelope() -> None:
+    """Every envelope the accountant accepts is explained in --help (the help once omitted
+    'schur')."""
+    parser = arg_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for p in sub.choices.values():
+        action = next(a for a in p._actions if a.dest == "envelope")
+        for name in ENVELOPES:
+            assert f"'{name}'" in action.help, name
+
+
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"opacus-rc {__version__}"
 
 
 def test_console_script_is_declared() -> None:
