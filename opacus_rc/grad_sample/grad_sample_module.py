@@ -57,6 +57,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
+from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -73,6 +74,7 @@ from opacus_rc.grad_sample.checks import (
     strip_grad_sample_hooks,
 )
 from opacus_rc.grad_sample.distributed import ReducerOff
+from opacus_rc.grad_sample.functorch import FunctorchGradSampler
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
@@ -101,6 +103,13 @@ logger = logging.getLogger(__name__)
 
 #: Paths whose norm comes from a per-module norm sampler (no tied weights, one use per step).
 _NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
+
+#: Exact module type -> whether a module's own tensors are batch first, where that is its own
+#: attribute rather than the model's ``batch_first``: inside Opacus' ``DPMultiheadAttention``
+#: the ``SequenceBias`` layers (``add_bias_kv=True``) always see ``(L, B, E)`` keys and values,
+#: whatever the model's layout (with the model's ``batch_first=True`` the batch was read from the
+#: sequence axis: a shape error, or wrong per-sample gradients when ``L == B``).
+_OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
 
 
 def resolve_sketch_spec(
@@ -238,6 +247,12 @@ class _RandomizedClippingMixin:
             tied=tied_groups,
         )
         refuse_unsupported(routes)
+        # Built before any hook is attached: the replayed copies carry none.
+        functorch = {
+            id(sub): FunctorchGradSampler(sub, batch_first=config.batch_first)
+            for sub in hooked
+            if getattr(routes.get(id(sub)), "path", None) is NormPath.FUNCTORCH
+        }
         check_tied_parameters(
             m,
             norm_sampled=lambda sub: (
@@ -287,6 +302,7 @@ class _RandomizedClippingMixin:
                 tied=self._tied,
                 name_of=self._name_of,
                 stash_grad_samplers=self.STASH_GRAD_SAMPLERS,
+                functorch=functorch,
             )
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
@@ -743,6 +759,21 @@ class _RandomizedClippingMixin:
                 )
         return inputs
 
+    def _check_single_output(self, module: nn.Module, output: Any) -> None:
+        """A module on the functorch path must return one tensor: its backward hook sees the
+        gradient of the first output only, and the replay multiplies the output by it.
+
+        Raises:
+            TypeError: Naming the module and what it returned.
+        """
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"module '{self._name_of(module)}' ({type(module).__name__}) has no grad "
+                f"sampler and returned a {type(output).__name__}, not a tensor: its per-sample "
+                "gradient (functorch) can only be computed for a layer with one tensor output. "
+                "Return one tensor, split the layer, or register a grad sampler for it"
+            )
+
     def _reuse_error(self, module: nn.Module) -> NotImplementedError:
         return NotImplementedError(
             f"module '{self._name_of(module)}' ({type(module).__name__}) ran more than once "
@@ -774,6 +805,9 @@ class _RandomizedClippingMixin:
         if recording and any(p.requires_grad for p in module.parameters(recurse=False)):
             try:
                 stored_input = self._forward_inputs(module, tuple(forward_input), kwargs)
+                route = self._routes.get(id(module))
+                if route is not None and route.path is NormPath.FUNCTORCH:
+                    self._check_single_output(module, _forward_output)
             except BaseException:
                 self._drop_after_hook_error()
                 raise
@@ -877,6 +911,8 @@ class _RandomizedClippingMixin:
         if not getattr(module, "activations", None):
             self.abort_step()  # in a backward: gradients may already hold unclipped parts
             raise self._no_activations_error(module)
+        layout = _OWN_LAYOUT.get(type(module))
+        batch_first = batch_first if layout is None else layout(module)
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
