@@ -97,7 +97,9 @@ class NoEarlyStop:
 
     def _enter(self, module: nn.Module, _args: Any) -> None:
         ctx = None
-        if self._active() and torch.is_grad_enabled():
+        # Entered once, by the outermost module: the nested ones find it entered already.
+        outer = any(c is not None for _, c in self._contexts)
+        if not outer and self._active() and torch.is_grad_enabled():
             ctx = torch_checkpoint.set_checkpoint_early_stop(False)
             ctx.__enter__()
         self._contexts.append((module, ctx))

@@ -108,7 +108,7 @@ _NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
 #: attribute rather than the model's ``batch_first``: inside Opacus' ``DPMultiheadAttention``
 #: the ``SequenceBias`` layers (``add_bias_kv=True``) always see ``(L, B, E)`` keys and values,
 #: whatever the model's layout (with the model's ``batch_first=True`` the batch was read from the
-#: sequence axis: a shape error, or wrong per-sample gradients when ``L == B``).
+#: sequence axis, and the backward hook failed with a shape error for every step).
 _OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
 
 
