@@ -207,7 +207,7 @@ class _RandomizedClippingMixin:
     _step: StepState | None = None
     _tied: TiedSketches | None = None
     #: ``id(module) -> kwargs`` of a hooked module's call in progress (forward pre-hook).
-    _call_kwargs: dict[int, dict[str, Any]] = {}
+    _call_kwargs: dict[int, dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -314,6 +314,7 @@ class _RandomizedClippingMixin:
             self._uses.register(self.autograd_grad_sample_hooks)
             self._full_first_pass = False
             self._call_kwargs = {}
+            self._signatures: dict[type[nn.Module], inspect.Signature] = {}
             for sub in hooked:
                 self.autograd_grad_sample_hooks.append(
                     sub.register_forward_pre_hook(self._record_call_kwargs, with_kwargs=True)
@@ -674,7 +675,8 @@ class _RandomizedClippingMixin:
                 sub.activations = []
             if hasattr(sub, "max_batch_len"):
                 del sub.max_batch_len
-        self._call_kwargs.clear()
+        if self._call_kwargs is not None:
+            self._call_kwargs.clear()
         for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
             p._forward_counter = 0
             if getattr(p, "_current_grad_sample", None) is not None:
@@ -697,6 +699,8 @@ class _RandomizedClippingMixin:
     def _record_call_kwargs(self, module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: keep the keyword arguments of this call for the forward hook
         (Opacus' forward hook only sees the positional ones)."""
+        if self._call_kwargs is None:
+            return
         if kwargs:
             self._call_kwargs[id(module)] = kwargs
         else:
@@ -723,15 +727,19 @@ class _RandomizedClippingMixin:
         inputs: list[Any] = list(args)
         if kwargs:
             try:
-                signature = inspect.signature(module.forward)
-                bound = signature.bind(*args, **kwargs).arguments
+                signature = self._signatures.get(type(module))
+                if signature is None:  # type(module).forward: ``self`` first
+                    signature = self._signatures[type(module)] = inspect.signature(
+                        type(module).forward
+                    )
+                bound = signature.bind(module, *args, **kwargs).arguments
             except (TypeError, ValueError) as err:
                 raise TypeError(
                     f"module {name} was called with keyword argument(s) {sorted(kwargs)} that "
                     f"do not match its forward signature ({err})"
                 ) from err
             kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            positional = [q for q in signature.parameters.values() if q.kind in kinds]
+            positional = [q for q in signature.parameters.values() if q.kind in kinds][1:]
             keyword_only = sorted(set(kwargs) - {q.name for q in positional})
             if keyword_only:
                 raise TypeError(
@@ -795,7 +803,7 @@ class _RandomizedClippingMixin:
         Under activation checkpointing the inputs are stored by the recomputation inside the
         backward, not by the original forward (:mod:`~opacus_rc.grad_sample.checkpointing`).
         """
-        kwargs = self._call_kwargs.pop(id(module), None)
+        kwargs = None if self._call_kwargs is None else self._call_kwargs.pop(id(module), None)
         recording = (
             self.hooks_enabled  # type: ignore[attr-defined]
             and torch.is_grad_enabled()
