@@ -13,8 +13,10 @@ inputs per step.
   that checkpointing saves. The recomputation inside the backward (:func:`in_backward`) records
   them, once, just before the backward hooks of the region need them. Recomputation normally
   stops early, at the last tensor the original forward saved, which may be before the last
-  module's forward hook; :class:`NoEarlyStop` turns that off for the model's forward so every
-  hooked module of the region is recorded.
+  module's forward hook; :class:`NoEarlyStop` turns that off in the forward of the model and of
+  every module above a hooked one (PyTorch reads the setting when a region is created, inside
+  some module's forward), so every hooked module of the region is recorded, also when the user
+  calls a submodule directly (``model.body(x)`` then ``model.head(h)``, Opacus issue 582).
 * **Reentrant** (``use_reentrant=True``): the original forward runs under ``torch.no_grad()``
   (nothing is recorded: Opacus' hooks skip it), and the recomputation runs a nested backward in
   which the region's backward hooks fire. PyTorch refuses ``backward(inputs=...)`` through such
@@ -69,32 +71,44 @@ def has_reentrant_checkpoint(node: Any) -> bool:
 
 
 class NoEarlyStop:
-    """Forward pre/post hooks on the root model that turn off checkpoint early stopping.
+    """Forward pre/post hooks that turn off checkpoint early stopping inside given modules.
 
-    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` is entered before the model's
-    forward and left after it (also when the forward raises), so it only affects checkpoint
-    regions created inside this model's forward.
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` is entered before each given
+    module's forward and left after it (also when the forward raises; the calls nest), so it
+    only affects checkpoint regions created inside the forward of one of these modules. A region
+    created outside every module's forward (``checkpoint(model.block, x)`` in the training loop)
+    keeps PyTorch's early stop; the module whose forward hook it skips then raises the "inputs
+    were not recorded" error of the grad-sample module, which says so.
 
     Args:
-        model: The root module.
+        modules: The modules (the root model and every module above a hooked one), or one.
         handles: The list the hook handles go into (removed with the other hooks).
         active: A callable telling whether the hooks are enabled.
     """
 
-    def __init__(self, model: nn.Module, handles: list[Any], *, active: Any) -> None:
+    def __init__(
+        self, modules: nn.Module | list[nn.Module], handles: list[Any], *, active: Any
+    ) -> None:
         self._active = active
         self._contexts: list[Any] = []
-        handles.append(model.register_forward_pre_hook(self._enter))
-        handles.append(model.register_forward_hook(self._exit, always_call=True))
+        for module in [modules] if isinstance(modules, nn.Module) else modules:
+            handles.append(module.register_forward_pre_hook(self._enter))
+            handles.append(module.register_forward_hook(self._exit, always_call=True))
 
-    def _enter(self, _module: nn.Module, _args: Any) -> None:
+    def _enter(self, module: nn.Module, _args: Any) -> None:
         ctx = None
-        if self._active() and torch.is_grad_enabled():
+        # Entered once, by the outermost module: the nested ones find it entered already.
+        outer = any(c is not None for _, c in self._contexts)
+        if not outer and self._active() and torch.is_grad_enabled():
             ctx = torch_checkpoint.set_checkpoint_early_stop(False)
             ctx.__enter__()
-        self._contexts.append(ctx)
+        self._contexts.append((module, ctx))
 
-    def _exit(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        ctx = self._contexts.pop() if self._contexts else None
+    def _exit(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        # Only this module's own entry: a forward that failed before this module's pre-hook
+        # ran still calls this hook (always_call), and must not close an outer module's context.
+        if not self._contexts or self._contexts[-1][0] is not module:
+            return
+        _, ctx = self._contexts.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)

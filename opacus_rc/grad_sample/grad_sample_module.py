@@ -42,8 +42,10 @@ ghost clipping so that exact and sketched runs are comparable.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
+from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -71,12 +74,15 @@ from opacus_rc.grad_sample.checks import (
     strip_grad_sample_hooks,
 )
 from opacus_rc.grad_sample.distributed import ReducerOff
+from opacus_rc.grad_sample.functorch import FunctorchGradSampler
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     EXACT_NORM_TYPES,
+    FORWARD_INPUT_ADAPTERS,
     SKETCHED_NORM_SAMPLERS,
     ClippedSumFunction,
+    ForwardInputAdapter,
     SketchedNormSampler,
     check_modules,
 )
@@ -97,6 +103,13 @@ logger = logging.getLogger(__name__)
 
 #: Paths whose norm comes from a per-module norm sampler (no tied weights, one use per step).
 _NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
+
+#: Exact module type -> whether a module's own tensors are batch first, where that is its own
+#: attribute rather than the model's ``batch_first``: inside Opacus' ``DPMultiheadAttention``
+#: the ``SequenceBias`` layers (``add_bias_kv=True``) always see ``(L, B, E)`` keys and values,
+#: whatever the model's layout (with the model's ``batch_first=True`` the batch was read from the
+#: sequence axis, and the backward hook failed with a shape error for every step).
+_OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
 
 
 def resolve_sketch_spec(
@@ -142,6 +155,23 @@ def _strided_index(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_contiguous()
 
 
+def _ancestors_of(root: nn.Module, hooked: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of ``root`` (``root`` included) with a hooked module strictly below them."""
+    hooked_ids = {id(h) for h in hooked}
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:  # whether the subtree of ``module`` holds a hooked one
+        below = False
+        for child in module.children():
+            below = visit(child) or below
+        if below or module is root:
+            out.append(module)
+        return below or id(module) in hooked_ids
+
+    visit(root)
+    return out
+
+
 def _module_device(m: nn.Module) -> torch.device:
     for p in m.parameters():
         return p.device
@@ -162,6 +192,8 @@ class _RandomizedClippingMixin:
     EXACT_NORM_TYPES: set[type[nn.Module]] = EXACT_NORM_TYPES
     #: Per-sample gradient functions a checkpointed book-keeping step may stash, by exact type.
     STASH_GRAD_SAMPLERS: dict[type[nn.Module], Any] = STASH_GRAD_SAMPLERS
+    #: How one forward call is stored for the backward hook, by exact type (nn.EmbeddingBag).
+    FORWARD_INPUT_ADAPTERS: dict[type[nn.Module], ForwardInputAdapter] = FORWARD_INPUT_ADAPTERS
 
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
@@ -174,6 +206,8 @@ class _RandomizedClippingMixin:
     _first_pass_output_edges: bool = False
     _step: StepState | None = None
     _tied: TiedSketches | None = None
+    #: ``id(module) -> kwargs`` of a hooked module's call in progress (forward pre-hook).
+    _call_kwargs: dict[int, dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -213,6 +247,12 @@ class _RandomizedClippingMixin:
             tied=tied_groups,
         )
         refuse_unsupported(routes)
+        # Built before any hook is attached: the replayed copies carry none.
+        functorch = {
+            id(sub): FunctorchGradSampler(sub, batch_first=config.batch_first)
+            for sub in hooked
+            if getattr(routes.get(id(sub)), "path", None) is NormPath.FUNCTORCH
+        }
         check_tied_parameters(
             m,
             norm_sampled=lambda sub: (
@@ -262,6 +302,7 @@ class _RandomizedClippingMixin:
                 tied=self._tied,
                 name_of=self._name_of,
                 stash_grad_samplers=self.STASH_GRAD_SAMPLERS,
+                functorch=functorch,
             )
             for _, p in trainable_parameters(m):
                 self.autograd_grad_sample_hooks.append(
@@ -272,7 +313,20 @@ class _RandomizedClippingMixin:
             )
             self._uses.register(self.autograd_grad_sample_hooks)
             self._full_first_pass = False
-            NoEarlyStop(m, self.autograd_grad_sample_hooks, active=lambda: self.hooks_enabled)
+            self._call_kwargs = {}
+            self._signatures: dict[type[nn.Module], inspect.Signature] = {}
+            for sub in hooked:
+                self.autograd_grad_sample_hooks.append(
+                    sub.register_forward_pre_hook(self._record_call_kwargs, with_kwargs=True)
+                )
+            # Early stop off in the forward of the model and of every module above a hooked one,
+            # so that a submodule called directly (model.body(x), then model.head(h)) records
+            # every layer of its checkpointed regions too.
+            NoEarlyStop(
+                [m, *_ancestors_of(m, hooked)],
+                self.autograd_grad_sample_hooks,
+                active=lambda: self.hooks_enabled,
+            )
             self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
             ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
@@ -621,6 +675,8 @@ class _RandomizedClippingMixin:
                 sub.activations = []
             if hasattr(sub, "max_batch_len"):
                 del sub.max_batch_len
+        if self._call_kwargs is not None:
+            self._call_kwargs.clear()
         for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
             p._forward_counter = 0
             if getattr(p, "_current_grad_sample", None) is not None:
@@ -639,6 +695,92 @@ class _RandomizedClippingMixin:
         """Post-accumulate-grad hook: ``param`` got a gradient in the private backward."""
         if self.hooks_enabled and self._step is not None:  # type: ignore[attr-defined]
             self._step.record_gradient(param)
+
+    def _record_call_kwargs(self, module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: keep the keyword arguments of this call for the forward hook
+        (Opacus' forward hook only sees the positional ones)."""
+        if self._call_kwargs is None:
+            return
+        if kwargs:
+            self._call_kwargs[id(module)] = kwargs
+        else:
+            self._call_kwargs.pop(id(module), None)
+
+    def _forward_inputs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> list[torch.Tensor]:
+        """The tensors stored for ``module``'s backward hook from one call ``module(*args,
+        **kwargs)``.
+
+        Keyword arguments are bound to their positions in ``forward``'s signature
+        (``fc(input=x)`` stores ``[x]``); a type with a forward-input adapter
+        (:data:`~opacus_rc.grad_sample.registry.FORWARD_INPUT_ADAPTERS`, e.g.
+        ``nn.EmbeddingBag``) gets the bound inputs, ``None`` included; for any other type the
+        trailing ``None`` inputs are dropped and every other input must be a tensor.
+
+        Raises:
+            TypeError: Naming the module: keyword-only arguments (their values would not reach
+                the per-sample gradient), arguments that do not match ``forward``'s signature,
+                or a non-tensor input of a type without an adapter.
+        """
+        name = f"'{self._name_of(module)}' ({type(module).__name__})"
+        inputs: list[Any] = list(args)
+        if kwargs:
+            try:
+                signature = self._signatures.get(type(module))
+                if signature is None:  # type(module).forward: ``self`` first
+                    signature = self._signatures[type(module)] = inspect.signature(
+                        type(module).forward
+                    )
+                bound = signature.bind(module, *args, **kwargs).arguments
+            except (TypeError, ValueError) as err:
+                raise TypeError(
+                    f"module {name} was called with keyword argument(s) {sorted(kwargs)} that "
+                    f"do not match its forward signature ({err})"
+                ) from err
+            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            positional = [q for q in signature.parameters.values() if q.kind in kinds][1:]
+            keyword_only = sorted(set(kwargs) - {q.name for q in positional})
+            if keyword_only:
+                raise TypeError(
+                    f"module {name} was called with keyword-only argument(s) {keyword_only}: "
+                    "its per-sample gradient is computed from its positional inputs, which "
+                    "would not carry them. Pass them positionally, or keep them out of the "
+                    "module's forward (e.g. as attributes)"
+                )
+            last = max((i for i, q in enumerate(positional) if q.name in bound), default=-1)
+            inputs = [bound.get(q.name, q.default) for q in positional[: last + 1]]
+            for q in signature.parameters.values():
+                if q.kind is inspect.Parameter.VAR_POSITIONAL and q.name in bound:
+                    inputs.extend(bound[q.name])
+        adapter = self.FORWARD_INPUT_ADAPTERS.get(type(module))
+        if adapter is not None:
+            return adapter(module, inputs, batch_first=self._config.batch_first)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"module {name} was called with a {type(t).__name__} as input {i}: its "
+                    "per-sample gradient is computed from tensor inputs only. Pass only "
+                    "tensors to a layer with trainable parameters (keep options as attributes)"
+                )
+        return inputs
+
+    def _check_single_output(self, module: nn.Module, output: Any) -> None:
+        """A module on the functorch path must return one tensor: its backward hook sees the
+        gradient of the first output only, and the replay multiplies the output by it.
+
+        Raises:
+            TypeError: Naming the module and what it returned.
+        """
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"module '{self._name_of(module)}' ({type(module).__name__}) has no grad "
+                f"sampler and returned a {type(output).__name__}, not a tensor: its per-sample "
+                "gradient (functorch) can only be computed for a layer with one tensor output. "
+                "Return one tensor, split the layer, or register a grad sampler for it"
+            )
 
     def _reuse_error(self, module: nn.Module) -> NotImplementedError:
         return NotImplementedError(
@@ -661,12 +803,24 @@ class _RandomizedClippingMixin:
         Under activation checkpointing the inputs are stored by the recomputation inside the
         backward, not by the original forward (:mod:`~opacus_rc.grad_sample.checkpointing`).
         """
+        kwargs = None if self._call_kwargs is None else self._call_kwargs.pop(id(module), None)
         recording = (
             self.hooks_enabled  # type: ignore[attr-defined]
             and torch.is_grad_enabled()
             and module.training
             and self._step is not None
         )
+        if recording and any(p.requires_grad for p in module.parameters(recurse=False)):
+            try:
+                stored_input = self._forward_inputs(module, tuple(forward_input), kwargs)
+                route = self._routes.get(id(module))
+                if route is not None and route.path is NormPath.FUNCTORCH:
+                    self._check_single_output(module, _forward_output)
+            except BaseException:
+                self._drop_after_hook_error()
+                raise
+        else:
+            stored_input = list(forward_input)
         recomputing = recording and in_backward()
         route = self._routes.get(id(module))
         tied = route is not None and route.path is NormPath.TIED
@@ -693,10 +847,10 @@ class _RandomizedClippingMixin:
                 # Opacus' ghost hook refuses at 2: record with the plain hook, and check each
                 # module's own uses below.
                 GradSampleHooks.capture_activations_hook(
-                    self, module, forward_input, _forward_output
+                    self, module, stored_input, _forward_output
                 )
             else:
-                super().capture_activations_hook(module, forward_input, _forward_output)  # type: ignore[misc]
+                super().capture_activations_hook(module, stored_input, _forward_output)  # type: ignore[misc]
         except NotImplementedError as err:
             self._drop_after_hook_error()
             raise self._reuse_error(module) from err
@@ -765,6 +919,8 @@ class _RandomizedClippingMixin:
         if not getattr(module, "activations", None):
             self.abort_step()  # in a backward: gradients may already hold unclipped parts
             raise self._no_activations_error(module)
+        layout = _OWN_LAYOUT.get(type(module))
+        batch_first = batch_first if layout is None else layout(module)
         if self._is_empty_batch(module, forward_output[0], batch_first):
             # Empty Poisson batch: no sample, no norm. Opacus' samplers (e.g. the Embedding
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
@@ -805,16 +961,25 @@ class _RandomizedClippingMixin:
                 "evaluation, under torch.no_grad())."
             )
         return RuntimeError(
-            f"module {name} received a gradient but its forward inputs were not recorded "
-            "(its forward ran with the hooks disabled or under torch.no_grad()); no per-sample "
-            "norm can be computed, so the step cannot be clipped"
+            f"module {name} received a gradient but its forward inputs were not recorded, so "
+            "no per-sample norm can be computed and the step cannot be clipped. Either its "
+            "forward ran with the hooks disabled or under torch.no_grad(), or it ran in a "
+            "non-reentrant torch.utils.checkpoint region created outside the forward of every "
+            "module of the model (checkpoint(model.block, x) in the training loop), whose "
+            "recomputation stops before this module's forward hook: create the region inside a "
+            "module's forward, or enter torch.utils.checkpoint.set_checkpoint_early_stop(False)"
         )
 
-    @staticmethod
-    def _is_empty_batch(module: nn.Module, backprops: torch.Tensor, batch_first: bool) -> bool:
-        """Whether the current backward belongs to an empty batch (``B = 0``)."""
+    def _is_empty_batch(
+        self, module: nn.Module, backprops: torch.Tensor, batch_first: bool
+    ) -> bool:
+        """Whether the current backward belongs to an empty batch (``B = 0``). For a type with a
+        forward-input adapter only the output gradient tells (an embedding bag's ids may be
+        empty in a non-empty batch)."""
         batch_dim = 0 if batch_first else 1
         acts = module.activations[-1] if getattr(module, "activations", None) else []
+        if type(module) in self.FORWARD_INPUT_ADAPTERS:
+            acts = []
         tensors = [t for t in (*acts, backprops) if isinstance(t, torch.Tensor)]
         return any(t.dim() > batch_dim and t.shape[batch_dim] == 0 for t in tensors)
 

@@ -10,8 +10,10 @@ clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.step.StepState`:
   drawing fresh probes from the sketch generator of the gradient's device;
 * tied: the joint sketch of a weight shared with another module (:mod:`~opacus_rc.grad_sample.tied`);
 * ghost: Opacus' norm sampler;
-* grad sampler or functorch: Opacus' per-sample gradients, accumulated over repeated uses (RNNs),
-  the norm taken at a parameter's last use; with book-keeping the per-sample gradients are kept.
+* grad sampler or functorch: Opacus' per-sample gradients, or those of the module's
+  :class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`, accumulated over repeated uses
+  (RNNs), the norm taken at a parameter's last use; with book-keeping the per-sample gradients are
+  kept.
 
 **The stash of an activation-checkpointed step** (``smaller_stash=True``, set by the grad-sample
 module when book-keeping runs in a step whose forward was checkpointed and ``bookkeeping`` is
@@ -40,7 +42,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.grad_sample.grad_sample_module import (
     create_or_accumulate_grad_sample,
     promote_current_grad_sample,
@@ -130,6 +131,8 @@ class ModuleNorms:
         name_of: Qualified name of a module or parameter (for errors).
         stash_grad_samplers: Type -> per-sample gradient function a checkpointed step may stash
             (default :data:`STASH_GRAD_SAMPLERS`).
+        functorch: ``id(module) -> per-sample gradient function`` of the modules on the
+            functorch path (:class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`).
     """
 
     def __init__(
@@ -144,7 +147,9 @@ class ModuleNorms:
         tied: Any,
         name_of: Callable[[Any], str],
         stash_grad_samplers: Mapping[type, Callable[..., Any]] | None = None,
+        functorch: Mapping[int, Callable[..., Any]] | None = None,
     ) -> None:
+        self._functorch = {} if functorch is None else functorch
         self._stash_grad_samplers = (
             STASH_GRAD_SAMPLERS if stash_grad_samplers is None else stash_grad_samplers
         )
@@ -299,7 +304,7 @@ class ModuleNorms:
         step: StepState,
         bookkeeping: bool,
     ) -> None:
-        """Exact norms from Opacus' per-sample gradients (a grad sampler or functorch).
+        """Exact norms from per-sample gradients (Opacus' grad sampler, or functorch).
 
         Per-sample gradients are accumulated over repeated uses (RNNs), as in Opacus' ghost
         module, and the norm is taken once a parameter's last use is processed; with
@@ -308,7 +313,7 @@ class ModuleNorms:
         if route.path is NormPath.GRAD_SAMPLER:
             grad_sampler_fn = self._grad_samplers[type(module)]
         else:
-            grad_sampler_fn = ft_compute_per_sample_gradient
+            grad_sampler_fn = self._functorch[id(module)]
         grad_samples = grad_sampler_fn(module, activations, backprops)
         for param, gs in grad_samples.items():
             create_or_accumulate_grad_sample(

@@ -26,11 +26,16 @@ the clipped gradient sum used by the single-backward book-keeping path (Bu et al
 :data:`MODULE_CHECKS` (:func:`register_module_check`) holds configuration checks that the
 randomized-clipping module runs on every submodule before attaching hooks
 (:func:`check_modules`), e.g. to refuse ``nn.Embedding(max_norm=...)``.
+
+:data:`FORWARD_INPUT_ADAPTERS` (:func:`register_forward_input_adapter`) holds, for module types
+whose forward takes optional or non-tensor inputs (``nn.EmbeddingBag(input, offsets,
+per_sample_weights)``), the function that turns one call's inputs into the list of tensors that
+is stored for the backward hook (and read by that type's sampler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -39,13 +44,16 @@ from torch import nn
 __all__ = [
     "CLIPPED_SUM_FUNCTIONS",
     "EXACT_NORM_TYPES",
+    "FORWARD_INPUT_ADAPTERS",
     "MODULE_CHECKS",
     "SKETCHED_NORM_SAMPLERS",
     "ClippedSumFunction",
+    "ForwardInputAdapter",
     "ModuleCheck",
     "SketchedNormSampler",
     "check_modules",
     "register_clipped_sum",
+    "register_forward_input_adapter",
     "register_module_check",
     "register_sketched_norm_sampler",
 ]
@@ -240,6 +248,54 @@ def check_modules(module: nn.Module) -> None:
         check = MODULE_CHECKS.get(type(sub))
         if check is not None:
             check(sub)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward-input adapters (what is stored of one forward call)
+# ----------------------------------------------------------------------------------------------
+
+
+class ForwardInputAdapter(Protocol):
+    """Signature of a forward-input adapter (see :func:`register_forward_input_adapter`)."""
+
+    def __call__(
+        self, layer: nn.Module, inputs: Sequence[Any], *, batch_first: bool
+    ) -> list[torch.Tensor]: ...
+
+
+#: Exact module type -> forward-input adapter. Types without one store their positional tensor
+#: inputs unchanged (Opacus' behaviour).
+FORWARD_INPUT_ADAPTERS: dict[type[nn.Module], ForwardInputAdapter] = {}
+
+
+def register_forward_input_adapter(
+    *module_types: type[nn.Module], force: bool = False
+) -> Callable[[ForwardInputAdapter], ForwardInputAdapter]:
+    """Decorator registering how one forward call of a module type is stored for its backward.
+
+    The forward hook of the randomized-clipping module binds the call's arguments to the
+    positions of ``forward``'s signature (keyword arguments included) and passes them, ``None``
+    for an optional input included, to the adapter, which returns the detached tensors the
+    type's norm sampler and clipped-sum function read. The last tensor must have the batch
+    dimension first (Opacus reads the batch size from it). Example::
+
+        @register_forward_input_adapter(MyBagLayer)
+        def my_bag_inputs(layer, inputs, *, batch_first):
+            ids, offsets = inputs
+            return [ids.detach(), offsets.detach()]
+
+    Args:
+        *module_types: The exact ``nn.Module`` subclasses the adapter handles.
+        force: Replace an existing registration instead of raising.
+
+    Returns:
+        The decorator; it returns the adapter unchanged.
+
+    Raises:
+        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
+        ValueError: If a type already has an adapter and ``force`` is ``False``.
+    """
+    return _registration(FORWARD_INPUT_ADAPTERS, module_types, force, "a forward-input adapter")
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -13,7 +13,11 @@ accounted for). The paths:
 * ``grad_sampler``: Opacus' per-sample gradients (``LayerNorm``, ``RMSNorm``, ``Conv``...), the
   norm exact;
 * ``ghost``: Opacus' ghost norm (no per-sample gradient: book-keeping impossible);
-* ``functorch``: Opacus' functorch fallback for a leaf module without a sampler;
+* ``functorch``: exact per-sample gradients by ``torch.func`` for a leaf module without a
+  sampler (:class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`, every input passed),
+  and for a module whose Opacus sampler is not faithful for its configuration
+  (:data:`OPACUS_SAMPLER_LIMITS`: ``nn.Conv*`` with ``padding_mode`` other than ``"zeros"``,
+  which Opacus pads with zeros; ``nn.LayerNorm(bias=False)``, on which it raises);
 * ``tied``: one of the two modules of a :class:`TiedGroup` (an ``nn.Embedding`` whose weight
   is also an ``nn.Linear``'s weight: an input embedding tied to a language-model head). The
   shared weight's norm is that of the *summed* gradient, sketched jointly by
@@ -31,7 +35,7 @@ by ``vmap``). Exact norms inside a sketched step are covered by the RC accountan
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,7 @@ from torch import nn
 from opacus_rc.sketching import SketchSpec
 
 __all__ = [
+    "OPACUS_SAMPLER_LIMITS",
     "NormPath",
     "NormRoute",
     "TiedGroup",
@@ -52,6 +57,34 @@ __all__ = [
 
 #: Opacus' DP recurrent layers are hooked through their ``RNNLinear`` children.
 _RNN_CONTAINERS = (DPRNN, DPLSTM, DPGRU)
+
+
+def _conv_padding_mode(layer: nn.Module) -> str | None:
+    mode = getattr(layer, "padding_mode", "zeros")
+    if mode == "zeros":
+        return None
+    return (
+        f"Opacus' convolution sampler pads the input with zeros, not with "
+        f"padding_mode={mode!r} (its per-sample gradients would be wrong)"
+    )
+
+
+def _layer_norm_without_bias(layer: nn.Module) -> str | None:
+    if getattr(layer, "weight", None) is not None and getattr(layer, "bias", 0) is None:
+        return "Opacus' LayerNorm sampler reads layer.bias.requires_grad, and bias=False"
+    return None
+
+
+#: Exact module type -> ``fn(module) -> reason or None``: a configuration for which Opacus'
+#: grad sampler of that type is not faithful (found by the oracle sweep,
+#: tests/reliability/test_round3_grad_samplers.py). Such a module takes the functorch path,
+#: whose per-sample gradients replay the module's own forward.
+OPACUS_SAMPLER_LIMITS: dict[type[nn.Module], Callable[[nn.Module], str | None]] = {
+    nn.Conv1d: _conv_padding_mode,
+    nn.Conv2d: _conv_padding_mode,
+    nn.Conv3d: _conv_padding_mode,
+    nn.LayerNorm: _layer_norm_without_bias,
+}
 
 
 class UnsupportedModuleError(NotImplementedError):
@@ -84,7 +117,9 @@ class NormRoute:
         module_type: ``type(module).__name__``.
         path: The :class:`NormPath`.
         has_clipped_sum: Whether a book-keeping clipped-sum function exists for this path.
-        reason: Why the module is refused (``path`` is ``REFUSED``), else ``None``.
+        reason: Why the module is refused (``path`` is ``REFUSED``), or why a module with an
+            Opacus grad sampler takes the functorch path instead (:data:`OPACUS_SAMPLER_LIMITS`),
+            else ``None``.
         tied_with: The name of the other module of its :class:`TiedGroup` (``path`` is
             ``TIED``), else ``None``.
     """
@@ -122,7 +157,8 @@ class NormRoute:
             NormPath.EXACT: "exact (opacus_rc sampler, no sketch)",
             NormPath.GRAD_SAMPLER: "exact per-sample gradients (Opacus grad sampler)",
             NormPath.GHOST: "exact ghost norm (Opacus)",
-            NormPath.FUNCTORCH: "exact per-sample gradients (functorch fallback)",
+            NormPath.FUNCTORCH: "exact per-sample gradients (functorch fallback)"
+            + (f": {self.reason}" if self.reason else ""),
             NormPath.REFUSED: f"refused: {self.reason}",
         }[self.path]
 
@@ -219,7 +255,9 @@ def _resolve_path(
     if t in norm_samplers:
         return NormPath.GHOST
     if t in grad_samplers and not force_functorch:
-        return NormPath.GRAD_SAMPLER
+        limit = OPACUS_SAMPLER_LIMITS.get(t)
+        if limit is None or limit(module) is None:
+            return NormPath.GRAD_SAMPLER
     return NormPath.FUNCTORCH
 
 
@@ -290,7 +328,8 @@ def resolve_norm_routes(
             norm_samplers=norm_samplers,
             force_functorch=force_functorch,
         )
-        reason = None
+        limit = OPACUS_SAMPLER_LIMITS.get(t)
+        reason = limit(module) if limit is not None and path is NormPath.FUNCTORCH else None
         if path is NormPath.FUNCTORCH:
             below = _subtree_trainable(module)
             if below:
