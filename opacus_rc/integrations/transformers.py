@@ -84,7 +84,7 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from opacus_rc.accountants import get_noise_multiplier
+from opacus_rc.accountants import AccountingError, get_noise_multiplier
 from opacus_rc.grad_sample.grad_sample_module import resolve_sketch_spec
 from opacus_rc.privacy_engine import PrivacyEngine
 
@@ -488,6 +488,7 @@ class DPTrainerMixin:
         self._noise_seed: int | None = None
         self._epsilon_cache: tuple[int, float] | None = None
         self._dp_trained = False
+        self._warned_no_epsilon = False
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -815,7 +816,10 @@ class DPTrainerMixin:
                 module=model,
                 optimizer=optimizer,
                 criterion=criterion,
-                data_loader=DataLoader(dataset, batch_size=pa.expected_batch_size),
+                # Only its length and batch size matter (the rate); the batches are the trainer's.
+                data_loader=DataLoader(
+                    _IndexDataset(len(dataset)), batch_size=pa.expected_batch_size
+                ),
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=pa.max_grad_norm,
                 poisson_sampling=True,
@@ -878,12 +882,16 @@ class DPTrainerMixin:
         )
 
     def _causal_lm(self) -> bool:
-        shifts = getattr(self, "_loss_shifts_labels", None)
-        if shifts is not None:
-            return bool(shifts)
+        """Whether targets are the next tokens: the Trainer's own test (the model's loss type
+        routes to ``ForCausalLMLoss``), or a causal-LM class that computes its loss itself
+        (GPT-2 has no ``loss_type``)."""
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+        if getattr(self, "_loss_shifts_labels", False):
+            return True
         inner = _unwrap(self.model)
+        if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
+            return False
         return type(inner).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
     @staticmethod
@@ -1059,7 +1067,19 @@ class DPTrainerMixin:
         """The Trainer's ``log``, with ``epsilon`` (at ``target_delta``) added once training
         has started (in place, so the metrics ``train()`` returns hold it too)."""
         if self._private is not None:
-            logs["epsilon"] = self.get_epsilon()
+            try:
+                logs["epsilon"] = self.get_epsilon()
+            except AccountingError as err:
+                # No finite epsilon is certified (e.g. a noise multiplier below the analysis'
+                # range): inf is what the run can claim. Said once, then logged as inf.
+                if not self._warned_no_epsilon:
+                    self._warned_no_epsilon = True
+                    warnings.warn(
+                        f"epsilon cannot be computed for this run ({err}); it is logged as inf",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                logs["epsilon"] = math.inf
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------
