@@ -1,0 +1,1204 @@
+"""DP fine-tuning with randomized clipping through ``transformers.Trainer``.
+
+:class:`DPTrainer` is a ``transformers.Trainer`` whose model and optimizer are made private by
+:class:`opacus_rc.PrivacyEngine` (``clipping="randomized"``) when training starts, and
+:class:`PrivacyArguments` holds the privacy options (a dataclass that
+``transformers.HfArgumentParser`` parses beside ``TrainingArguments``). What the Trainer does
+differently:
+
+* **Batches.** Each optimizer step is one *logical* batch, Poisson-sampled: every training
+  example is in it independently with probability ``q = 1 / ceil(N / expected_batch_size)``
+  (Opacus' rate for a loader of batch size ``expected_batch_size``; ``expected_batch_size / N``
+  when it divides ``N``), from a generator of the trainer's own, and ``ceil(N /
+  expected_batch_size)`` such batches make an epoch. A logical batch is split into physical
+  micro-batches of at most ``per_device_train_batch_size`` examples (the memory limit), each
+  collated by the Trainer's data collator; their clipped per-sample gradients are summed
+  (Opacus' virtual steps: ``signal_skip_step``) and the sum is noised, the optimizer steps and
+  the accountant counts one step, once per logical batch. An empty Poisson batch is a
+  noise-only step (noised and accounted, no forward pass). ``gradient_accumulation_steps > 1``
+  is refused: the logical batch is ``expected_batch_size``.
+* **Loss.** The training loss is computed per example (:meth:`DPTrainerMixin.compute_private_loss`):
+  for a causal LM, the next-token cross-entropy of the model's logits (labels shifted by one,
+  positions labelled ``-100`` left out), averaged over each example's own labelled positions,
+  so padding changes nothing; for a sequence classifier, one cross-entropy per example. The
+  Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
+  the batch must be one record (padding-free or packing collators, which put several records in
+  one row, are refused where they can be seen).
+* **Privacy budget.** With ``target_epsilon`` the noise multiplier is searched (with
+  :func:`opacus_rc.accountants.get_noise_multiplier`, the engine's own search) for the
+  Trainer's number of optimizer steps (``max_steps``, or ``num_train_epochs`` epochs), so that
+  epsilon after the run is at most the target and within 0.01 of it; a step beyond that
+  schedule is refused. Epsilon (RC accountant, at ``target_delta``) is added to every
+  ``log`` call (``log_history``, the progress bar, TensorBoard / W&B) and to the metrics that
+  ``train()`` returns.
+* **Checkpoints.** Every checkpoint also holds ``privacy_state.pt``: the accountant's history,
+  the sampler's seed, the noise generator's state (and the sketch generator's, if seeded).
+  ``train(resume_from_checkpoint=...)`` restores them, so the resumed run draws the same
+  batches and noise as an uninterrupted one and its epsilon equals it exactly (the sketch,
+  unless seeded, is fresh). Keep checkpoints as private as the training data: the sampler seed
+  reveals which examples were in which batch, and the noise state the noise. The saved model is
+  the plain model (the hooks are attached without a wrapper): ``from_pretrained`` loads it.
+* **Refused, with what to do:** ``gradient_accumulation_steps > 1``, a training sampler of the
+  Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
+  overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
+  needs no loss scaler), ``compute_loss_func``, ``model_init`` (hyperparameter search spends
+  privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers, several
+  processes, DeepSpeed and FSDP (one process only for now), iterable datasets.
+* **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
+  per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
+  and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
+
+What the guarantee covers: the trained weights (and everything computed from them). The
+training *loss* in the logs is computed from the private examples without noise and is not
+covered; do not publish it, or log only evaluation on public data.
+
+Example::
+
+    from transformers import HfArgumentParser, TrainingArguments
+    from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
+
+    args, privacy = HfArgumentParser((TrainingArguments, PrivacyArguments)).parse_args_into_dataclasses()
+    trainer = DPTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
+                        privacy_args=privacy)
+    trainer.train()
+    print(trainer.get_epsilon())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import os
+import secrets
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from opacus_rc.accountants import AccountingError, get_noise_multiplier
+from opacus_rc.grad_sample.grad_sample_module import resolve_sketch_spec
+from opacus_rc.privacy_engine import PrivacyEngine
+
+__all__ = [
+    "PRIVACY_STATE_NAME",
+    "DPTrainer",
+    "DPTrainerMixin",
+    "LogicalBatch",
+    "LogicalBatchCollator",
+    "PoissonLogicalBatchSampler",
+    "PrivacyArguments",
+    "per_sample_cross_entropy",
+]
+
+logger = logging.getLogger(__name__)
+
+#: File of a checkpoint folder that holds the privacy state (see :class:`DPTrainerMixin`).
+PRIVACY_STATE_NAME = "privacy_state.pt"
+#: Version of the privacy-state format written by this module.
+_STATE_VERSION = 1
+#: ``bookkeeping`` strings of :class:`PrivacyArguments` and the engine's values for them.
+_BOOKKEEPING = {"true": True, "false": False, "always": "always"}
+#: Optimizers that update parameters inside the backward pass, before any noise is added.
+_IN_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+#: The engine's accepted shortfall of epsilon below the target (``epsilon_tolerance``).
+_EPSILON_TOLERANCE = 0.01
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy options of a :class:`DPTrainer` run, parseable by ``HfArgumentParser``.
+
+    Args:
+        target_epsilon: Epsilon to reach after the whole run (the noise multiplier is searched
+            for the Trainer's number of steps). Give exactly one of ``target_epsilon`` and
+            ``noise_multiplier``.
+        noise_multiplier: ``sigma``: the noise std is ``sigma * max_grad_norm``. Epsilon is
+            then whatever the run spends.
+        target_delta: Delta of the reported epsilon, in ``(0, 1 / N)`` for ``N`` training
+            examples.
+        max_grad_norm: ``C``, the per-example clipping bound, in the units of the per-example
+            gradient's Euclidean norm (of the per-example loss, a mean over its labelled
+            tokens).
+        expected_batch_size: The logical batch: Poisson sampling at rate ``q = 1 /
+            ceil(N / expected_batch_size)``; the noisy sum is divided by ``int(N q)``.
+        clipping: ``"randomized"`` (the only value): sketched per-example norms, DP-SGD-RC.
+        sketch: ``"hutchinson"`` or ``"hutch++"``.
+        sketch_dim: ``k``, the sketch's Gaussian (tail) columns (>= 2 for the proved default
+            envelope).
+        sketch_head_dim: Hutch++ head columns (default ``sketch_dim``); Hutch++ only.
+        bookkeeping: ``"true"`` (one backward pass where the model allows it), ``"always"``
+            or ``"false"`` (two backward passes): the engine's ``bookkeeping``.
+        denoise: A post-processing denoiser of the noisy gradient (``"spectral"``), or None.
+        denoise_kappa: The denoiser's threshold factor (``None``: its default).
+        seed: Seed of the Poisson sampler and the noise. ``None`` (default): both seeded from
+            the operating system's CSPRNG (:mod:`secrets`). A seed makes batches and noise
+            reproducible, and the guarantee then holds only while the seed stays secret (a
+            warning says so).
+        sketch_seed: Seed of the sketch's probes, or None (secret, from the operating system).
+            A seed makes the sketch reproducible; the engine then accounts every step under the
+            more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
+
+    Raises:
+        ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
+            of range; an unknown ``clipping`` or ``bookkeeping``.
+    """
+
+    target_epsilon: float | None = field(
+        default=None, metadata={"help": "Epsilon after the whole run (searches the noise)."}
+    )
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Noise multiplier sigma (instead of target_epsilon)."}
+    )
+    target_delta: float = field(default=1e-5, metadata={"help": "Delta, below 1 / N."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Per-example clipping bound C."})
+    expected_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Logical (Poisson) batch size; the physical one is the Trainer's."},
+    )
+    clipping: str = field(
+        default="randomized", metadata={"help": "Clipping.", "choices": ["randomized"]}
+    )
+    sketch: str = field(
+        default="hutchinson",
+        metadata={"help": "Norm estimator.", "choices": ["hutchinson", "hutch++"]},
+    )
+    sketch_dim: int = field(default=32, metadata={"help": "Sketch columns k."})
+    sketch_head_dim: int | None = field(default=None, metadata={"help": "Hutch++ head columns."})
+    bookkeeping: str = field(
+        default="true",
+        metadata={"help": "One backward pass.", "choices": sorted(_BOOKKEEPING)},
+    )
+    denoise: str | None = field(default=None, metadata={"help": "Denoiser, e.g. spectral."})
+    denoise_kappa: float | None = field(default=None, metadata={"help": "Denoiser threshold."})
+    seed: int | None = field(
+        default=None, metadata={"help": "Seed of batches and noise (default: from the OS)."}
+    )
+    sketch_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the sketch (accounted as revealed)."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bookkeeping, bool):
+            self.bookkeeping = str(self.bookkeeping).lower()
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                "PrivacyArguments needs exactly one of target_epsilon (the noise multiplier is "
+                "then searched for the run) and noise_multiplier; got "
+                f"target_epsilon={self.target_epsilon!r}, noise_multiplier={self.noise_multiplier!r}"
+            )
+        if self.target_epsilon is not None and not (
+            math.isfinite(self.target_epsilon) and self.target_epsilon > 0
+        ):
+            raise ValueError(
+                f"target_epsilon must be a finite number > 0, got {self.target_epsilon}"
+            )
+        if self.noise_multiplier is not None and not (
+            math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0
+        ):
+            raise ValueError(
+                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}"
+            )
+        if not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm}")
+        if self.expected_batch_size is None or int(self.expected_batch_size) < 1:
+            raise ValueError(
+                "PrivacyArguments.expected_batch_size (the logical batch, Poisson-sampled) must "
+                f"be an integer >= 1, got {self.expected_batch_size!r}; the physical batch is "
+                "TrainingArguments.per_device_train_batch_size"
+            )
+        if self.clipping != "randomized":
+            raise ValueError(
+                f"clipping={self.clipping!r}: DPTrainer implements clipping='randomized' only"
+            )
+        if self.bookkeeping not in _BOOKKEEPING:
+            raise ValueError(
+                f"bookkeeping must be one of {sorted(_BOOKKEEPING)}, got {self.bookkeeping!r}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Poisson logical batches
+# ----------------------------------------------------------------------------------------------
+
+
+def _seeded_generator(seed: int, *key: int, device: Any = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded from ``seed`` and ``key`` (independent
+    streams per key, :class:`numpy.random.SeedSequence`)."""
+    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
+    """Opacus' Poisson sampler whose masks in epoch ``e`` come from a generator seeded by
+    ``(seed, e)``.
+
+    Each of the ``steps`` batches of an epoch holds every index of ``range(num_samples)``
+    independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
+    ``torch.rand(num_samples) < sample_rate``); an empty batch is yielded as ``[]``. Seeding
+    per epoch makes an epoch replayable: skipping its first ``j`` batches (what the Trainer does
+    on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
+    epoch (the Trainer calls it); each iteration otherwise moves to the next epoch.
+
+    Args:
+        num_samples: ``N``.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: Batches per epoch.
+        seed: The seed (keep it secret: it determines every batch).
+    """
+
+    def __init__(self, *, num_samples: int, sample_rate: float, steps: int, seed: int) -> None:
+        super().__init__(num_samples=num_samples, sample_rate=sample_rate, steps=steps)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next iteration's batches from epoch ``epoch``'s generator."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.generator = _seeded_generator(self.seed, self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
+@dataclass
+class LogicalBatch:
+    """One Poisson batch, as physical micro-batches collated by the Trainer's collator.
+
+    Attributes:
+        micro_batches: The collated micro-batches, each of at most the physical batch size
+            (empty for an empty Poisson batch).
+        sizes: The number of examples in each micro-batch.
+    """
+
+    micro_batches: list[Any]
+    sizes: list[int]
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in the logical batch."""
+        return sum(self.sizes)
+
+    def __contains__(self, key: object) -> bool:
+        # The Trainer asks ``"labels" in batch`` to count tokens for its loss scaling, which the
+        # private loss does not use.
+        return False
+
+
+class LogicalBatchCollator:
+    """Collate function of a Poisson batch: split into micro-batches, collate each.
+
+    The examples of a logical batch are split into ``ceil(L / max_physical_batch_size)``
+    contiguous chunks of sizes differing by at most one (``numpy.array_split``, as Opacus'
+    ``BatchMemoryManager``), and each chunk is collated by ``collate_fn``.
+
+    Args:
+        collate_fn: The Trainer's data collator (with unused columns removed).
+        max_physical_batch_size: The largest micro-batch (``per_device_train_batch_size``).
+
+    Raises:
+        ValueError: At call time, if a collated micro-batch does not have one row per example
+            (a collator that packs examples into one row, or drops some, would change the
+            privacy unit or leave examples unaccounted).
+    """
+
+    def __init__(self, *, collate_fn: Any, max_physical_batch_size: int) -> None:
+        self.collate_fn = collate_fn
+        self.max_physical_batch_size = int(max_physical_batch_size)
+
+    def __call__(self, examples: list[Any]) -> LogicalBatch:
+        if not examples:
+            return LogicalBatch(micro_batches=[], sizes=[])
+        n_chunks = math.ceil(len(examples) / self.max_physical_batch_size)
+        bounds = np.cumsum(
+            [0] + [len(c) for c in np.array_split(np.arange(len(examples)), n_chunks)]
+        )
+        micro, sizes = [], []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            chunk = examples[lo:hi]
+            batch = self.collate_fn(chunk)
+            rows = _rows(batch)
+            if rows is not None and rows != len(chunk):
+                raise ValueError(
+                    f"the data collator returned a batch of {rows} rows for {len(chunk)} "
+                    "examples; differentially private training needs one row per example (the "
+                    "privacy unit). Padding-free and packing collators (which concatenate "
+                    "examples into one row) and collators that drop examples are not supported: "
+                    "use a padding collator"
+                )
+            micro.append(batch)
+            sizes.append(len(chunk))
+        return LogicalBatch(micro_batches=micro, sizes=sizes)
+
+
+def _rows(batch: Any) -> int | None:
+    """Leading dimension of the first tensor in a collated batch (None if there is none)."""
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, torch.Tensor):
+        return values.shape[0]
+    if isinstance(values, (Sequence, type({}.values()))):
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return v.shape[0]
+    return None
+
+
+class _LogicalBatchLoader(DataLoader):
+    """A ``DataLoader`` over Poisson logical batches with ``set_epoch`` (called by the Trainer)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-example loss
+# ----------------------------------------------------------------------------------------------
+
+
+def per_sample_cross_entropy(
+    criterion: Any,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    shift: bool,
+    shift_labels: torch.Tensor | None = None,
+) -> Any:
+    """Per-example cross-entropy through the DP criterion returned by ``make_private``.
+
+    For a causal LM (``shift=True``), position ``t`` predicts label ``t + 1`` (as
+    ``transformers``' ``ForCausalLMLoss``; pre-shifted ``shift_labels`` are used as they are),
+    and each example's loss is the mean over its positions whose target is not
+    ``criterion.criterion.ignore_index`` (``-100``): ``loss_i = sum_t l_it / max(1, n_i)``
+    with ``n_i`` its labelled positions, so padding changes nothing. Token-level labels without
+    shift (token classification) are reduced the same way; labels of shape ``(B,)`` give one
+    loss per example. Logits are computed with in float32 at least (as ``ForCausalLMLoss``).
+
+    Args:
+        criterion: The :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` of the engine,
+            wrapping an ``nn.CrossEntropyLoss``.
+        logits: ``(B, T, V)`` (token labels) or ``(B, C)`` (one label per example).
+        labels: ``(B, T)`` or ``(B,)`` integer labels, ``-100`` where ignored.
+        shift: Whether targets are the next tokens (causal LM).
+        shift_labels: ``(B, T)`` already-shifted targets, or None.
+
+    Returns:
+        The DP loss (``backward()`` runs the private backward) of per-example losses ``(B,)``.
+
+    Raises:
+        ValueError: If the shapes of logits and labels do not match either case.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if labels.dim() == 1:
+        if logits.dim() != 2 or logits.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"labels of shape {tuple(labels.shape)} need logits (B, C), got "
+                f"{tuple(logits.shape)}"
+            )
+        return criterion(logits, labels)
+    if shift_labels is not None:
+        targets = shift_labels
+    elif shift:
+        logits, targets = logits[:, :-1], labels[:, 1:]
+    else:
+        targets = labels
+    if logits.dim() != 3 or logits.shape[:2] != targets.shape:
+        raise ValueError(
+            f"per-token labels of shape {tuple(targets.shape)} need logits (B, T, V) with the "
+            f"same (B, T), got {tuple(logits.shape)}"
+        )
+    b, t = targets.shape
+    return criterion(logits.reshape(b * t, -1), targets.reshape(-1), shape=(b, t))
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Private:
+    """What ``make_private`` returned, and the generators the run draws from.
+
+    Attributes:
+        engine: The :class:`~opacus_rc.PrivacyEngine`.
+        module: The hooks object (the model itself is not wrapped).
+        optimizer: The :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
+        criterion: The DP loss.
+        sample_rate: ``q`` the accountant records.
+        planned_steps: Steps the noise was searched for (None with a given noise multiplier).
+        noise_generator: The noise generator.
+        sketch_generator: The sketch generator if seeded, else None.
+    """
+
+    engine: PrivacyEngine
+    module: Any
+    optimizer: Any
+    criterion: Any
+    sample_rate: float
+    planned_steps: int | None
+    noise_generator: torch.Generator
+    sketch_generator: torch.Generator | None
+
+
+class DPTrainerMixin:
+    """The behaviour of :class:`DPTrainer`, for any ``transformers.Trainer`` subclass.
+
+    Put it first in the bases (``class MyTrainer(DPTrainerMixin, SomeTrainer)``); see the module
+    docstring for what changes. After ``train()``: :attr:`privacy_engine`,
+    :attr:`dp_optimizer` (its ``noise_multiplier``), :attr:`dp_module` (the hooks;
+    ``per_sample_gradient_norms`` of the last micro-batch) and :meth:`get_epsilon`.
+
+    Args:
+        *args: The trainer's positional arguments.
+        privacy_args: The :class:`PrivacyArguments`.
+        **kwargs: The trainer's keyword arguments.
+
+    Raises:
+        ValueError: A refused configuration (module docstring), with what to do.
+        NotImplementedError: Several processes, DeepSpeed or FSDP.
+        TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
+    """
+
+    def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
+        if not isinstance(privacy_args, PrivacyArguments):
+            raise TypeError(
+                f"privacy_args must be a PrivacyArguments, got {type(privacy_args).__name__}"
+            )
+        self.privacy_args = privacy_args
+        self._private: _Private | None = None
+        self._poisson_sampler: PoissonLogicalBatchSampler | None = None
+        self._sampler_seed: int | None = None
+        self._noise_seed: int | None = None
+        self._epsilon_cache: tuple[int, float] | None = None
+        self._dp_trained = False
+        self._warned_no_epsilon = False
+        super().__init__(*args, **kwargs)
+        self._refuse_unsupported()
+        if privacy_args.seed is not None:
+            warnings.warn(
+                f"PrivacyArguments.seed={privacy_args.seed}: the Poisson batches and the noise are "
+                "reproducible from this seed, so the privacy guarantee holds only while the seed "
+                "stays secret; leave seed=None for generators seeded from the operating system",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._sampler_seed = int(
+                np.random.SeedSequence(privacy_args.seed, spawn_key=(0,)).generate_state(
+                    1, np.uint64
+                )[0]
+            )
+            self._noise_seed = int(
+                np.random.SeedSequence(privacy_args.seed, spawn_key=(1,)).generate_state(
+                    1, np.uint64
+                )[0]
+            )
+        else:
+            self._sampler_seed = secrets.randbits(63)
+            self._noise_seed = secrets.randbits(63)
+        max_grad_norm = getattr(self.args, "max_grad_norm", None)
+        if max_grad_norm:
+            warnings.warn(
+                f"TrainingArguments.max_grad_norm={max_grad_norm} (the Trainer's clipping of the "
+                "summed gradient) is not applied by a DP trainer: each example's gradient is "
+                f"clipped at PrivacyArguments.max_grad_norm={privacy_args.max_grad_norm} and the "
+                "sum is noised instead. Set TrainingArguments.max_grad_norm=0 to silence this",
+                UserWarning,
+                stacklevel=2,
+            )
+        if getattr(self.args, "dataloader_drop_last", False):
+            warnings.warn(
+                "dataloader_drop_last=True has no effect on Poisson-sampled batches (there is no "
+                "last partial batch); every sampled example is used",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # Public read-outs
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def privacy_engine(self) -> PrivacyEngine:
+        """The engine (its accountant), once training has started."""
+        return self._require_private().engine
+
+    @property
+    def dp_optimizer(self) -> Any:
+        """The :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` (``noise_multiplier``)."""
+        return self._require_private().optimizer
+
+    @property
+    def dp_module(self) -> Any:
+        """The randomized-clipping hooks attached to the model."""
+        return self._require_private().module
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far (RC accountant, both adjacency directions, upper bound).
+
+        Args:
+            delta: Delta (default ``privacy_args.target_delta``).
+
+        Returns:
+            Epsilon; 0 before the first step.
+        """
+        private = self._require_private()
+        delta = self.privacy_args.target_delta if delta is None else delta
+        steps = len(private.engine.accountant)
+        if steps == 0:
+            return 0.0
+        if delta == self.privacy_args.target_delta and self._epsilon_cache is not None:
+            cached_steps, epsilon = self._epsilon_cache
+            if cached_steps == steps:
+                return epsilon
+        epsilon = float(private.engine.get_epsilon(delta))
+        if delta == self.privacy_args.target_delta:
+            self._epsilon_cache = (steps, epsilon)
+        return epsilon
+
+    def remove_privacy_hooks(self) -> None:
+        """Detach the randomized-clipping hooks from the model (no more private training)."""
+        if self._private is not None:
+            self._private.module.cleanup()
+
+    def _require_private(self) -> _Private:
+        if self._private is None:
+            raise RuntimeError("the model is made private when training starts; call train() first")
+        return self._private
+
+    # ------------------------------------------------------------------------------------------
+    # Refusals
+    # ------------------------------------------------------------------------------------------
+
+    def _refuse_unsupported(self) -> None:
+        """Refuse, before anything runs, every configuration that would break the guarantee."""
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: a DP trainer "
+                "accumulates itself; set gradient_accumulation_steps=1, give the logical "
+                "batch as PrivacyArguments.expected_batch_size (Poisson-sampled) and the memory "
+                "limit as per_device_train_batch_size (each logical batch is split into "
+                "micro-batches of at most that size, with one noisy step per logical batch)"
+            )
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if strategy != "random" or getattr(args, "group_by_length", False):
+            what = "group_by_length=True" if strategy == "random" else f"{strategy!r}"
+            raise ValueError(
+                f"train_sampling_strategy={what}: a DP trainer draws its batches by Poisson "
+                "sampling (every example independently, at rate q), which the privacy "
+                "accounting assumes; grouping by length or any other order would change it. Use "
+                "the default train_sampling_strategy='random' (it is replaced by Poisson "
+                "sampling)"
+            )
+        if type(self)._get_train_sampler is not transformers.Trainer._get_train_sampler:
+            raise ValueError(
+                f"{type(self).__name__} overrides _get_train_sampler: a DP trainer draws its "
+                "batches by Poisson sampling, which the privacy accounting assumes, so a "
+                "sampler of your own cannot be used. Remove the override"
+            )
+        if type(self).get_train_dataloader is not DPTrainerMixin.get_train_dataloader:
+            raise ValueError(
+                f"{type(self).__name__} overrides get_train_dataloader: the DP trainer's loader "
+                "draws the Poisson logical batches that the accounting assumes. Remove the "
+                "override (customise the data collator instead)"
+            )
+        scaler = getattr(self.accelerator, "scaler", None)
+        if args.fp16 or scaler is not None or self.accelerator.mixed_precision == "fp16":
+            raise ValueError(
+                "fp16 mixed precision uses a loss scaler, which multiplies every per-example "
+                "gradient before clipping and skips steps whose noisy gradient overflows: the "
+                "clipping bound and the accounted steps would no longer be what was accounted. "
+                "Use bf16=True (autocast without a loss scaler) or full precision"
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "compute_loss_func returns one loss for the batch; a DP trainer needs one loss "
+                "per example. Subclass the trainer and override compute_private_loss(model, "
+                "inputs) to return the criterion's per-example loss"
+            )
+        if self.model_init is not None:
+            raise ValueError(
+                "model_init (hyperparameter search) is not supported: every trial would train "
+                "on the private data and spend privacy budget that no single run's epsilon "
+                "reports. Pass model= and tune on public data"
+            )
+        if args.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size retries training with a smaller batch after an "
+                "out-of-memory error, after steps were already taken and accounted; set "
+                "per_device_train_batch_size (the physical batch) yourself"
+            )
+        if getattr(args, "torch_compile", False):
+            raise ValueError(
+                "torch_compile=True is not supported with per-example clipping hooks; set "
+                "torch_compile=False"
+            )
+        if getattr(args, "use_liger_kernel", False):
+            raise ValueError(
+                "use_liger_kernel=True replaces the model's layers and loss with fused kernels "
+                "that the per-example norm hooks do not see; set use_liger_kernel=False"
+            )
+        if str(getattr(args.optim, "value", args.optim)).lower() in _IN_BACKWARD_OPTIMIZERS:
+            raise ValueError(
+                f"optim={args.optim!r} updates the weights inside the backward pass, before "
+                "clipping and noise; use an optimizer that steps after backward (adamw_torch, sgd)"
+            )
+        if args.world_size > 1 or args.n_gpu > 1:
+            raise NotImplementedError(
+                f"a DP trainer runs in one process on one device for now (world_size="
+                f"{args.world_size}, n_gpu={args.n_gpu}); launch one process and make one device "
+                "visible (CUDA_VISIBLE_DEVICES), or use PrivacyEngine's distributed path in a "
+                "hand-written loop (docs/distributed.md)"
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise NotImplementedError(
+                "DeepSpeed and FSDP through the Trainer are not supported by a DP trainer; train "
+                "in one process, or use PrivacyEngine with FSDP2 in a hand-written loop "
+                "(docs/distributed.md)"
+            )
+        if self.train_dataset is not None:
+            self._check_train_dataset(self.train_dataset)
+
+    @staticmethod
+    def _check_train_dataset(dataset: Any) -> None:
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "a DP trainer needs a dataset with a length and indexing (Poisson sampling picks "
+                "every example independently); an IterableDataset cannot be sampled. Use a "
+                "map-style dataset (datasets.Dataset, a list, torch Dataset)"
+            )
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty")
+
+    # ------------------------------------------------------------------------------------------
+    # Data
+    # ------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The loader of Poisson logical batches (:class:`LogicalBatch`, one per step).
+
+        Raises:
+            ValueError: No training dataset, an iterable or empty one, or ``target_delta``
+                not below ``1 / N``.
+        """
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        self._check_train_dataset(self.train_dataset)
+        dataset, collator = self._train_dataset_and_collator()
+        n = len(dataset)
+        if self.privacy_args.target_delta >= 1 / n:
+            raise ValueError(
+                f"target_delta={self.privacy_args.target_delta} is not below 1 / N = {1 / n:.3g} "
+                f"(N = {n} training examples): such a delta allows releasing an example; choose "
+                "target_delta well below 1 / N"
+            )
+        rate_loader = self._rate_loader(dataset)
+        if self._poisson_sampler is None:
+            self._poisson_sampler = PoissonLogicalBatchSampler(
+                num_samples=n,
+                sample_rate=rate_loader.sample_rate,
+                steps=len(rate_loader),
+                seed=self._sampler_seed,
+            )
+        return _LogicalBatchLoader(
+            dataset,
+            batch_sampler=self._poisson_sampler,
+            collate_fn=LogicalBatchCollator(
+                collate_fn=collator, max_physical_batch_size=self._train_batch_size
+            ),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+        )
+
+    def _train_dataset_and_collator(self) -> tuple[Dataset, Any]:
+        """The training dataset and collator, with unused columns removed as the Trainer does."""
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is a transformers dependency
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        return dataset, collator
+
+    def _rate_loader(self, dataset: Dataset) -> Any:
+        """Opacus' Poisson loader for a plain loader of batch size ``expected_batch_size``:
+        its ``sample_rate`` and length are the engine's (what the accountant records)."""
+        from opacus.data_loader import DPDataLoader
+
+        return DPDataLoader.from_data_loader(
+            DataLoader(
+                _IndexDataset(len(dataset)), batch_size=self.privacy_args.expected_batch_size
+            )
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Making the model and optimizer private
+    # ------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """The Trainer's optimizer, made private with the model (once per run).
+
+        Raises:
+            RuntimeError: If the Poisson loader was not built first (``train()`` builds it).
+        """
+        optimizer = super().create_optimizer(model)
+        if self._private is None:
+            self._make_private(optimizer)
+        return self.optimizer
+
+    def _make_private(self, optimizer: torch.optim.Optimizer) -> None:
+        pa = self.privacy_args
+        if self._poisson_sampler is None:
+            raise RuntimeError("get_train_dataloader() must run before the optimizer is created")
+        sampler = self._poisson_sampler
+        dataset, _ = self._train_dataset_and_collator()
+        model = self.model
+        model.train()
+        engine = PrivacyEngine(accountant="rc")
+        sketch_generator = None
+        if pa.sketch_seed is not None:
+            sketch_generator = torch.Generator().manual_seed(int(pa.sketch_seed))
+        noise_generator = _seeded_generator(self._noise_seed, device=self.args.device)
+        planned = None
+        if pa.target_epsilon is not None:
+            planned = int(self.state.max_steps)
+            if planned < 1:
+                raise ValueError(f"the run has {planned} optimizer steps; nothing to train")
+            spec = resolve_sketch_spec(
+                sketch=pa.sketch,
+                sketch_dim=pa.sketch_dim,
+                sketch_head_dim=pa.sketch_head_dim,
+                sketch_generator=sketch_generator,
+            )
+            noise_multiplier = get_noise_multiplier(
+                target_epsilon=pa.target_epsilon,
+                target_delta=pa.target_delta,
+                sample_rate=sampler.sample_rate,
+                steps=planned,
+                sketch_spec=spec,
+                accountant=engine.accountant,
+                epsilon_tolerance=_EPSILON_TOLERANCE,
+            )
+        else:
+            spec = None
+            noise_multiplier = pa.noise_multiplier
+        criterion = nn.CrossEntropyLoss(
+            ignore_index=-100, label_smoothing=float(self.args.label_smoothing_factor)
+        )
+        with warnings.catch_warnings():
+            # The engine warns about a seeded sketch (accounted as revealed): PrivacyArguments
+            # documents it and the user asked for it; everything else is passed on.
+            if sketch_generator is not None:
+                warnings.filterwarnings("ignore", message="a sketch_generator was passed")
+            module, dp_optimizer, dp_criterion, dp_loader = engine.make_private(
+                module=model,
+                optimizer=optimizer,
+                criterion=criterion,
+                # Only its length and batch size matter (the rate); the batches are the trainer's.
+                data_loader=DataLoader(
+                    _IndexDataset(len(dataset)), batch_size=pa.expected_batch_size
+                ),
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=pa.max_grad_norm,
+                poisson_sampling=True,
+                clipping="randomized",
+                noise_generator=noise_generator,
+                wrap_model=False,
+                sketch=pa.sketch,
+                sketch_dim=pa.sketch_dim,
+                sketch_head_dim=pa.sketch_head_dim,
+                sketch_generator=sketch_generator,
+                denoise=pa.denoise,
+                denoise_kappa=pa.denoise_kappa,
+                bookkeeping=_BOOKKEEPING[pa.bookkeeping],
+            )
+        if sketch_generator is not None:
+            warnings.warn(
+                f"PrivacyArguments.sketch_seed={pa.sketch_seed}: the sketch is not secret, so "
+                "every step is accounted under the 'revealed' threat model (a larger epsilon)",
+                UserWarning,
+                stacklevel=3,
+            )
+        sample_rate = 1 / len(dp_loader)
+        # The accountant's rate and the loader's batches per epoch are the engine's; the trainer's
+        # sampler was built from the same rule (one check that they cannot drift apart).
+        if (dp_loader.sample_rate, len(dp_loader)) != (sampler.sample_rate, sampler.steps):
+            module.cleanup()
+            raise RuntimeError(
+                f"internal: the engine samples at q={dp_loader.sample_rate} with "
+                f"{len(dp_loader)} batches per epoch, the trainer at q={sampler.sample_rate} "
+                f"with {sampler.steps}"
+            )
+        if spec is not None and module.sketch_spec != spec:
+            module.cleanup()
+            raise RuntimeError(
+                f"internal: the noise was searched for {spec}, the module uses {module.sketch_spec}"
+            )
+        self.optimizer = dp_optimizer
+        self._private = _Private(
+            engine=engine,
+            module=module,
+            optimizer=dp_optimizer,
+            criterion=dp_criterion,
+            sample_rate=sample_rate,
+            planned_steps=planned,
+            noise_generator=noise_generator,
+            sketch_generator=sketch_generator,
+        )
+        self._shift_labels = self._causal_lm()
+        self._positions = self._takes_position_ids(model)
+        logger.info(
+            "DP trainer: q=%.6g (%d logical batches per epoch, expected %d examples), "
+            "noise multiplier %.6g, C=%g, %s%s",
+            sample_rate,
+            sampler.steps,
+            dp_optimizer.expected_batch_size,
+            dp_optimizer.noise_multiplier,
+            pa.max_grad_norm,
+            module.sketch_spec,
+            "" if planned is None else f", searched for {planned} steps",
+        )
+
+    def _causal_lm(self) -> bool:
+        """Whether targets are the next tokens: the Trainer's own test (the model's loss type
+        routes to ``ForCausalLMLoss``), or a causal-LM class that computes its loss itself
+        (GPT-2 has no ``loss_type``)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if getattr(self, "_loss_shifts_labels", False):
+            return True
+        inner = _unwrap(self.model)
+        if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
+            return False
+        return type(inner).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+    @staticmethod
+    def _takes_position_ids(model: nn.Module) -> bool:
+        try:
+            params = inspect.signature(_unwrap(model).forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return "position_ids" in params
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, once per trainer.
+
+        Raises:
+            RuntimeError: If this trainer has already trained: its noise was chosen for one
+                run and its accountant holds that run; build a new trainer (to continue, from
+                a checkpoint: ``train(resume_from_checkpoint=...)``).
+        """
+        if self._dp_trained:
+            raise RuntimeError(
+                "this DP trainer has already trained: its noise multiplier was chosen for one "
+                "run and its accountant holds it. Build a new trainer, and pass "
+                "resume_from_checkpoint=... to continue from a checkpoint"
+            )
+        self._dp_trained = True
+        return super().train(*args, **kwargs)
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """One logical batch: the private backward of each micro-batch, accumulated.
+
+        The clipped per-example gradients of all micro-batches are summed (every micro-batch
+        but the last is a skipped Opacus step, ``signal_skip_step(True)``: accumulated, not
+        noised, not accounted); the Trainer's ``optimizer.step()`` then noises the sum, steps
+        and accounts one step. An empty Poisson batch runs nothing and makes that step a
+        noise-only step.
+
+        Args:
+            model: The model (prepared by the accelerator).
+            inputs: A :class:`LogicalBatch`.
+            num_items_in_batch: Unused (the loss is a mean per example).
+
+        Returns:
+            The mean per-example loss of the logical batch (detached; NaN for an empty batch
+            when ``logging_nan_inf_filter`` is on, so that the Trainer's log skips it, else 0).
+
+        Raises:
+            TypeError: If ``inputs`` is not a :class:`LogicalBatch`.
+            RuntimeError: A step beyond the schedule the noise was searched for.
+        """
+        private = self._require_private()
+        if not isinstance(inputs, LogicalBatch):
+            raise TypeError(
+                f"a DP trainer's training batches come from its Poisson loader (LogicalBatch), "
+                f"got {type(inputs).__name__}; do not override get_train_dataloader"
+            )
+        if (
+            private.planned_steps is not None
+            and len(private.engine.accountant) >= private.planned_steps
+        ):
+            raise RuntimeError(
+                f"the noise multiplier was chosen so that {private.planned_steps} steps reach "
+                f"epsilon={self.privacy_args.target_epsilon}; another step would pass it"
+            )
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        optimizer = private.optimizer
+        # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
+        optimizer.zero_grad()
+        if inputs.num_examples == 0:
+            # No record is in the batch: the step is the noise alone, noised and accounted by
+            # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
+            private.module.step_state.mark_empty_batch()
+            optimizer.discard_gradients()
+            fill = math.nan if self.args.logging_nan_inf_filter else 0.0
+            return torch.tensor(fill, device=self.args.device)
+        total = torch.zeros((), device=self.args.device, dtype=torch.float64)
+        last = len(inputs.micro_batches) - 1
+        context = (
+            getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+        )
+        with context:
+            for i, micro in enumerate(inputs.micro_batches):
+                micro = self._prepare_inputs(micro)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_private_loss(model, micro)
+                loss.backward()
+                total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
+                if i < last:
+                    optimizer.signal_skip_step(do_skip=True)
+                    optimizer.step()  # accumulates the clipped sum only
+                    optimizer.zero_grad()
+        return (total / inputs.num_examples).float().detach()
+
+    def compute_private_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
+        """The DP loss of one micro-batch: per-example losses ``(B,)`` through the criterion.
+
+        Override to train on another loss: return ``self.dp_criterion_call(...)``-style output,
+        i.e. what the engine's criterion returns (``self._private.criterion(..., shape=)``).
+
+        Args:
+            model: The model.
+            inputs: One collated micro-batch with ``labels``.
+
+        Returns:
+            The DP loss (see :func:`per_sample_cross_entropy`).
+
+        Raises:
+            ValueError: No ``labels`` in the batch.
+        """
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        shift_labels = inputs.pop("shift_labels", None)
+        if labels is None:
+            raise ValueError(
+                "a DP trainer computes each example's loss from the batch's 'labels' (-100 where "
+                "ignored); the data collator returned none (for a causal LM use a collator that "
+                "copies input_ids to labels, e.g. DataCollatorForLanguageModeling(mlm=False))"
+            )
+        if self._positions and "position_ids" not in inputs and "input_ids" in inputs:
+            # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
+            # position embedding one norm for the whole batch (Opacus issue 841); the expanded
+            # ids are the same values, one row per example.
+            b, t = inputs["input_ids"].shape[:2]
+            positions = torch.arange(t, device=inputs["input_ids"].device)
+            inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        return per_sample_cross_entropy(
+            self._private.criterion,
+            logits,
+            labels,
+            shift=self._shift_labels,
+            shift_labels=shift_labels,
+        )
+
+    # The Trainer's clipping of the summed gradient is replaced by per-example clipping, and the
+    # norm of the gradient before noise is not private: neither is computed or logged.
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
+        return None  # the private loss is a mean per example; no token count is needed
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        if not isinstance(inputs, LogicalBatch):
+            return super().floating_point_ops(inputs)
+        flops = 0
+        for micro in inputs.micro_batches:
+            flops += super().floating_point_ops(micro)
+        return flops
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if isinstance(inputs, LogicalBatch):
+            for micro in inputs.micro_batches:
+                super()._track_num_input_tokens(micro)
+            return
+        super()._track_num_input_tokens(inputs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``, with ``epsilon`` (at ``target_delta``) added once training
+        has started (in place, so the metrics ``train()`` returns hold it too)."""
+        if self._private is not None:
+            try:
+                logs["epsilon"] = self.get_epsilon()
+            except AccountingError as err:
+                # No finite epsilon is certified (e.g. a noise multiplier below the analysis'
+                # range): inf is what the run can claim. Said once, then logged as inf.
+                if not self._warned_no_epsilon:
+                    self._warned_no_epsilon = True
+                    warnings.warn(
+                        f"epsilon cannot be computed for this run ({err}); it is logged as inf",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                logs["epsilon"] = math.inf
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring)."""
+        super()._save_checkpoint(model, trial)
+        if self._private is None or not self.args.should_save:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self._privacy_state(), os.path.join(folder, PRIVACY_STATE_NAME))
+
+    def _privacy_state(self) -> dict[str, Any]:
+        private = self._require_private()
+        return {
+            "version": _STATE_VERSION,
+            "accountant": private.engine.accountant.state_dict(),
+            "noise_multiplier": float(private.optimizer.noise_multiplier),
+            "sample_rate": float(private.sample_rate),
+            "expected_batch_size": int(private.optimizer.expected_batch_size),
+            "max_grad_norm": float(private.optimizer.max_grad_norm),
+            "sketch_spec": repr(private.module.sketch_spec),
+            "planned_steps": private.planned_steps,
+            "sampler_seed": int(self._poisson_sampler.seed),
+            "noise_generator": private.noise_generator.get_state(),
+            "sketch_generator": None
+            if private.sketch_generator is None
+            else private.sketch_generator.get_state(),
+        }
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's optimizer and scheduler states, then the privacy state.
+
+        Raises:
+            FileNotFoundError: The checkpoint has no privacy state (resuming would restart
+                epsilon from zero).
+            ValueError: The checkpoint was trained with other privacy settings.
+        """
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, PRIVACY_STATE_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} does not exist: the checkpoint holds no privacy state (accountant "
+                "history, sampler and noise generators), so resuming would report epsilon from "
+                "zero. Resume only from checkpoints written by a DP trainer"
+            )
+        state = torch.load(path, weights_only=False)
+        self._restore_privacy_state(state)
+
+    def _restore_privacy_state(self, state: dict[str, Any]) -> None:
+        private = self._require_private()
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown privacy-state version {state.get('version')!r}")
+        mine = {
+            "noise_multiplier": float(private.optimizer.noise_multiplier),
+            "sample_rate": float(private.sample_rate),
+            "expected_batch_size": int(private.optimizer.expected_batch_size),
+            "max_grad_norm": float(private.optimizer.max_grad_norm),
+            "sketch_spec": repr(private.module.sketch_spec),
+            "planned_steps": private.planned_steps,
+        }
+        differ = {k: (state[k], v) for k, v in mine.items() if state[k] != v}
+        if differ:
+            details = ", ".join(
+                f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
+            )
+            raise ValueError(
+                "the checkpoint was trained with other privacy settings than this run "
+                f"({details}); resume with the same PrivacyArguments, dataset size and "
+                "num_train_epochs / max_steps"
+            )
+        private.engine.accountant.load_state_dict(state["accountant"])
+        self._epsilon_cache = None
+        self._poisson_sampler.seed = int(state["sampler_seed"])
+        self._sampler_seed = int(state["sampler_seed"])
+        private.noise_generator.set_state(state["noise_generator"])
+        if private.sketch_generator is not None and state["sketch_generator"] is not None:
+            private.sketch_generator.set_state(state["sketch_generator"])
+
+
+class _IndexDataset(Dataset):
+    """``range(n)`` as a dataset (for Opacus' sample-rate rule; holds no data)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int]:
+        return (i,)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under an accelerate or peft wrapper."""
+    inner = getattr(model, "module", model)
+    get_base = getattr(inner, "get_base_model", None)
+    return get_base() if callable(get_base) else inner
+
+
+class DPTrainer(DPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with DP-SGD-RC: see the module docstring.
+
+    Args:
+        *args: ``transformers.Trainer``'s arguments (``model``, ``args``, ``data_collator``,
+            ``train_dataset``, ``eval_dataset``, ``processing_class``, ``callbacks``,
+            ``optimizers``, ...).
+        privacy_args: The :class:`PrivacyArguments` (keyword only).
+        **kwargs: As ``*args``.
+
+    Raises:
+        ValueError, NotImplementedError, TypeError: As :class:`DPTrainerMixin`.
+    """

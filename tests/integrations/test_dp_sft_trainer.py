@@ -1,0 +1,193 @@
+"""``opacus_rc.integrations.trl.DPSFTTrainer`` (TRL's ``SFTTrainer``) on a tiny random Llama.
+
+A word-level tokenizer built in the test (64 tokens) and random word sequences keep each run
+to about a second. Checked: the target epsilon within 1% and in the logs; each example's loss
+is the mean of its labelled next-token losses (prompt tokens masked with
+``completion_only_loss``, against the model's logits recomputed outside the trainer); LoRA
+through ``peft_config`` trains only the adapters, with TRL's default bf16 autocast and
+checkpointing; evaluation and generation work; packing, padding-free batches and the DFT loss
+are refused with their reasons; without TRL the import fails with what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trainer_helpers as th  # noqa: E402
+
+from opacus_rc.integrations.trl import DPSFTTrainer, PrivacyArguments  # noqa: E402
+
+DELTA = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", message="PrivacyArguments.seed")
+
+
+def tokenizer() -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(th.VOCAB - 3)]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def sentences(n: int, *, seed: int = 0, lo: int = 3, hi: int = 10) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(
+            " ".join(f"w{int(i)}" for i in torch.randint(0, th.VOCAB - 3, (k,), generator=g))
+        )
+    return out
+
+
+def text_dataset(n: int = 40, seed: int = 0) -> Any:
+    return datasets.Dataset.from_dict({"text": sentences(n, seed=seed)})
+
+
+def sft_config(tmp_path: Path, **overrides: Any) -> Any:
+    kw = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 3,
+        "max_steps": 4,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "max_grad_norm": 0.0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "dataloader_pin_memory": False,
+        "max_length": 16,
+    }
+    kw.update(overrides)
+    return trl.SFTConfig(**kw)
+
+
+class Recording(DPSFTTrainer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses: list[tuple[dict, torch.Tensor]] = []
+
+    def compute_private_loss(self, model, inputs):
+        loss = super().compute_private_loss(model, inputs)
+        self.losses.append((inputs, loss.loss_per_sample.detach().clone()))
+        return loss
+
+
+def make(tmp_path: Path, *, data: Any = None, privacy: dict | None = None, model: Any = None,
+         cls: type = Recording, peft_config: Any = None, **config: Any) -> Any:  # fmt: skip
+    p = {"target_epsilon": 4.0, "target_delta": DELTA, "expected_batch_size": 8, "seed": 2}
+    p.update(privacy or {})
+    return cls(
+        model=th.tiny_llama() if model is None else model,
+        args=sft_config(tmp_path, **config),
+        train_dataset=text_dataset() if data is None else data,
+        processing_class=tokenizer(),
+        peft_config=peft_config,
+        privacy_args=PrivacyArguments(**p),
+    )
+
+
+def test_sft_reaches_target_epsilon_and_logs_it(tmp_path: Path) -> None:
+    tr = make(tmp_path, max_steps=5)
+    out = tr.train()
+    eps = tr.get_epsilon()
+    assert 4.0 * 0.99 <= eps <= 4.0
+    assert len(tr.privacy_engine.accountant) == 5 == tr.state.global_step
+    assert out.metrics["epsilon"] == eps
+    assert [h["epsilon"] for h in tr.state.log_history if "loss" in h][-1] == eps
+
+
+def test_per_example_loss_is_the_mean_over_completion_tokens(tmp_path: Path) -> None:
+    prompts, completions = sentences(40, seed=3, lo=2, hi=5), sentences(40, seed=4, lo=1, hi=4)
+    data = datasets.Dataset.from_dict({"prompt": prompts, "completion": completions})
+    model = th.tiny_llama()
+    start = th.snapshot(model)
+    tr = make(tmp_path, data=data, model=model, max_steps=1, completion_only_loss=True)
+    tr.train()
+    assert tr.losses
+    for inputs, losses in tr.losses:
+        labels = inputs["labels"]
+        assert (labels == -100).any(dim=1).all()  # prompts (and padding) are masked
+        logits = start(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).logits
+        for i in range(labels.shape[0]):
+            target = labels[i, 1:]
+            keep = target != -100
+            nll = torch.nn.functional.cross_entropy(logits[i, :-1][keep], target[keep])
+            torch.testing.assert_close(losses[i], nll, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_bf16_checkpointing_evaluate_generate(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    tr = make(
+        tmp_path,
+        peft_config=config,
+        max_steps=3,
+        bf16=True,  # TRL's defaults: autocast without a loss scaler, and checkpointing
+        gradient_checkpointing=True,
+        learning_rate=0.05,
+    )
+    frozen = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
+    adapters = th.params(tr.model)
+    tr.train()
+    assert 3.96 <= tr.get_epsilon() <= 4.0
+    after = dict(tr.model.named_parameters())
+    assert all(torch.equal(after[n].detach(), v) for n, v in frozen.items())
+    assert any(not torch.equal(after[n].detach(), v) for n, v in adapters.items())
+    metrics = tr.evaluate(eval_dataset=text_dataset(6, seed=9))
+    assert math.isfinite(metrics["eval_loss"]) and metrics["epsilon"] == tr.get_epsilon()
+    ids = tokenizer()("w1 w2 w3", return_tensors="pt")["input_ids"]
+    out = tr.model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"packing": True}, "packing=True puts several examples in one row"),
+        ({"padding_free": True, "max_length": None}, "padding_free=True"),
+        ({"loss_type": "dft"}, "loss_type='nll'"),
+    ],
+    ids=["packing", "padding_free", "dft"],
+)
+def test_refused_sft_options(tmp_path: Path, config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, **config)
+
+
+def test_refusals_of_the_trainer_apply(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        make(tmp_path, gradient_accumulation_steps=4)
+
+
+def test_import_without_trl_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "trl", None)  # makes ``import trl`` raise ImportError
+    monkeypatch.delitem(sys.modules, "opacus_rc.integrations.trl")
+    with pytest.raises(ImportError, match="pip install 'trl>=1.0'.*DPTrainer"):
+        importlib.import_module("opacus_rc.integrations.trl")
