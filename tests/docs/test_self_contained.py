@@ -5,8 +5,8 @@ Three kinds of reference are checked, over ``git ls-files`` (the files a clone h
 
 * **External documents** (:func:`test_no_reference_to_a_file_outside_the_repository`): the names
   of the project's out-of-tree design notes (built below from their stems, so this file does not
-  match itself), a ``../shared`` folder, and absolute paths of the machine the work was done on
-  (``/work/...``). A reader of a clone can open none of them.
+  match itself), the ``shared`` folder beside the clone that held them, and absolute paths of
+  the machine the work was done on. A reader of a clone can open none of them.
 * **Docs anchors** (:func:`test_every_docs_anchor_resolves`): each ``docs/<page>.md#<label>`` in
   any tracked file names an existing page that defines the MyST target ``(<label>)=`` (the site
   sets ``myst_heading_anchors = 0``, so the explicit targets are the only anchors).
@@ -31,7 +31,7 @@ _EXTERNAL_STEMS = ("DESIGN", "THEORY", "OPACUS", "STYLE", "PEERS", "DATA")
 EXTERNAL = re.compile(
     r"\b(?:" + "|".join(_EXTERNAL_STEMS) + r")\.md\b"  # the notes, by name
     r"|\.\./+shared\b"  # the folder next to the clone that holds them
-    r"|(?<![\w.~-])/work/"  # an absolute path of the development machine
+    r"|(?<![\w.~-])/wor[k]/"  # an absolute path of the development machine
 )
 ANCHOR = re.compile(r"\b(docs/[\w/.-]+\.md)#([\w-]+)")
 LINE_REF = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.py):(\d+)\b")
@@ -87,7 +87,12 @@ def test_the_patterns_match_what_they_should() -> None:
     """Each pattern on a positive and a negative example, so a broken regex fails here."""
     # the examples are assembled at run time so that this file does not match its own scan
     theory, design, data = (f"{stem}.md" for stem in ("THEORY", "DESIGN", "DATA"))
-    for bad in (f"see {theory} A.2", f"`{design}` section 3", f"../shared/{data}", "/work/x"):
+    for bad in (
+        f"see {theory} A.2",
+        f"`{design}` section 3",
+        f"../{'shared'}/{data}",
+        "/" + "work/x",
+    ):
         assert EXTERNAL.search(bad), bad
     for good in ("docs/privacy/estimators.md", "METADATA.md", "rework/x", "a/work/b"):
         assert not EXTERNAL.search(good), good
