@@ -1,4 +1,4 @@
-"""The options of randomized clipping, validated once (DESIGN.md section 2, ``config.py``).
+"""The options of randomized clipping, validated once (docs/architecture.md#architecture-concepts).
 
 :class:`RandomizedClippingConfig` is built once, by ``PrivacyEngine.make_private`` or by a
 grad-sample module constructed directly, and shared by the engine, the grad-sample module and

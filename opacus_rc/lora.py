@@ -1,6 +1,6 @@
 r"""A guard against LoRA adapters that silently never change under DP training.
 
-Opacus issue 820 (meta-pytorch/opacus#820, open; ``OPACUS.md`` section 5, item 1): with peft LoRA,
+Opacus issue 820 (meta-pytorch/opacus#820, open): with peft LoRA,
 loss and epsilon look normal but the trained adapters are unusable. The diagnosis in that thread
 (and in opacus PR #830) is device placement: ``model.to(device)`` *after* ``get_peft_model()``,
 which can leave the adapters the optimizer updates apart from the ones the forward pass uses. Any

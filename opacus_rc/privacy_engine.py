@@ -1,8 +1,8 @@
-"""``PrivacyEngine`` with randomized clipping (DESIGN.md sections 1 and 3).
+"""``PrivacyEngine`` with randomized clipping (docs/architecture.md#architecture-seams).
 
 :class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine`` and runs Opacus' own
 ``make_private`` template for every ``clipping`` value. For ``clipping="randomized"`` it fills
-Opacus' seams (OPACUS.md section 1.5):
+Opacus' seams (docs/architecture.md#architecture-seams):
 
 * ``_prepare_model`` builds a :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
   (or its hooks-only twin for ``wrap_model=False``);
@@ -19,7 +19,7 @@ Opacus ties the accountant's step hook to the optimizer. Every option of randomi
 validated once, by the :class:`~opacus_rc.config.RandomizedClippingConfig` built at the start of
 the call, and that one object configures the module and the optimizer.
 
-Rules (DESIGN.md section 1): every argument is validated before any hook is attached; an
+Rules: every argument is validated before any hook is attached; an
 accountant that cannot account for sketched norms makes ``clipping="randomized"`` raise; a
 ``noise_multiplier`` the accountant cannot record is refused up front (never a step that fails);
 and no hook stays on the user's model when ``make_private`` raises (for any ``clipping``).
@@ -146,9 +146,10 @@ class _Request:
 class _RandomizedBuild:
     """State shared by the ``_prepare_*`` seams during one randomized ``make_private``.
 
-    Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs``
-    (OPACUS.md section 1.5, point 3), so the configuration reaches the seams through this
-    object, set on the engine for the duration of the call only.
+    Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs`` (its
+    call passes ``batch_first``, ``max_grad_norm``, ``loss_reduction`` and ``grad_sample_mode``),
+    so the configuration reaches the seams through this object, set on the engine for the
+    duration of the call only.
 
     Attributes:
         config: The configuration of this call.

@@ -11,7 +11,7 @@ DP-SGD with (randomized) clipping, as the events of Google's ``dp_accounting``
     ``sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)``.
 
 Adjacency is add/remove-one (both directions are accounted, docs/privacy/adjacency.md#adjacency). The analysis
-(docs/privacy/index.md#privacy-chain-C) depends on the sketch only through the number of Gaussian columns that certify
+(docs/privacy/prv.md#prv) depends on the sketch only through the number of Gaussian columns that certify
 it (:attr:`~opacus_rc.sketching.SketchSpec.accounted_dim`) and on the threat model: ``"hidden"``
 (the sketch stays secret, drawn per sample) or ``"revealed"`` (valid for any sketch sharing).
 Events are immutable and validated on construction; their meaning never changes (new

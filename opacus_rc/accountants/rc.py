@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class RCAccountant(IAccountant):
     """Privacy accountant for DP-SGD with randomized clipping (and exact clipping).
 
-    PRV accounting (Gopi et al. 2021) of the envelope mechanism of docs/privacy/index.md#privacy-chain-C, in both
+    PRV accounting (Gopi et al. 2021) of the envelope mechanism (docs/privacy/prv.md#prv), in both
     adjacency directions; :meth:`get_epsilon` returns the guaranteed upper bound, the maximum
     over directions (0 where it would be negative). Heterogeneous histories (changing noise,
     sample rate or sketch) compose; long horizons are composed in blocks

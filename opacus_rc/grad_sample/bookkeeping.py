@@ -1,4 +1,4 @@
-"""Book-keeping: the clipped gradient sum from one backward pass (DESIGN.md section 3, step 4).
+"""Book-keeping: the clipped gradient sum from one backward pass (docs/architecture.md#architecture-step, step 5).
 
 Bu, Wang, Zha and Karypis, "Differentially Private Optimization on Large Model at Small Cost",
 ICML 2023. Ghost and randomized clipping need a second backward pass of ``sum_i c_i loss_i``

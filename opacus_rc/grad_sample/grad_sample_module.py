@@ -1,4 +1,4 @@
-"""Grad-sample modules for randomized clipping (DP-SGD-RC; DESIGN.md sections 3-4).
+"""Grad-sample modules for randomized clipping (DP-SGD-RC; docs/architecture.md#architecture-step).
 
 :class:`GradSampleModuleRandomizedClipping` wraps a model like Opacus'
 ``GradSampleModuleFastGradientClipping`` (ghost clipping); :class:`GradSampleHooksRandomizedClipping`

@@ -1,4 +1,4 @@
-"""Sketched per-sample gradient norms of ``nn.Linear`` (docs/privacy/estimators.md#estimators-setup, DESIGN.md section 4).
+"""Sketched per-sample gradient norms of ``nn.Linear`` (docs/privacy/estimators.md#estimators-setup).
 
 For sample ``i`` with input ``A_i`` (``T x d``) and output gradient ``G_i`` (``T x p``):
 
@@ -6,7 +6,8 @@ For sample ``i`` with input ``A_i`` (``T x d``) and output gradient ``G_i`` (``T
   ``||g_i a_i^T||_F = ||g_i|| ||a_i||``, which is cheaper than any sketch. Rank-3 inputs are
   sketched with the given estimator. Inputs of rank > 3 (``B x ... x d``) are flattened to
   ``(B, T', d)`` first; Opacus' own ghost sampler returns ``{}`` for them, which silently reuses
-  stale norms (OPACUS.md section 2).
+  stale norms (``opacus.grad_sample.linear.compute_linear_norm_sample``
+  handles 2-D and 3-D output gradients only).
 * bias: exact, ``||G_i^T 1_T||``.
 
 Frozen parameters (``requires_grad=False``) are skipped and cost nothing: no probe is drawn.

@@ -1,4 +1,4 @@
-"""One module use's per-sample gradient norms, by the path its route names (DESIGN.md 3, step 2).
+"""One module use's per-sample gradient norms, by the path its route names (docs/architecture.md#architecture-step, step 3).
 
 :class:`ModuleNorms` is called by the grad-sample module's backward hook with the module's
 stored activations and its output gradient (batch first, rescaled to per-sample losses). It

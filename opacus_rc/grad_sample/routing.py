@@ -1,4 +1,4 @@
-"""The norm-path resolver: how each hooked module's per-sample norm is computed (DESIGN.md 3).
+"""The norm-path resolver: how each hooked module's per-sample norm is computed (docs/architecture.md#architecture-step, step 3).
 
 Every decision about *how* a module's per-sample gradient norm is obtained is made here, once,
 when the grad-sample module is built, and then used by every consumer: the backward hook

@@ -1,4 +1,4 @@
-"""The state of one randomized-clipping step, with explicit transitions (DESIGN.md section 3).
+"""The state of one randomized-clipping step, with explicit transitions (docs/architecture.md#architecture-step).
 
 One :class:`StepState` is owned by each randomized-clipping grad-sample module. The DP loss,
 the module's hooks and the optimizer talk to each other only through its public methods, and

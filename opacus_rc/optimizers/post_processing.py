@@ -1,4 +1,4 @@
-"""Post-processing hook point for any Opacus ``DPOptimizer`` (DESIGN.md section 3, step 5).
+"""Post-processing hook point for any Opacus ``DPOptimizer`` (docs/architecture.md#architecture-step, step 8).
 
 A post-processing hook is a function ``hook(optimizer) -> None`` that may rewrite ``p.grad`` of
 the optimizer's parameters after noise and ``scale_grad`` and before the wrapped optimizer's

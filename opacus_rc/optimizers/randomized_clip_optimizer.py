@@ -1,4 +1,5 @@
-"""The DP optimizer of DP-SGD-RC (DESIGN.md section 3, steps 4-6; docs/privacy/mechanism.md#mechanism-reduction).
+"""The DP optimizer of DP-SGD-RC (docs/architecture.md#architecture-step, steps 6-9;
+docs/privacy/mechanism.md#mechanism-reduction).
 
 One step releases ``sum_i c_i g_i + N(0, sigma^2 C^2 I)`` with ``c_i = min(1, C / n_hat_i)``,
 divided by the expected batch size under ``loss_reduction="mean"``. The clip factors are applied
