@@ -1,4 +1,8 @@
-"""Tests of the trace estimators in ``opacus_rc.sketching`` (THEORY.md A.2, A.3, G.1-G.2)."""
+"""Tests of the trace estimators in ``opacus_rc.sketching`` (docs/privacy/estimators.md#estimators).
+
+Statistical checks use fixed seeds and a tolerance of at least 4 standard deviations of the
+statistic, derived in each test from the law of docs/privacy/estimators.md#estimators-hutchinson.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,15 @@ from opacus_rc.sketching import (
     validate_sketch_dim,
 )
 
-# THEORY.md A.2 oracle: exact ||G_i^T A_i||_F^2 and n_hat for Omega = rng(123).normal((3,4))/2.
+# Hand-made oracle (independent float64 NumPy values): exact ||G_i^T A_i||_F^2 and n_hat for
+# Omega = rng(123).normal((3,4))/2 on the fixture of oracle_factors().
 EXACT = np.array([30.50139485, 48.45486162])
 NHAT_ORACLE = np.array([15.08888833, 20.93363968])
 W0_ORACLE = np.array([0.870770258, 0.129229742])  # normalised spectrum of O_0 (nonzero part)
 
 
 def oracle_factors() -> tuple[torch.Tensor, torch.Tensor]:
-    """THEORY.md A.2: T=6, d=4, p=3, A0[t,j] = sin(1+t+2j), G0[t,i] = cos(0.5t-i)."""
+    """The oracle fixture: T=6, d=4, p=3, A0[t,j] = sin(1+t+2j), G0[t,i] = cos(0.5t-i)."""
     t = np.arange(6)[:, None]
     A0 = np.sin(1 + t + 2 * np.arange(4)[None, :])
     G0 = np.cos(0.5 * t - np.arange(3)[None, :])
@@ -50,7 +55,7 @@ def test_exact_oracle_of_the_fixture() -> None:
 
 
 def test_hutchinson_equals_trace_oracle_for_given_probes() -> None:
-    """n_hat = tr(Omega^T O Omega) exactly (THEORY.md A.2 oracle numbers)."""
+    """n_hat = tr(Omega^T O Omega) exactly (docs/privacy/estimators.md#estimators-hutchinson; oracle numbers above)."""
     A, G = oracle_factors()
     omega = np.random.default_rng(123).standard_normal((3, 4)) / 2
     est = hutchinson_sqnorm(A, G, sketch_dim=4, probes=torch.tensor(omega))
@@ -81,8 +86,9 @@ def test_hutchinson_unbiased_with_formula_variance(side: str) -> None:
     """Mean and variance of n_hat/n over N = 200,000 independent per-sample sketches.
 
     The batch holds N copies of each oracle sample; per-sample probes make them independent.
-    W = n_hat/n has mean 1 and Var W = (2/k) sum_j w_j^2 (THEORY.md A.2).
-    * mean: sd(mean W) = sqrt(Var W / N); allow 4 sd (THEORY.md G.1).
+    W = n_hat/n has mean 1 and Var W = (2/k) sum_j w_j^2
+    (docs/privacy/estimators.md#estimators-hutchinson).
+    * mean: sd(mean W) = sqrt(Var W / N); allow 4 sd.
     * variance: the sample variance has relative sd sqrt((mu4/sigma^4 - 1)/N) with
       mu4/sigma^4 = 3 + kappa4/kappa2^2 = 3 + 12 sum w^4 / (k (sum w^2)^2) (cumulants of a
       chi-square mixture); for k = 4 and rank one this is 6, so the relative sd is
@@ -98,7 +104,7 @@ def test_hutchinson_unbiased_with_formula_variance(side: str) -> None:
         w = spectrum_weights(A[i].numpy(), G[i].numpy())
         var_w = 2 / k * np.sum(w**2)
         if i == 0:
-            assert var_w == pytest.approx(0.387471, abs=1e-6)  # THEORY.md A.2 oracle
+            assert var_w == pytest.approx(0.387471, abs=1e-6)  # (2/k) sum w_j^2 with the oracle's w
         assert abs(W.mean() - 1) < 4 * math.sqrt(var_w / N)
         kurt = 3 + 12 * np.sum(w**4) / (k * np.sum(w**2) ** 2)
         rel_sd_var = math.sqrt((kurt - 1) / N)
@@ -125,7 +131,7 @@ def test_hutchinson_rank_one_law_is_scaled_chi_square() -> None:
 
 
 def test_hutchinson_mixture_law_two_sample_ks() -> None:
-    """Oracle sample 0: n_hat/n ~ w1 chi2_k/k + w2 chi2_k/k (THEORY.md A.2, G.1).
+    """Oracle sample 0: n_hat/n ~ w1 chi2_k/k + w2 chi2_k/k (docs/privacy/estimators.md#estimators-hutchinson).
 
     Two-sample KS against 20,000 numpy draws of the mixture (an independent generator).
     """
@@ -144,7 +150,7 @@ def test_hutchinson_mixture_law_two_sample_ks() -> None:
 
 
 def test_hutchpp_exact_when_rank_at_most_head_dim() -> None:
-    """THEORY.md A.3 oracle: with s >= rank(M), Hutch++ returns the exact value for any probes."""
+    """docs/privacy/estimators.md#estimators-hutchpp: with s >= rank(M), Hutch++ returns the exact value for any probes."""
     A, G = oracle_factors()
     for seed in range(5):
         gen = torch.Generator().manual_seed(seed)

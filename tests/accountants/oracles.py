@@ -14,7 +14,7 @@ oracle 2 (and the Gaussian closed form) below.
 
 Oracle 1, details.
 
-The hidden-model pair of one DP-SGD-RC step (THEORY.md B.1-B.2) is ``N(0, sigma^2)`` versus
+The hidden-model pair of one DP-SGD-RC step (docs/privacy/prv.md#prv-hidden) is ``N(0, sigma^2)`` versus
 ``(1 - q) N(0, sigma^2) + q E_S N(S, sigma^2)``: a mixture-of-Gaussians mechanism
 (``dp_accounting.pld.privacy_loss_distribution.from_mixture_gaussian_mechanism``, Choquette-Choo
 et al. 2023) once the law of ``S`` is made discrete. The envelope law of ``S``
@@ -23,7 +23,7 @@ density on ``(1, inf)``) is put into ``buckets`` cells, equally spaced in ``log 
 ``1 - tail`` quantile:
 
 * ``rounding="up"`` gives every cell's mass to its right end: a stochastically larger ``S``,
-  hence a dominating mechanism (THEORY.md B.4); with ``pessimistic=True`` its epsilon is an
+  hence a dominating mechanism (docs/privacy/dominance.md#dominance); with ``pessimistic=True`` its epsilon is an
   upper bound on the true one, up to the last ``tail`` of mass, put at the last edge (a
   sensitivity of ``10^3`` would make dp_accounting's loss grid unaffordably long), which can
   lower delta by at most ``steps * q * tail`` (``1e-20`` for ``10^4`` steps);

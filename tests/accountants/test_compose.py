@@ -1,4 +1,5 @@
-"""Discretisation and composition with an explicit error bound (compose.py; THEORY.md C.3-C.4)."""
+"""Discretisation and composition with an explicit error bound (compose.py;
+docs/privacy/prv.md#prv-composition, docs/privacy/error_budget.md#error-budget)."""
 
 from __future__ import annotations
 

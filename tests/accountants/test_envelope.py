@@ -1,4 +1,5 @@
-"""The envelope law of the worst-case sensitivity S (THEORY.md B.3, C.3 item 1).
+"""The envelope law of the worst-case sensitivity S (docs/privacy/envelope.md#envelope-law) and
+its quadrature (docs/privacy/prv.md#prv-quadrature).
 
 Proofs: docs/privacy/envelope.md. The proof steps themselves are checked numerically in
 tests/docs/test_envelope_proof.py; this file checks the implementation."""
@@ -195,10 +196,11 @@ def test_chi2_at_k1_warns_that_it_is_not_proved() -> None:
 
 
 # ----------------------------------------------------------------------------- "schur" (B.3)
-# THEORY.md B.3 item 2, fallback cost table: q = 0.01, sigma = 1, 1000 steps, delta = 1e-5,
-# hidden, max over directions, (estimate, upper) per envelope; k -> {envelope: (est, upper)}.
-# Reference script of THEORY.md (prv-accountant composition, eps_error = 0.01), printed to 3
-# decimals; the C.6 precision rule (+-0.02) applies, and we hold the estimate to 2e-3 (we
+# The cost table of docs/privacy/envelope.md#envelope-costs: q = 0.01, sigma = 1, 1000 steps,
+# delta = 1e-5, hidden, max over directions, (estimate, upper) per envelope;
+# k -> {envelope: (est, upper)}. From the independent reference script of
+# docs/privacy/reference_numbers.md#reference-numbers (prv-accountant composition,
+# eps_error = 0.01), printed to 3 decimals; its precision rule (+-0.02) applies, and we hold the estimate to 2e-3 (we
 # reproduce the C.6 cells to 1e-3, README "Status").
 SCHUR_COSTS = {
     16: {"chi2": (2.469, 2.480), "schur": (2.601, 2.611), "chernoff": (3.971, 3.981)},

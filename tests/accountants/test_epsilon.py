@@ -1,4 +1,4 @@
-"""The epsilon of a history: budgets, both directions, heterogeneous segments (THEORY.md C)."""
+"""The epsilon of a history: budgets, both directions, heterogeneous segments (docs/privacy/prv.md#prv)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def test_event_is_frozen_validated_and_normalised() -> None:
         e.noise_multiplier = 2.0  # type: ignore[misc]
     # exact clipping: S = 1, both threat models coincide and are stored as "hidden"
     assert event(threat_model="revealed") == event()
-    # Hutch++ is certified by its tail columns (THEORY.md D)
+    # Hutch++ is certified by its tail columns (docs/privacy/hutchpp.md#hutchpp-theorem-h)
     hpp = SketchSpec(estimator="hutch++", sketch_dim=16, head_dim=64)
     assert event(sketch_spec=hpp).sketch_dim == 16
     assert hash(event(sketch_spec=S32)) == hash(event(sketch_spec=S32.to_dict()))

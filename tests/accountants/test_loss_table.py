@@ -1,4 +1,5 @@
-"""Spline tables of one step's privacy-loss laws against exact evaluation (THEORY.md C.3 item 3)."""
+"""Spline tables of one step's privacy-loss laws against exact evaluation
+(docs/privacy/prv.md#prv-tables)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The per-step privacy loss random variable of DP-SGD-RC: laws, cap, RDP bound (THEORY.md B.5, C, G.4)."""
+"""The per-step privacy loss random variable of DP-SGD-RC: laws, cap, RDP bound
+(docs/privacy/prv.md#prv, docs/privacy/adjacency.md#adjacency,
+docs/privacy/reference_numbers.md#reference-tail)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def test_kl_divergences_are_the_prv_means() -> None:
 @pytest.mark.parametrize("k", [None, 8, 32])
 def test_cdfs_are_monotone_with_the_right_support(k: int | None, mode: str) -> None:
     """Both CDFs are nondecreasing; the remove PRV lives on (log(1-q), inf) and the add PRV on
-    (-inf, -log(1-q)) (THEORY.md C.1, G.4)."""
+    (-inf, -log(1-q)) (docs/privacy/prv.md#prv-hidden)."""
     q = 0.01
     edge = -math.log1p(-q)
     t = np.linspace(-15.0, 15.0, 20001)

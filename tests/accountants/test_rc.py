@@ -1,4 +1,5 @@
-"""RCAccountant: THEORY.md C.6/C.7 tables, monotonicity, and Opacus integration (C.5, G.5-G.6)."""
+"""RCAccountant: the reference tables (docs/privacy/reference_numbers.md#reference-numbers),
+monotonicity, and Opacus integration (docs/privacy/prv.md#prv-opacus)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def report(sigma: float, steps: int, k: int | None, mode: str = "hidden", **acc_
 
 
 def tol(value: float) -> float:
-    """THEORY.md C.6 precision: +-0.02 absolute, +-1% for values >= 10."""
+    """The reference tables' stated precision (docs/privacy/reference_numbers.md#reference-epsilon):
+    +-0.02 absolute, +-1% for values >= 10."""
     return max(0.02, 0.01 * value) if value >= 10 else 0.02
 
 
@@ -215,7 +217,7 @@ def test_heterogeneous_history_composes() -> None:
 
 
 def test_hutchpp_is_accounted_with_its_tail_columns() -> None:
-    """Theorem H (THEORY.md D): Hutch++ with k tail columns = Hutchinson with k columns."""
+    """Theorem H (docs/privacy/hutchpp.md#hutchpp-theorem-h): Hutch++ with k tail columns = Hutchinson with k columns."""
     acc = RCAccountant()
     acc.history = [(1.0, Q, 100, spec(32, estimator="hutch++", head_dim=32))]
     assert acc.get_epsilon(DELTA) == pytest.approx(report(1.0, 100, 32).upper, abs=1e-12)

@@ -1,4 +1,6 @@
-"""Privacy-loss models of one step: the hidden and revealed threat models (THEORY.md B.2, C.1-C.2)."""
+"""Privacy-loss models of one step: the hidden and revealed threat models
+(docs/privacy/threat_models.md#threat-models, docs/privacy/prv.md#prv-hidden,
+docs/privacy/prv.md#prv-revealed)."""
 
 from __future__ import annotations
 

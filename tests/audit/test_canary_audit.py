@@ -1,4 +1,6 @@
-"""Empirical privacy audit of one DP-SGD-RC step (opacus_rc.auditing; THEORY.md B.1-B.2, C).
+"""Empirical privacy audit of one DP-SGD-RC step (opacus_rc.auditing;
+docs/privacy/mechanism.md#mechanism-sensitivity, docs/privacy/threat_models.md#threat-models,
+docs/privacy/prv.md#prv).
 
 Setting: one non-subsampled step (q = 1), sigma = 2, C = 1, a rank-one canary of norm 1e6, the
 real GradSampleModuleRandomizedClipping + RandomizedClipOptimizer, 100 000 trials per hypothesis
@@ -9,7 +11,7 @@ over the four k), Clopper-Pearson with Bonferroni over 12 thresholds and both bo
     the RC accountant's epsilon for the same step ("hidden" threat model: the adversary never
     sees the probes; the audit seeds them only for reproducibility). Where the accountant
     reports no finite epsilon (k <= 2 at small delta: the mass of its capped heavy tail
-    exceeds delta, THEORY.md B.6, C.3) the bound is checked against infinity and the
+    exceeds delta, docs/privacy/prv.md#prv-tail-cap) the bound is checked against infinity and the
     accountant's epsilon at the larger deltas is the binding check.
 (b) At k = 1 and k = 2 the lower bound at delta = 1e-5 exceeds the epsilon that exact-clipping
     accounting would claim for the same sigma (2.003): the audit has power, and it shows that
@@ -92,7 +94,7 @@ def test_lower_bound_below_rc_accountant(audits: dict, sketch_dim: int) -> None:
         eps = accountant_epsilon(sketch_dim, delta)
         assert bound.epsilon < eps, (sketch_dim, delta, bound, eps)
     # The heavy tail is really there: the canary's released norm C * W^(-1/2) (mean of the
-    # envelope's S, THEORY.md B.3 table, is 1.064 at k = 32 and 1.173 at k = 8).
+    # envelope's S, docs/privacy/envelope.md#envelope-law, is 1.064 at k = 32 and 1.173 at k = 8).
     if sketch_dim <= 2:
         assert res.max_contribution > 100
 

@@ -1,13 +1,14 @@
 """Tests of the pure spectral-denoising functions (opacus_rc/denoising: shrinkage, svd, denoiser).
 
 Oracles:
-* THEORY.md E.5 (reference script, independent of this code): shrinker values, the planted
-  rank-3 matrix drawn with ``numpy.random.default_rng(0)`` and its error/cosine table, the
-  pure-noise control. Stated to 1e-6 "given the same numpy draws".
-* THEORY.md E.2 spiked-model identity eta*(y(x)) = x * c(x) * c~(x), a closed form that does not
-  use the shrinker formula.
-* A NumPy re-implementation of the THEORY.md E.3 pseudo-code with the *expanded* shrinker formula
-  (the library uses the factored one).
+* The reference example of docs/denoising.md#denoising-oracle (values from an independent
+  reference script, not this code): shrinker values, the planted rank-3 matrix drawn with
+  ``numpy.random.default_rng(0)`` and its error/cosine table, the pure-noise control. Stated to
+  1e-6 given the same numpy draws.
+* The spiked-model identity eta*(y(x)) = x * c(x) * c~(x) of docs/denoising.md#denoising-shrinker,
+  a closed form that does not use the shrinker formula.
+* A NumPy re-implementation of the algorithm of docs/denoising.md#denoising-algorithm with the
+  *expanded* shrinker formula (the library uses the factored one).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ HYPOTHESIS = settings(max_examples=20, deadline=None, derandomize=True)
 
 
 def planted_e5() -> dict[str, np.ndarray | float]:
-    """The THEORY.md E.5 planted test, drawn exactly as described there."""
+    """The planted test of docs/denoising.md#denoising-oracle, drawn exactly as described there."""
     m, n, sigma_e = 64, 256, 0.5
     x = np.array([3.0, 2.0, 1.2])
     theta = x * sigma_e * math.sqrt(n)
@@ -59,7 +60,7 @@ def cosine(A: torch.Tensor, X: torch.Tensor) -> float:
 
 
 def numpy_reference(G: np.ndarray, sigma_e: float, kappa: float, norm_correction: bool):
-    """THEORY.md E.3 pseudo-code in NumPy, expanded shrinker formula of E.2."""
+    """docs/denoising.md#denoising-algorithm in NumPy, with the expanded shrinker formula."""
     M = G if G.shape[0] <= G.shape[1] else G.T
     m, n = M.shape
     U, s, Vt = np.linalg.svd(M, full_matrices=False)
@@ -90,7 +91,7 @@ def random_planted(
 
 
 # ------------------------------------------------------------------------------------------------
-# The shrinker (THEORY.md E.2, E.5)
+# The shrinker (docs/denoising.md#denoising-shrinker)
 
 
 @pytest.mark.parametrize(
@@ -105,18 +106,20 @@ def random_planted(
     ],
 )
 def test_shrinker_oracle_beta_quarter(y: float, expected: float) -> None:
-    # THEORY.md E.5, values given to 12 digits.
+    # Independent reference values of eta*(y) at beta = 0.25 (the closed form of
+    # docs/denoising.md#denoising-shrinker), given to 12 digits.
     assert frobenius_shrinker(y, beta=0.25).item() == pytest.approx(expected, abs=1e-9)
 
 
 @pytest.mark.parametrize(("y", "expected"), [(2.0, 0.0), (3.0, math.sqrt(5.0))])
 def test_shrinker_oracle_square(y: float, expected: float) -> None:
-    # THEORY.md E.5; for beta = 1 the shrinker is sqrt(y^2 - 4) (Gavish-Donoho 2017, abstract).
+    # For beta = 1 the shrinker is sqrt(y^2 - 4) (Gavish-Donoho 2017, abstract).
     assert frobenius_shrinker(y, beta=1.0).item() == pytest.approx(expected, abs=1e-9)
 
 
 def spiked(x: float, beta: float) -> tuple[float, float, float, float]:
-    """THEORY.md E.2: observed y(x), cos^2 of left and right vectors, x*c*c~."""
+    """docs/denoising.md#denoising-shrinker: observed y(x), cos^2 of left and right vectors,
+    x*c*c~."""
     y = math.sqrt((1 + x**2) * (beta + x**2)) / x
     c2 = (x**4 - beta) / (x**4 + beta * x**2)
     ct2 = (x**4 - beta) / (x**4 + x**2)
@@ -124,7 +127,8 @@ def spiked(x: float, beta: float) -> tuple[float, float, float, float]:
 
 
 def test_spiked_model_predictions_of_e5() -> None:
-    # THEORY.md E.5: y(x) and eta(x) at beta = 0.25, x = (3, 2, 1.2), stated to 8 decimals.
+    # y(x) and eta(x) at beta = 0.25, x = (3, 2, 1.2) (the planted strengths of
+    # docs/denoising.md#denoising-oracle), independent reference values to 8 decimals.
     ys = [3.20589734, 2.30488611, 1.69222076]
     etas = [2.79866174, 1.70832736, 0.74835915]
     for x, y_exp, eta_exp in zip((3.0, 2.0, 1.2), ys, etas):
@@ -137,7 +141,7 @@ def test_spiked_model_predictions_of_e5() -> None:
 @HYPOTHESIS
 @given(beta=st.floats(0.01, 1.0), excess=st.floats(0.01, 10.0))
 def test_shrinker_equals_spiked_model_identity(beta: float, excess: float) -> None:
-    # eta*(y(x)) = x c(x) c~(x) for every detectable x > beta^(1/4) (THEORY.md E.2).
+    # eta*(y(x)) = x c(x) c~(x) for every detectable x > beta^(1/4) (docs/denoising.md#denoising-shrinker).
     x = beta**0.25 + excess
     y, _, _, expected = spiked(x, beta)
     assert frobenius_shrinker(y, beta=beta).item() == pytest.approx(expected, rel=1e-9)
@@ -174,7 +178,7 @@ def test_zero_noise_shrinker_is_identity() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The planted rank-3 oracle (THEORY.md E.5)
+# The planted rank-3 oracle (docs/denoising.md#denoising-oracle)
 
 
 def test_planted_rank3_oracle() -> None:
@@ -194,7 +198,7 @@ def test_planted_rank3_oracle() -> None:
 
     shrunk = optimal_shrinkage(G, noise_std=sigma_e)
     corrected = denoise_matrix(G, noise_std=sigma_e)  # default kappa 1.05: 25.7 > 12.6
-    table = {  # THEORY.md E.5: (relative error, cosine), tolerance 1e-6
+    table = {  # docs/denoising.md#denoising-oracle: (relative error, cosine), tolerance 1e-6
         "noisy": (G, 2.101296, 0.425480),
         "shrunk": (shrunk, 0.484900, 0.874678),
         "shrunk + norm-corrected": (corrected, 1.526251, 0.874678),
@@ -213,7 +217,7 @@ def test_planted_rank3_oracle() -> None:
 
 
 def test_pure_noise_control_unchanged() -> None:
-    # THEORY.md E.5: continuing the same rng, s1/threshold = 0.977; kappa = 1.05 leaves it as is.
+    # docs/denoising.md#denoising-oracle: continuing the same rng, s1/threshold = 0.977; kappa = 1.05 leaves it as is.
     case = planted_e5()
     noise = torch.from_numpy(case["noise"])
     ratio = float(torch.linalg.svdvals(noise)[0]) / 12.0

@@ -1,6 +1,7 @@
 """Tests of SpectralDenoiser and noise_std_from_optimizer on Opacus DP optimizers.
 
-What is proved here: sigma_e is formed from public constants only (THEORY.md E.1, E.4); the
+What is proved here: sigma_e is formed from public constants only
+(docs/denoising.md#denoising-noise-level, docs/denoising.md#denoising-post-processing); the
 denoiser touches exactly the 2-D gradients it should, keeps their Frobenius norm, equals the
 functional form, and leaves the privacy accounting untouched.
 """
@@ -53,7 +54,7 @@ def param_with_grad(grad: torch.Tensor) -> nn.Parameter:
 
 
 # ------------------------------------------------------------------------------------------------
-# sigma_e from public quantities (THEORY.md E.1)
+# sigma_e from public quantities (docs/denoising.md#denoising-noise-level)
 
 
 def test_noise_std_mean_and_sum() -> None:

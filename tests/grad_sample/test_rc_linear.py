@@ -1,4 +1,4 @@
-"""Sketched nn.Linear norm sampler against exact per-sample norms (THEORY.md A.1-A.2)."""
+"""Sketched nn.Linear norm sampler against exact per-sample norms (docs/privacy/estimators.md#estimators-hutchinson)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from opacus_rc.sketching import hutchinson_sqnorm, hutchpp_sqnorm
 D_IN, D_OUT = 5, 6
 K_LARGE = 4096
 # At k = 4096, W = n_hat/n has sd <= sqrt(2/k) = 0.0221, so the norm ratio sqrt(W) has
-# sd <= 0.011 (delta method); 5% is >= 4.5 sd for every sample (THEORY.md A.2).
+# sd <= 0.011 (delta method); 5% is >= 4.5 sd for every sample
+# (docs/privacy/estimators.md#estimators-hutchinson).
 REL_TOL = 0.05
 
 

@@ -1,21 +1,24 @@
-"""Reference numbers transcribed from ``shared/THEORY.md`` (the project's theory and spec).
+"""Reference numbers from the project's independent reference scripts (outside this library),
+published with their provenance in docs/privacy/reference_numbers.md#reference-numbers and
+docs/privacy/envelope.md#envelope-law.
 
-Provenance, as stated in THEORY.md:
+Provenance:
 
-* ENVELOPE_CDF, S_ENV (section B.3): "[num, scipy]", i.e. scipy's chi-square functions and the
-  closed-form Chernoff bound. Values are printed to the digits kept here; tests compare to half a
+* ENVELOPE_CDF, S_ENV (docs/privacy/envelope.md#envelope-law): numerical values from scipy's
+  chi-square functions and the closed-form Chernoff bound. Values are printed to the digits kept here; tests compare to half a
   unit in the last printed digit.
-* S_MAX (section C.3 item 1): ``s_max = sqrt(k / F^{-1}_{chi2_k}(eta))`` at ``eta = 1e-15``.
-* EPS_T100, EPS_T1000, K_CONVERGENCE, CHERNOFF_COSTS (sections C.6 and B.3 item 5): epsilon at
-  ``delta = 1e-5``, ``q = 0.01``, computed by the THEORY author's independent reference script
-  (prv-accountant 0.2.0 composition of the PRVs of C.1-C.3: eps_error = 0.01,
+* S_MAX (docs/privacy/prv.md#prv-quadrature): ``s_max = sqrt(k / F^{-1}_{chi2_k}(eta))`` at ``eta = 1e-15``.
+* EPS_T100, EPS_T1000, K_CONVERGENCE, CHERNOFF_COSTS
+  (docs/privacy/reference_numbers.md#reference-epsilon, docs/privacy/envelope.md#envelope-costs):
+  epsilon at ``delta = 1e-5``, ``q = 0.01``, computed by an independent reference script
+  (prv-accountant 0.2.0 composition of the PRVs of docs/privacy/prv.md#prv: eps_error = 0.01,
   delta_error = delta / 1000, envelope "chi2", eta = 1e-15, t_cap rule 1e-3 delta), each value
   the max over directions of the prv_accountant *estimate*, cross-checked against a uniform-grid
   PLD bracket at the bracket midpoints. Stated precision: +-0.02 absolute, +-1% for values >= 10.
-* OPACUS_PRV_UPPER (C.6): Opacus 1.6 ``PRVAccountant.get_epsilon`` (upper bound, eps_error 0.01).
-* SIGMA_FOR_EPS (C.7): noise multiplier with remove-direction estimate = target (to +-0.002 in
+* OPACUS_PRV_UPPER (docs/privacy/reference_numbers.md#reference-epsilon): Opacus 1.6 ``PRVAccountant.get_epsilon`` (upper bound, eps_error 0.01).
+* SIGMA_FOR_EPS (docs/privacy/reference_numbers.md#reference-sigma): noise multiplier with remove-direction estimate = target (to +-0.002 in
   epsilon); stated precision +-0.003 in sigma, test tolerance 1% relative.
-* PRV_TAIL_MC (G.4): P(Y_R > t) for k = 32, sigma = 1, q = 0.01 from the PRV, with a 4e8-draw
+* PRV_TAIL_MC (docs/privacy/reference_numbers.md#reference-tail): P(Y_R > t) for k = 32, sigma = 1, q = 0.01 from the PRV, with a 4e8-draw
   Monte Carlo check.
 """
 

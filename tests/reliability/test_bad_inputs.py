@@ -376,7 +376,8 @@ def test_autocast_full_step_accumulates_in_float32(
 
 def test_huge_norm_sample_is_clipped_end_to_end() -> None:
     """One sample with a gradient norm near 1e30 (float32) among ordinary ones: its released
-    contribution is exactly C * n / n_hat (randomized clipping's sensitivity, THEORY.md B.1),
+    contribution is exactly C * n / n_hat (randomized clipping's sensitivity,
+    docs/privacy/mechanism.md#mechanism-sensitivity),
     within 5% of C at k = 4096 (sd 1.1%), and the update stays finite. The per-layer rescaling
     is tested in test_huge_gradients_give_finite_accurate_norms."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Sketch secrecy and independence (THEORY.md B.2, DESIGN.md section 3 "Sketch randomness").
+"""Sketch secrecy and independence (docs/privacy/threat_models.md#threat-models-conditions).
 
 The "hidden" accountant is valid only if every sample's probes are fresh, independent of the
 data, the noise and the other samples, and unknown to the adversary. Checked here at the engine
@@ -146,7 +146,7 @@ def test_passed_generator_warns_and_is_accounted_as_revealed(
 ) -> None:
     """A user-supplied sketch generator (a seed the adversary may know): one warning, a spec
     with secret=False, and the accountant switches that step to the more conservative
-    "revealed" threat model (THEORY.md B.2), so the reported epsilon is larger than with an OS
+    "revealed" threat model (docs/privacy/threat_models.md#threat-models-revealed), so the reported epsilon is larger than with an OS
     seed. The engine's warning at make_private says so; the accountant does not log it again
     (issue 14, new-user test: it used to be said twice)."""
     eps = {}
@@ -193,7 +193,8 @@ def test_hutchpp_head_and_tail_probes_fresh_per_sample_layer_and_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Hutch++ draws two sketches per layer (head, tail): all draws of a step, and across
-    steps, are distinct, per sample (THEORY.md D needs the tail independent of the head)."""
+    steps, are distinct, per sample (Theorem H, docs/privacy/hutchpp.md#hutchpp-theorem-h, needs the tail independent of the
+    head)."""
     draws: list[torch.Tensor] = []
     original = sketching.draw_gaussian_probes
 

@@ -11,7 +11,7 @@ hand patches, or fail with a clear error -- never train with a silently wrong no
 
 Where a step runs, the engine's per-sample norm estimates are checked against exact per-sample
 gradient norms from a batch-size-1 loop. Tolerance: the Hutchinson estimate of a squared norm
-with ``k`` columns has relative standard deviation at most ``sqrt(2/k)`` (THEORY.md A.2), so the
+with ``k`` columns has relative standard deviation at most ``sqrt(2/k)`` (docs/privacy/estimators.md#estimators-hutchinson), so the
 norm's is at most ``sqrt(1/(2k))`` to first order; with ``k = 512`` that is 0.031, and the
 tolerance of 0.16 is five standard deviations (the exact parts -- embeddings, LayerNorm -- only
 shrink the relative error). The sketch generator is seeded, so the test is deterministic.
@@ -172,7 +172,9 @@ def test_bert_frozen_embeddings_no_hand_patch() -> None:
 
 
 def test_bert_explicit_position_ids_workaround() -> None:
-    """The documented workaround for issue 841 (DATA.md pitfall 5) gives exact-matching norms."""
+    """The workaround for Opacus issue 841 (HF BERT builds ``position_ids`` and
+    ``token_type_ids`` with batch dimension 1): passing explicit ``(B, T)`` ones gives
+    exact-matching norms."""
     model = tiny_bert().train()
     x, y = batch()
     position_ids = torch.arange(T).expand(B, T)
