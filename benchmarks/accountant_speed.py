@@ -3,7 +3,7 @@
 Targets (issue 3): ``get_epsilon`` for a one-segment history of 10^4 steps under 2 s including
 building the PRVs (cold cache), and the noise-multiplier search of
 ``make_private_with_epsilon`` under 30 s, with epsilon within ``eps_error + 0.02`` of the
-THEORY.md C.6 tables.
+reference tables (docs/privacy/reference_numbers.md#reference-epsilon).
 
 Long horizons (issue 16): 10^6 and 10^7 steps at q = 0.01, sigma = 3, delta = 1e-6, the
 accountant's default error budget (eps_error 0.01): time and epsilon of ``RCAccountant``
@@ -136,7 +136,7 @@ def run(repeat: int = 1, long_horizons: bool = True) -> list[dict]:
         acc.history = [(1.0, 0.01, 10_000, _spec(k))]
         best = min(_timed(lambda acc=acc: acc.get_epsilon(DELTA), cold=True) for _ in range(repeat))
         # k = 8 (epsilon ~36, loss capped near 200) is informational: its heavy tail needs a
-        # ~10^7-point domain; THEORY.md section 0 advises k >= 32.
+        # ~10^7-point domain; docs/privacy/index.md#privacy-defaults advises k >= 32.
         target = None if k == 8 else EPSILON_TARGET_S
         add(f"get_epsilon 1e4 steps, k={k}, {mode}, cold", *best, target, None)
         warm = _timed(lambda acc=acc: acc.get_epsilon(DELTA), cold=False)
@@ -150,7 +150,8 @@ def run(repeat: int = 1, long_horizons: bool = True) -> list[dict]:
         None,
     )
 
-    # accuracy spot checks against THEORY.md C.6 (estimate + eps_error = upper bound)
+    # accuracy spot checks against docs/privacy/reference_numbers.md#reference-epsilon
+    # (estimate + eps_error = upper bound)
     for sigma, steps, k, mode, ref in (
         (1.0, 1000, 32, "hidden", 2.140),
         (1.0, 1000, 32, "revealed", 2.522),

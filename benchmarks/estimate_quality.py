@@ -14,7 +14,8 @@ Reported (``estimate_quality*.csv``, ``.md``, ``.png``):
 
 * the relative error ``n_hat / n - 1`` of the per-sample gradient norm, total and per layer
   type, over samples and seeds (mean, std, quantiles), next to the theory: for Hutchinson the
-  squared-norm ratio is ``sum_j w_j chi2_k / k`` (THEORY.md A.2), whose predicted std is
+  squared-norm ratio is ``sum_j w_j chi2_k / k`` (docs/privacy/estimators.md#estimators-hutchinson), whose
+  predicted std is
   computed per sample from the singular values of the exact gradients; the worst case (rank
   one) gives a norm std of about ``1 / sqrt(2k)``;
 * the clip-decision flip rate: how often ``n_hat > C`` differs from ``n > C``, for ``C`` a
@@ -217,7 +218,8 @@ def estimate(
 
 
 def _predicted_std(data: dict[str, Any], k: int) -> np.ndarray:
-    """Per-sample std of ``n_hat / n - 1`` for Hutchinson (THEORY.md A.2, delta method).
+    """Per-sample std of ``n_hat / n - 1`` for Hutchinson (docs/privacy/estimators.md#estimators-hutchinson,
+    delta method).
 
     The squared-norm ratio is ``W = sum_l (n_l / n) W_l`` with independent
     ``W_l = sum_j w_lj chi2_k / k``, so ``Var W = sum_l (n_l / n)^2 (2 / k) sum_j w_lj^2``; the
@@ -331,8 +333,9 @@ def summary_markdown(
         "",
         "## Total per-sample norm",
         "",
-        "`predicted std` is THEORY.md A.2's law evaluated on the exact gradients' spectra "
-        "(Hutchinson); `worst case` is the rank-one value 1/sqrt(2k).",
+        "`predicted std` is the Hutchinson law of docs/privacy/estimators.md#estimators-hutchinson "
+        "evaluated on the exact gradients' spectra; `worst case` is the rank-one value "
+        "1/sqrt(2k).",
         "",
         common.markdown_table(
             total,

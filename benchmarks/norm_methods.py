@@ -83,8 +83,9 @@ def get_method(name: str) -> Callable[..., Norms]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Closed forms (THEORY.md A.1-A.3, OPACUS.md section 2); FLOPs as FlopCounterMode counts them
-# (2 per multiply-add, matrix products only)
+# Closed forms (docs/privacy/estimators.md#estimators-setup for the sketches; for the Gram-matrix
+# path, the ghost norm of nn.Linear: Li, Tramer, Liang and Hashimoto, ICLR 2022, as in Opacus);
+# FLOPs as FlopCounterMode counts them (2 per multiply-add, matrix products only)
 # ----------------------------------------------------------------------------------------------
 
 

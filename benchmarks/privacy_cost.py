@@ -2,7 +2,8 @@
 
 For each setting (Poisson sample rate ``q``, number of steps), target epsilon and delta, the
 noise multiplier sigma that the project's accountant (``opacus_rc.accountants``:
-``get_noise_multiplier``, PRV accounting of THEORY.md B-C, both adjacency directions) needs for
+``get_noise_multiplier``, PRV accounting of docs/privacy/prv.md#prv, both adjacency directions)
+needs for
 
 * exact clipping (``sketch_spec=None``), and
 * randomized clipping with a Hutchinson sketch of ``k`` columns, threat model ``hidden``
@@ -10,8 +11,8 @@ noise multiplier sigma that the project's accountant (``opacus_rc.accountants``:
 
 The ratio sigma(randomized) / sigma(exact) is the price of the sketch: to keep epsilon, the noise
 must grow by that factor. Each sigma is re-checked by composing an ``RCAccountant`` history and
-reading its epsilon. Where THEORY.md C.7 has a reference sigma (q = 0.01, 100 or 1000 steps,
-k = 32), it is shown next to ours.
+reading its epsilon. Where docs/privacy/reference_numbers.md#reference-sigma has a reference sigma (q = 0.01, 100 or
+1000 steps, k = 32), it is shown next to ours.
 
 Examples::
 
@@ -47,7 +48,8 @@ COLUMNS = [
 
 
 def _theory_reference() -> dict[tuple[int, float], tuple[float, ...]]:
-    """THEORY.md C.7 (q = 0.01, delta = 1e-5), from tests/reference if present."""
+    """docs/privacy/reference_numbers.md#reference-sigma (q = 0.01, delta = 1e-5), from
+    tests/reference if present."""
     try:
         from tests.reference.theory_tables import SIGMA_FOR_EPS
     except ImportError:

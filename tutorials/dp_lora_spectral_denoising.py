@@ -22,7 +22,8 @@
 #   with a Gaussian sketch instead of being computed exactly;
 # * **spectral denoising** (`denoise="spectral"`): after the Gaussian noise is added, the
 #   singular values of every 2-D noisy gradient are shrunk with the Gavish-Donoho
-#   Frobenius-optimal shrinker (Dadsetan and Rudzicz, arXiv:2510.01137; `THEORY.md` section E).
+#   Frobenius-optimal shrinker (Dadsetan and Rudzicz, arXiv:2510.01137;
+#   `docs/denoising.md`).
 #   DP noise adds a "bulk" of singular values of size about
 #   $\sigma_e(\sqrt m + \sqrt n)$ to every $m \times n$ gradient; the shrinker removes the bulk
 #   and keeps the few directions that stand out of it. It reads only the released noisy gradient
@@ -105,7 +106,7 @@ FULL = {
     "lr": 5e-3,  # Adam, decayed linearly to 0 over the run
     "steps": 30,
     "eval_every": 2,
-    "kappa": 1.05,  # denoising threshold factor (THEORY.md E.5; the library default)
+    "kappa": 1.05,  # denoising threshold factor (docs/denoising.md; the library default)
     "target_loss": 1.05,  # validation cross-entropy to reach (start: 1.26; set from a pilot run)
     "seed": 0,
 }
@@ -417,7 +418,7 @@ for name, run in runs.items():
 # spectrum is flat; the clean one decays fast. Only the values above the threshold survive the
 # shrinker; the rest become exactly 0. The surviving value is *larger* than its noisy
 # counterpart because of the norm correction (the denoised matrix is rescaled to the noisy
-# matrix's Frobenius norm, THEORY.md E.3): the denoiser improves the *direction* of the update,
+# matrix's Frobenius norm, docs/denoising.md#denoising-algorithm): the denoiser improves the *direction* of the update,
 # and the cosine to the clean gradient says by how much.
 
 # %%
