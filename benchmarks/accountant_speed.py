@@ -161,7 +161,7 @@ def run(repeat: int = 1, long_horizons: bool = True) -> list[dict]:
         acc = RCAccountant(threat_model=mode)
         acc.history = [(sigma, 0.01, steps, _spec(k))]
         add(
-            f"C.6 sigma={sigma} T={steps} k={k} {mode} (upper vs ref + 0.01)",
+            f"reference sigma={sigma} T={steps} k={k} {mode} (upper vs ref + 0.01)",
             *_timed(lambda acc=acc: acc.get_epsilon(DELTA), cold=True),
             None,
             ref + 0.01,

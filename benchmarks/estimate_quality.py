@@ -495,7 +495,7 @@ def plot(rows: list[dict], clip: list[dict], summary: list[dict], cfg: dict, pat
                 [100 * r["pred_std_rel_err"] for r in tot],
                 "x--",
                 color=colors.get(est, "gray"),
-                label="hutchinson (THEORY A.2 law)",
+                label="hutchinson (predicted law)",
             )
     ax.plot(ks, wc, "k:", label="worst case 1/sqrt(2k)")
     ax.set_xscale("log", base=2)

@@ -135,8 +135,8 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict) -> str:
         "`opacus_rc.accountants.get_noise_multiplier` (PRV, max over remove/add adjacency). "
         "Randomized clipping: Hutchinson sketch with k columns; `hidden` = per-sample secret "
         "sketches, `revealed` = the paper's threat model. Ratio = sigma / sigma(exact): the "
-        "noise increase that keeps epsilon. `THEORY C.7` is the reference value where one "
-        "exists (precision +-0.003).",
+        "noise increase that keeps epsilon. `ref` is the reference value of "
+        "docs/privacy/reference_numbers.md#reference-sigma where one exists (precision +-0.003).",
         "",
         common.machine_markdown(info),
         "",
@@ -148,11 +148,11 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict) -> str:
     ]
     if devs:
         parts += [
-            f"Against THEORY C.7 ({len(devs)} values): sigma / reference - 1 in "
+            f"Against the reference values ({len(devs)}): sigma / reference - 1 in "
             f"[{100 * min(devs):+.2f}%, {100 * max(devs):+.2f}%]. The accountant's search makes "
             "the epsilon *upper bound* (estimate + eps_error, both directions) meet the target, "
             "the reference the remove-direction estimate, so ours is the same or slightly larger "
-            "(THEORY C.6: compare an upper bound with value + eps_error).",
+            "(compare an upper bound with value + eps_error).",
             "",
         ]
     for setting in cfg["settings"]:
@@ -172,7 +172,7 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict) -> str:
                 if r["clipping"] != "exact" and r.get("ratio_to_exact"):
                     cell += f" ({r['ratio_to_exact']:.3f}x)"
                 if r.get("theory_noise_multiplier"):
-                    cell += f" [THEORY C.7: {r['theory_noise_multiplier']:.4f}]"
+                    cell += f" [ref: {r['theory_noise_multiplier']:.4f}]"
                 line[key] = cell
             table.append(line)
         keys = ["exact"] + [f"k={k} {tm}" for k in cfg["k"] for tm in cfg["threat_models"]]

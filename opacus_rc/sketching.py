@@ -1,7 +1,8 @@
 """Randomized trace estimators for per-sample squared gradient norms of factored operators.
 
-Pure torch; no Opacus import. The math is in ``docs/privacy/estimators.md#estimators`` (Hutchinson, A.2;
-Hutch++, A.3) and in Ullah et al., "Efficient DP-SGD for LLMs with Randomized Clipping",
+Pure torch; no Opacus import. The math is in ``docs/privacy/estimators.md#estimators`` (Hutchinson:
+docs/privacy/estimators.md#estimators-hutchinson; Hutch++:
+docs/privacy/estimators.md#estimators-hutchpp) and in Ullah et al., "Efficient DP-SGD for LLMs with Randomized Clipping",
 arXiv:2605.24879, ICML 2026.
 
 For sample ``i`` of a linear layer with input activations ``A_i`` (``T x d``) and output

@@ -180,7 +180,7 @@ def test_each_clipping_mode_denoises_exactly_the_2d_gradients(
             continue
         expected = denoise_matrix(noisy, noise_std=sigma_e, kappa=DEFAULT_KAPPA)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
-        assert out.norm().item() == pytest.approx(noisy.norm().item(), rel=1e-5)  # E.3 norm
+        assert out.norm().item() == pytest.approx(noisy.norm().item(), rel=1e-5)  # norm kept
         statuses[name] = (out - noisy).abs().max().item()
     # At sigma = 0.02 every 2-D gradient's top singular value is 1.7-13x the threshold
     # kappa * sigma_e * (sqrt(m) + sqrt(n)) (measured), so each one was changed, by more than a

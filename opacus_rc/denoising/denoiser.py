@@ -279,8 +279,8 @@ def denoise_matrix(
     2. :math:`D = \sum_a \hat s_a u_a v_a^\top`
        (:func:`~opacus_rc.denoising.shrink_singular_values`);
     3. if ``norm_correction``, :math:`D \leftarrow D\,\|M\|_F / \|D\|_F`. This keeps the noisy
-       norm, so the Frobenius error grows while the direction improves (docs/denoising.md#denoising-algorithm, E.5);
-       it is intended.
+       norm, so the Frobenius error grows while the direction improves
+       (docs/denoising.md#denoising-algorithm, docs/denoising.md#denoising-oracle); it is intended.
 
     Since :math:`\kappa \ge 1`, step 2 keeps at least the top singular value, so ``D`` is never
     zero when applied. The result is equivariant under transposition and homogeneous:

@@ -32,7 +32,8 @@ input and output gradient, checkpointed or not; ``False`` runs two backward pass
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
 caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
-fresh for every step, sample and layer (docs/privacy/estimators.md#estimators-hutchinson, B.2), and never stored or logged.
+fresh for every step, sample and layer (docs/privacy/estimators.md#estimators-hutchinson,
+docs/privacy/threat_models.md#threat-models-conditions), and never stored or logged.
 
 The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
 over parameters of the squared per-parameter norms (docs/privacy/mechanism.md#mechanism-reduction), the same form as Opacus'

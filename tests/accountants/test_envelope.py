@@ -41,7 +41,8 @@ def _half_ulp(printed: str) -> float:
 
 @pytest.mark.parametrize("k", sorted(ENVELOPE_CDF))
 def test_envelope_cdf_table_b3(k: int) -> None:
-    """F_env(y): chi2 and Chernoff columns of the B.3 table, to half a unit of the last digit."""
+    """F_env(y): chi2 and Chernoff columns of the ENVELOPE_CDF table
+    (tests/reference/theory_tables.py), to half a unit of the last digit."""
     for y, (chi2_ref, chern_ref) in ENVELOPE_CDF[k].items():
         chi2 = float(envelope_cdf(y, sketch_dim=k, envelope="chi2"))
         chern = float(envelope_cdf(y, sketch_dim=k, envelope="chernoff"))
@@ -102,8 +103,8 @@ def test_law_is_consistent(k: int, envelope: str) -> None:
 @settings(max_examples=60, deadline=None)
 @given(k=st.integers(1, 512), s=st.floats(1.0, 1e3))
 def test_chernoff_envelope_dominates_chi2(k: int, s: float) -> None:
-    """The Chernoff law is stochastically larger (B.3 item 5 bounds item 2), hence more
-    conservative in every direction (B.4)."""
+    """The Chernoff law is stochastically larger (its CDF bounds the chi2 one), hence
+    more conservative in every direction (docs/privacy/dominance.md#dominance)."""
     chi2 = SensitivityEnvelope(sketch_dim=k, envelope="chi2")
     chern = SensitivityEnvelope(sketch_dim=k, envelope="chernoff")
     assert float(chern.sf(s)) >= float(chi2.sf(s)) * (1 - 1e-12)
@@ -121,7 +122,8 @@ def test_more_columns_give_a_stochastically_smaller_s(k: int, s: float) -> None:
 @pytest.mark.parametrize("envelope", ["chi2", "chernoff"])
 @pytest.mark.parametrize("k", [8, 32, 64])
 def test_quadrature_c3(k: int, envelope: str) -> None:
-    """Weights sum to 1 - eta to 1e-9 (C.3 item 1); they reproduce E S (up to the capped part,
+    """Weights sum to 1 - eta to 1e-9 (docs/privacy/prv.md#prv-quadrature); they
+    reproduce E S (up to the capped part,
     at most eta * E[S | S > s_max] ~ 1e-13) and an exponential moment of the kind used by the
     hidden PRV, against adaptive quadrature of the density."""
     env = SensitivityEnvelope(sketch_dim=k, envelope=envelope)
@@ -195,13 +197,13 @@ def test_chi2_at_k1_warns_that_it_is_not_proved() -> None:
         SensitivityEnvelope(sketch_dim=2).quadrature()
 
 
-# ----------------------------------------------------------------------------- "schur" (B.3)
+# ----------------------------------------------------------------------------- "schur"
 # The cost table of docs/privacy/envelope.md#envelope-costs: q = 0.01, sigma = 1, 1000 steps,
 # delta = 1e-5, hidden, max over directions, (estimate, upper) per envelope;
 # k -> {envelope: (est, upper)}. From the independent reference script of
 # docs/privacy/reference_numbers.md#reference-numbers (prv-accountant composition,
 # eps_error = 0.01), printed to 3 decimals; its precision rule (+-0.02) applies, and we hold the estimate to 2e-3 (we
-# reproduce the C.6 cells to 1e-3, README "Status").
+# reproduce the cells of docs/privacy/reference_numbers.md#reference-epsilon to 1e-3, README "Status").
 SCHUR_COSTS = {
     16: {"chi2": (2.469, 2.480), "schur": (2.601, 2.611), "chernoff": (3.971, 3.981)},
     32: {"chi2": (2.140, 2.150), "schur": (2.203, 2.213), "chernoff": (2.845, 2.856)},
@@ -236,7 +238,7 @@ def test_schur_is_registered() -> None:
 
 @pytest.mark.parametrize(("k", "envelope"), [(k, e) for k in SCHUR_COSTS for e in SCHUR_COSTS[k]])
 def test_envelope_costs_table_b3(k: int, envelope: str) -> None:
-    """B.3 item 2 fallback cost table: the estimate within 2e-3 and upper = estimate + eps_error;
+    """The cost table of docs/privacy/envelope.md#envelope-costs: the estimate within 2e-3 and upper = estimate + eps_error;
     exact <= chi2 <= schur <= chernoff (each envelope bounds the one before it)."""
     est_ref, upper_ref = SCHUR_COSTS[k][envelope]
     rep = compute_epsilon([Segment(1.0, 0.01, 1000, k)], delta=1e-5, envelope=envelope)
@@ -339,7 +341,7 @@ def test_schur_law_is_consistent(k: int) -> None:
 
 @pytest.mark.parametrize("k", [8, 16, 32, 64])
 def test_schur_quadrature_c3(k: int) -> None:
-    """The quadrature of C.3 item 1 for "schur": weights sum to 1 - eta (1e-12), the atom s* is
+    """The quadrature (docs/privacy/prv.md#prv-quadrature) for "schur": weights sum to 1 - eta (1e-12), the atom s* is
     a node with its mass, and E S and the hidden-PRV moment E exp(S x - S^2 / 2) on
     [1, s_max] match adaptive quadrature (split at s*) to 1e-11 (the capped part,
     eta E[S | S > s_max] <= 1e-13, is below that)."""

@@ -35,7 +35,7 @@ def prv(**kw) -> RandomizedClippingPRV:
 
 @pytest.mark.parametrize(("q", "sigma"), [(0.01, 1.0), (0.01, 0.5), (0.2, 2.0), (1.0, 1.0)])
 def test_exact_clipping_remove_cdf_is_prv_accountants_psg(q: float, sigma: float) -> None:
-    """k = None, remove direction: the CDF equals prv_accountant's closed form (G.4, < 1e-12)."""
+    """k = None, remove direction: the CDF equals prv_accountant's closed form (< 1e-12)."""
     ours = prv(noise_multiplier=sigma, sample_rate=q)
     t0 = math.log1p(-q) if q < 1 else -30.0
     t = np.concatenate([t0 + np.logspace(-9, 0, 200), np.linspace(t0 + 1e-3, 30.0, 3000)])
@@ -117,7 +117,8 @@ def test_remove_tail_monte_carlo_g4() -> None:
 
 
 def test_cap_rule_c3() -> None:
-    """T = 1000, delta = 1e-5, sigma = 1: t_cap = 3.0 for k = 32 and 140 for k = 8 (C.3 item 4);
+    """T = 1000, delta = 1e-5, sigma = 1: t_cap = 3.0 for k = 32 and 140 for k = 8
+    (docs/privacy/prv.md#prv-tail-cap);
     the capped PRV moves the tail to pm_inf = eta + (1 - eta) P(Y > t_cap)."""
     for k, expected in ((32, 3.0), (8, 140.0)):
         p = prv(sketch_dim=k)

@@ -54,7 +54,7 @@ def tol(value: float) -> float:
     return max(0.02, 0.01 * value) if value >= 10 else 0.02
 
 
-# ----------------------------------------------------------------------------- C.6 tables
+# -------------------------------------------- the tables of docs/privacy/reference_numbers.md
 CELLS = [
     (steps, sigma, k)
     for steps, table in REF.EPS_TABLES.items()
@@ -71,12 +71,12 @@ def _check_cell(steps: int, sigma: float, k: int | None) -> None:
     # the tabulated figure is the max over directions of the prv_accountant estimate
     assert abs(hidden.estimate - hidden_ref) <= tol(hidden_ref), hidden
     assert abs(hidden.add[1] - add_ref) <= 0.02, hidden
-    # get_epsilon reports the upper bound: estimate + eps_error (C.6 "Precision")
+    # get_epsilon reports the upper bound: estimate + eps_error (precision rule of docs/privacy/reference_numbers.md#reference-epsilon)
     assert abs(hidden.upper - (hidden_ref + 0.01)) <= tol(hidden_ref)
     if k is not None:
         revealed = report(sigma, steps, k, "revealed")
         assert abs(revealed.estimate - revealed_ref) <= tol(revealed_ref), revealed
-        assert revealed.upper >= hidden.upper  # revealed >= hidden (B.2, data processing)
+        assert revealed.upper >= hidden.upper  # revealed >= hidden (data processing)
 
 
 @pytest.mark.parametrize(("steps", "sigma", "k"), FAST_CELLS)
@@ -91,7 +91,8 @@ def test_theory_c6_table_other_rows(steps: int, sigma: float, k: int | None) -> 
 
 
 def test_c6_independent_check_estimates_per_direction() -> None:
-    """T = 1000, sigma = 1: remove and add estimates of the PLD-bracketed cases (C.6)."""
+    """T = 1000, sigma = 1: remove and add estimates of the PLD-bracketed cases
+    (docs/privacy/reference_numbers.md#reference-epsilon)."""
     for key, (rem, add) in REF.ESTIMATES_T1000_SIGMA1.items():
         k, mode = (None, "hidden") if key is None else key
         rep = report(1.0, 1000, k, mode)
@@ -103,7 +104,7 @@ def test_c6_independent_check_estimates_per_direction() -> None:
 # ----------------------------------------------------------------------------- exact clipping
 def test_exact_clipping_equals_opacus_prv_accountant() -> None:
     """k = None: the remove direction reproduces Opacus' PRVAccountant (upper bound), live and
-    against the figures quoted in C.6; the add direction is computed and smaller."""
+    against the figures quoted in docs/privacy/reference_numbers.md#reference-epsilon; the add direction is computed and smaller."""
     for (steps, sigma), opacus_value in REF.OPACUS_PRV_UPPER.items():
         rep = report(sigma, steps, None)
         assert rep.remove[2] == pytest.approx(opacus_value, abs=2e-3)
@@ -116,7 +117,7 @@ def test_exact_clipping_equals_opacus_prv_accountant() -> None:
 
 
 def test_k_to_infinity_converges_to_exact_clipping() -> None:
-    """C.6 convergence table (hidden, remove, T = 1000, sigma = 1): within +-0.02, strictly
+    """The convergence table of docs/privacy/reference_numbers.md#reference-epsilon (hidden, remove, T = 1000, sigma = 1): within +-0.02, strictly
     decreasing in k, and |eps(4096) - eps(inf)| < 0.03."""
     values = {}
     for k, ref in REF.K_CONVERGENCE.items():
@@ -146,7 +147,7 @@ def test_epsilon_is_nonincreasing_in_k() -> None:
 
 @pytest.mark.parametrize(("steps", "sigma", "k"), sorted(REF.CHERNOFF_COSTS))
 def test_chernoff_envelope_costs_more_than_chi2_b3(steps: int, sigma: float, k: int) -> None:
-    """B.3 item 5 cost table (hidden, max over directions): exact <= chi2 <= chernoff."""
+    """The cost table of docs/privacy/envelope.md#envelope-costs (hidden, max over directions): exact <= chi2 <= chernoff."""
     exact_ref, chi2_ref, chern_ref = REF.CHERNOFF_COSTS[(steps, sigma, k)]
     chi2 = report(sigma, steps, k)
     chern = report(sigma, steps, k, envelope="chernoff")
@@ -158,8 +159,8 @@ def test_chernoff_envelope_costs_more_than_chi2_b3(steps: int, sigma: float, k: 
 def test_add_direction_is_computed_and_can_tie() -> None:
     """The add direction is always composed. Searching q in {0.01, 0.5, 0.9, 1}, sigma in
     {0.5, 1, 2}, T in {1, 10, 100, 1000}, delta in {1e-2, 1e-5}, k in {None, 8, 32, ..., 1024}
-    found no configuration where it strictly dominates (see the C.6 parentheses: always below),
-    so we assert it is computed (C.6 parenthesis values, test above) and that it is reported
+    found no configuration where it strictly dominates (see the parentheses of docs/privacy/reference_numbers.md#reference-epsilon: always below),
+    so we assert it is computed (the parenthesised values, test above) and that it is reported
     when it ties: the Gaussian mechanism (q = 1, exact clipping) is symmetric."""
     acc = RCAccountant()
     acc.history = [(1.0, 1.0, 10)]
@@ -224,7 +225,8 @@ def test_hutchpp_is_accounted_with_its_tail_columns() -> None:
 
 
 def test_shared_or_public_sketches_fall_back_to_revealed(caplog: pytest.LogCaptureFixture) -> None:
-    """A sketch that is not per-sample or not secret invalidates the hidden analysis (B.2): the
+    """A sketch that is not per-sample or not secret invalidates the hidden analysis
+    (docs/privacy/threat_models.md#threat-models-shared-sketch): the
     accountant uses the revealed one for those steps and warns once."""
     acc = RCAccountant(threat_model="hidden")
     shared = SketchSpec(estimator="hutchinson", sketch_dim=32, per_sample=False)
@@ -337,7 +339,8 @@ def test_plain_opacus_engine_with_rc_reports_exact_clipping() -> None:
     [(100, 1, 0), (100, 1, 1), (100, 1, 2), (100, 3, 1)],
 )
 def test_sigma_for_target_epsilon_c7(steps: int, target: float, column: int) -> None:
-    """C.7 within 1% relative (T = 100 rows here; T = 1000 in the next test). C.7 solved
+    """docs/privacy/reference_numbers.md#reference-sigma within 1% relative (T = 100 rows here; T = 1000 in the next test).
+    The reference solved
     estimate = target; we search on the upper bound, so the accountant uses eps_error = 0.001 and
     epsilon_tolerance = 0.002 (the remaining gap is ~0.003 in epsilon, < 0.3% in sigma)."""
     ref = REF.SIGMA_FOR_EPS[(steps, target)][column]
@@ -358,7 +361,8 @@ def test_sigma_for_target_epsilon_c7(steps: int, target: float, column: int) -> 
 
 def test_noise_search_meets_the_target_within_tolerance() -> None:
     """Default settings (eps_error 0.01, tolerance 0.01), T = 1000: epsilon(sigma) lands in
-    [target - 0.01, target] and sigma is within 1% of C.7 (k = 32, hidden, target 3)."""
+    [target - 0.01, target] and sigma is within 1% of
+    docs/privacy/reference_numbers.md#reference-sigma (k = 32, hidden, target 3)."""
     sketch = SketchSpec(estimator="hutchinson", sketch_dim=32)
     sigma = get_noise_multiplier(
         target_epsilon=3.0, target_delta=DELTA, sample_rate=Q, epochs=10, sketch_spec=sketch
@@ -367,7 +371,7 @@ def test_noise_search_meets_the_target_within_tolerance() -> None:
     acc.history = [(sigma, Q, 1000, sketch.to_dict())]
     assert 3.0 - 0.01 <= acc.get_epsilon(DELTA) <= 3.0
     assert sigma == pytest.approx(REF.SIGMA_FOR_EPS[(1000, 3)][1], rel=0.01)
-    # the add-direction figure of C.7 at the tabulated sigma
+    # the add-direction figure of the reference table at the tabulated sigma
     rep = report(REF.SIGMA_FOR_EPS[(100, 1)][1], 100, 32)
     assert rep.add[1] == pytest.approx(REF.SIGMA_FOR_EPS[(100, 1)][3], abs=0.02)
 

@@ -27,7 +27,8 @@ def prv(**kw) -> RandomizedClippingPRV:
 
 
 def test_hidden_root_inversion_residual_g4() -> None:
-    """|log L(x*(t)) - t| < 5e-14 for the exact root used outside the tables (G.4)."""
+    """|log L(x*(t)) - t| < 5e-14 for the exact root used outside the tables
+    (docs/privacy/reference_numbers.md#reference-tail)."""
     q = 0.01
     model = prv(sketch_dim=32)._table.model
     for t in (0.0, 0.5, 1.0, 5.0):

@@ -146,7 +146,7 @@ EPS_T1000 = {
 }
 EPS_TABLES = {100: EPS_T100, 1000: EPS_T1000}
 
-# C.6 "independent check" (T = 1000, sigma = 1): prv_accountant estimates (remove, add)
+# The independent PLD check of docs/privacy/reference_numbers.md#reference-epsilon (T = 1000, sigma = 1): prv_accountant estimates (remove, add)
 ESTIMATES_T1000_SIGMA1 = {
     None: (1.8282, 1.4167),
     (32, "hidden"): (2.1399, 1.5563),
@@ -164,7 +164,8 @@ K_CONVERGENCE = {
     None: 1.828,
 }
 
-# (T, sigma, k) -> (exact, chi2, chernoff), hidden, max over directions (B.3 item 5)
+# (T, sigma, k) -> (exact, chi2, chernoff), hidden, max over directions
+# (docs/privacy/envelope.md#envelope-costs)
 CHERNOFF_COSTS = {
     (1000, 1.0, 32): (1.828, 2.140, 2.845),
     (1000, 1.0, 64): (1.828, 2.013, 2.421),

@@ -1,11 +1,13 @@
 """Pure math of the randomized-clipping accountant (no Opacus import).
 
-* :mod:`.envelope`: law of the worst-case sensitivity ``S`` (docs/privacy/envelope.md#envelope-definition).
+* :mod:`.envelope`: law of the worst-case sensitivity ``S``
+  (docs/privacy/envelope.md#envelope-definition).
 * :mod:`.threat_models`: the ``hidden`` and ``revealed`` privacy-loss models of one step, one
-  interface (docs/privacy/threat_models.md#threat-models, C.1-C.2).
+  interface (docs/privacy/threat_models.md#threat-models, docs/privacy/prv.md#prv-hidden,
+  docs/privacy/prv.md#prv-revealed).
 * :mod:`.loss_table`: splines of one step's privacy-loss laws (docs/privacy/prv.md#prv-tables).
 * :mod:`.prv`: the per-step privacy loss random variable for ``prv_accountant``, capped
-  (docs/privacy/prv.md#prv-numerics items 1, 4, 5).
+  (docs/privacy/prv.md#prv-numerics: the quadrature, the tail cap, the domain).
 * :mod:`.compose`: discretisation and composition with an explicit error bound, long horizons
   (docs/privacy/prv.md#prv-composition; docs/privacy/error_budget.md).
 * :mod:`.discrete`: tilted discrete laws on a grid: discretisation, FFT products,

@@ -7,8 +7,8 @@ Wang 2022): the *remove* PRV ``Y_R = log(dQ/dP)(X)``, ``X ~ Q``, and the *add* P
 (:mod:`~opacus_rc.accountants.analysis.loss_table`), the remove CDF is ``F_R(t) = B(z(t))`` and
 the add CDF is ``F_A(t) = 1 - A(z(-t))``.
 
-Heavy tail (docs/privacy/heavy_tails.md#heavy-tails-rdp, C.3 items 1 and 4): the mass ``eta`` of ``S > s_max`` is a fully
-revealing event (``pm_inf = eta`` in both directions), and the PRV is capped at ``t_cap``, the
+Heavy tail (docs/privacy/heavy_tails.md#heavy-tails-rdp, docs/privacy/prv.md#prv-quadrature,
+docs/privacy/prv.md#prv-tail-cap): the mass ``eta`` of ``S > s_max`` is a fully revealing event (``pm_inf = eta`` in both directions), and the PRV is capped at ``t_cap``, the
 smallest value in ``{2, 2.5, ..., 200}`` with ``steps * P(Y > t_cap) <= 1e-3 delta`` (200 if
 none qualifies), the mass above it moved to ``pm_inf`` (:func:`choose_t_cap`). Moving loss mass
 up to ``+inf`` can only increase ``E(1 - e^{eps - sum Y})_+``, so both steps keep the bound
@@ -53,7 +53,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
     """Per-step privacy loss random variable of DP-SGD-RC (docs/privacy/prv.md#prv).
 
     ``cdf`` is the CDF *conditioned on a finite value*, as ``prv_accountant`` expects; the mass at
-    ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped (C.3 item 4):
+    ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped (docs/privacy/prv.md#prv-tail-cap):
     ``cdf(t) = F(min(t, t_cap)) / F(t_cap)`` and ``pm_inf = eta + (1 - eta)(1 - F(t_cap))``.
     Tables are cached per ``(q, sigma, k, envelope, mode, eta)`` and shared by both directions.
 
@@ -63,8 +63,10 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         sketch_dim: ``k`` of the envelope (tail columns for Hutch++), or ``None`` for exact
             clipping.
         envelope: ``"chi2"`` or ``"chernoff"`` (docs/privacy/envelope.md#envelope-definition).
-        threat_model: ``"hidden"`` (per-sample secret sketches) or ``"revealed"`` (B.2).
-        direction: ``"remove"`` (``Y_R``) or ``"add"`` (``Y_A``) (B.5).
+        threat_model: ``"hidden"`` (per-sample secret sketches) or ``"revealed"``
+            (docs/privacy/threat_models.md#threat-models).
+        direction: ``"remove"`` (``Y_R``) or ``"add"`` (``Y_A``)
+            (docs/privacy/adjacency.md#adjacency).
         t_cap: Cap of the loss, or ``None`` for the uncapped PRV.
         eta: Mass of ``S > s_max`` treated as fully revealing (docs/privacy/prv.md#prv-quadrature), in
             ``(0, 1e-6]``; default ``1e-15``. Ignored for exact clipping (``S = 1``).
@@ -207,7 +209,7 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         ``(1 / (alpha - 1)) log E[e^{(alpha - 1) Y}]`` with the mass of every knot interval
         moved to its upper end (docs/privacy/prv.md#prv-safe-domain). Used only by
         ``compute_safe_domain_size`` to size the discretisation domain: the RDP of randomized
-        clipping itself is infinite (B.6).
+        clipping itself is infinite (docs/privacy/heavy_tails.md#heavy-tails-rdp).
 
         Raises:
             ValueError: if the PRV is uncapped and heavy-tailed (the bound would be infinite).

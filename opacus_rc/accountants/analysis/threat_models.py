@@ -15,8 +15,9 @@ Both threat models share one representation. Write ``U = log L`` for the log-lik
 ``L = dQ/dP`` and ``z = log((e^u - (1 - q)) / q)``, so that ``u = log(1 - q + q e^z)``
 (:func:`u_of_z`, :func:`z_of_u`):
 
-* hidden (C.1): ``z = log m(x)`` with ``m(x) = E_S exp((S x - S^2/2) / sigma^2)``;
-* revealed (C.2): ``z = (S x - S^2/2) / sigma^2`` (the per-``S`` Gaussian log-likelihood).
+* hidden (docs/privacy/prv.md#prv-hidden): ``z = log m(x)`` with ``m(x) = E_S exp((S x - S^2/2) / sigma^2)``;
+* revealed (docs/privacy/prv.md#prv-revealed): ``z = (S x - S^2/2) / sigma^2`` (the per-``S``
+  Gaussian log-likelihood).
 
 Let ``A(z) = P(Z <= z)`` under ``P`` and ``B(z) = P(Z <= z)`` under ``Q``. Every model
 implements :class:`PrivacyLossModel`: exact values of ``A``, ``B``, their survival functions
