@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 _EXTERNAL_STEMS = ("DESIGN", "THEORY", "OPACUS", "STYLE", "PEERS", "DATA")
 EXTERNAL = re.compile(
     r"\b(?:" + "|".join(_EXTERNAL_STEMS) + r")\.md\b"  # the notes, by name
+    r"|\b(?:"
+    + "|".join(_EXTERNAL_STEMS[:-1])
+    + r")\s+(?:§|sections?\s|[A-G](?:\.\d)?\b)"  # by section
     r"|\.\./+shared\b"  # the folder next to the clone that holds them
     r"|(?<![\w.~-])/wor[k]/"  # an absolute path of the development machine
 )
@@ -89,12 +92,20 @@ def test_the_patterns_match_what_they_should() -> None:
     theory, design, data = (f"{stem}.md" for stem in ("THEORY", "DESIGN", "DATA"))
     for bad in (
         f"see {theory} A.2",
+        "THEO" + "RY C.7",
+        "DESI" + "GN section 3",
         f"`{design}` section 3",
         f"../{'shared'}/{data}",
         "/" + "work/x",
     ):
         assert EXTERNAL.search(bad), bad
-    for good in ("docs/privacy/estimators.md", "METADATA.md", "rework/x", "a/work/b"):
+    for good in (
+        "docs/privacy/estimators.md",
+        "METADATA.md",
+        "rework/x",
+        "a/work/b",
+        "OPACUS_PRV (C.6)",
+    ):
         assert not EXTERNAL.search(good), good
     assert ANCHOR.search("(docs/privacy/prv.md#prv-tables)").groups() == (
         "docs/privacy/prv.md",
