@@ -196,9 +196,10 @@ def run(repeat: int = 1, long_horizons: bool = True) -> list[dict]:
 _HEADER = """# Accountant speed
 
 `python -m benchmarks.accountant_speed --csv benchmarks/results/accountant_speed.csv --md
-benchmarks/results/accountant_speed.md` from the repository root (one CPU thread: `OMP_NUM_THREADS=1`). Values are
-epsilon upper bounds (both adjacency directions for RCAccountant; Opacus' accountants account
-the remove direction of exact clipping). Seconds are wall-clock on a shared 2-core machine.
+benchmarks/results/accountant_speed.md` from the repository root (one CPU thread:
+`OMP_NUM_THREADS=1`). Values are epsilon upper bounds (both adjacency directions for
+RCAccountant; Opacus' accountants account the remove direction of exact clipping). Seconds are
+wall-clock on a shared 2-core machine.
 
 """
 

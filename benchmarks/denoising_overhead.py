@@ -133,6 +133,8 @@ STEPS_COLUMNS = [
     "step_time_mean_s",
     "denoised_fraction",
 ]
+#: Columns of the report's summary table (one row per denoise setting).
+SUMMARY_COLUMNS = ["denoise", "reached", "steps_to_target", "best_loss", "final_loss", "epsilon"]
 
 
 def profile(name: str) -> dict[str, Any]:
@@ -460,7 +462,7 @@ Evaluated every {cfg["eval_every"]} steps, {cfg["steps"]} steps per run. `steps_
 empty when the run did not reach the target. Epsilon is identical with and without denoising
 (post-processing).
 
-{common.markdown_table(summary(steps_rows), ["denoise", "reached", "steps_to_target", "best_loss", "final_loss", "epsilon"])}
+{common.markdown_table(summary(steps_rows), SUMMARY_COLUMNS)}
 
 Per seed:
 

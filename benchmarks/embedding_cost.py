@@ -199,7 +199,8 @@ def flops_rows(B: int, T: int, k: int, layer_counts: list[int], log: Any) -> lis
             counted[method, layers] = flops
             passes[method] = n_pass
             log(
-                f"  L={layers} {method}: {common.fmt_flops(flops)} ({time.perf_counter() - t0:.0f} s)"
+                f"  L={layers} {method}: {common.fmt_flops(flops)} "
+                f"({time.perf_counter() - t0:.0f} s)"
             )
             rows.append(
                 {

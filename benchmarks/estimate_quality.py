@@ -14,10 +14,9 @@ Reported (``estimate_quality*.csv``, ``.md``, ``.png``):
 
 * the relative error ``n_hat / n - 1`` of the per-sample gradient norm, total and per layer
   type, over samples and seeds (mean, std, quantiles), next to the theory: for Hutchinson the
-  squared-norm ratio is ``sum_j w_j chi2_k / k`` (docs/privacy/estimators.md#estimators-hutchinson), whose
-  predicted std is
-  computed per sample from the singular values of the exact gradients; the worst case (rank
-  one) gives a norm std of about ``1 / sqrt(2k)``;
+  squared-norm ratio is ``sum_j w_j chi2_k / k`` (docs/privacy/estimators.md#estimators-hutchinson),
+  whose predicted std is computed per sample from the singular values of the exact gradients; the
+  worst case (rank one) gives a norm std of about ``1 / sqrt(2k)``;
 * the clip-decision flip rate: how often ``n_hat > C`` differs from ``n > C``, for ``C`` a
   multiple of the median exact norm of the batch, and the mean error of the clip factor
   ``min(1, C / n)``.
@@ -218,8 +217,8 @@ def estimate(
 
 
 def _predicted_std(data: dict[str, Any], k: int) -> np.ndarray:
-    """Per-sample std of ``n_hat / n - 1`` for Hutchinson (docs/privacy/estimators.md#estimators-hutchinson,
-    delta method).
+    """Per-sample std of ``n_hat / n - 1`` for Hutchinson
+    (docs/privacy/estimators.md#estimators-hutchinson, delta method).
 
     The squared-norm ratio is ``W = sum_l (n_l / n) W_l`` with independent
     ``W_l = sum_j w_lj chi2_k / k``, so ``Var W = sum_l (n_l / n)^2 (2 / k) sum_j w_lj^2``; the

@@ -115,7 +115,8 @@ class SyncRecord:
 
 
 def is_library_site(site: str) -> bool:
-    """Whether a :func:`benchmarks.common.call_site` string is inside ``opacus_rc`` or ``opacus``."""
+    """Whether a :func:`benchmarks.common.call_site` string is inside ``opacus_rc`` or
+    ``opacus``."""
     return not site.startswith("other:")
 
 
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host syncs per step ({result.layers} blocks, T={result.T}, B={result.B}):")
     for p in PHASES:
         print(
-            f"  {p:>9}: {_fmt(result.per_phase[p]):>6} (library {_fmt(result.library_per_phase[p])})"
+            f"  {p:>9}: {_fmt(result.per_phase[p]):>6} "
+            f"(library {_fmt(result.library_per_phase[p])})"
         )
     print(f"  {'total':>9}: {_fmt(result.total):>6} (library {_fmt(result.library_total)})")
     for r in rows_of(result):

@@ -209,7 +209,8 @@ def meta_autocast() -> Iterator[None]:
 
 
 class MetaScalarReadError(RuntimeError):
-    """A step read a scalar from a meta tensor whose value :class:`BenignScalarReads` can't infer."""
+    """A step read a scalar from a meta tensor whose value :class:`BenignScalarReads` can't
+    infer."""
 
 
 class BenignScalarReads(TorchDispatchMode):
@@ -602,8 +603,9 @@ def time_cell(
         load.append(load_average())
         row["load_average"] = " -> ".join(load)
         log(
-            f"[time {checkpointing} T={T} B={B} {name}] {row.get('time_median_s')} {row['time_status']}"
-        )  # noqa: E501
+            f"[time {checkpointing} T={T} B={B} {name}] {row.get('time_median_s')} "
+            f"{row['time_status']}"
+        )
     return rows
 
 
@@ -694,7 +696,8 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
     parts = [
         "# Long-context whole-model DP fine-tuning (issue 13, item 6)",
         "",
-        f"`LlamaForCausalLM` with {arch} ({cfg['layers']} blocks), random init; **all blocks and the final norm trainable; the "
+        f"`LlamaForCausalLM` with {arch} ({cfg['layers']} blocks), random init; **all blocks "
+        "and the final norm trainable; the "
         "tied input embedding / LM head frozen**, so that every method trains the same "
         "parameters (Opacus' ghost clipping refuses tied parameters; randomized clipping "
         "supports them, `opacus_rc/grad_sample/tied.py`). Next-token loss over the full B x T x V "
@@ -715,7 +718,8 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         "docstring: attention runs the CPU flash kernel on "
         "meta too; data-dependent scalar reads are answered with the healthy branch; "
         "`torch.autocast` is a no-op for meta during the measurement). Wall time: CPU, "
-        f"{cfg.get('threads') or 'default'} thread(s), the cells in `time_cells`, every method in one "
+        f"{cfg.get('threads') or 'default'} thread(s), the cells in `time_cells`, every method "
+        "in one "
         "process; load average next to it. A cell whose method raises shows the error's first "
         "line: those are today's failures, not omissions; re-running the script after a fix "
         "fills them. `ok` means the step ran and every trainable tensor got a gradient; whether "

@@ -11,8 +11,8 @@ needs for
 
 The ratio sigma(randomized) / sigma(exact) is the price of the sketch: to keep epsilon, the noise
 must grow by that factor. Each sigma is re-checked by composing an ``RCAccountant`` history and
-reading its epsilon. Where docs/privacy/reference_numbers.md#reference-sigma has a reference sigma (q = 0.01, 100 or
-1000 steps, k = 32), it is shown next to ours.
+reading its epsilon. Where docs/privacy/reference_numbers.md#reference-sigma has a reference sigma
+(q = 0.01, 100 or 1000 steps, k = 32), it is shown next to ours.
 
 Examples::
 

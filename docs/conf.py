@@ -1,6 +1,7 @@
 """Sphinx configuration of the opacus_rc documentation.
 
-Build (from the repository root): ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+Build (from the repository root): ``python -m sphinx -W --keep-going -b html docs
+docs/_build/html``.
 Offline: no intersphinx, notebooks are rendered from their committed outputs (never executed),
 MathJax is loaded by the reader's browser from its default script URL.
 

@@ -2,13 +2,14 @@
 
 The attack (Jagielski, Ullman and Oprea 2020; Nasr et al. 2021, "Adversary instantiation"):
 an adversary inserts a canary whose gradient is adversarial for randomized clipping (rank one,
-so that the sketch's ratio ``W = n_hat / n`` is a single ``chi2_k / k``, docs/privacy/estimators.md#estimators-hutchinson; a huge
-norm, so that the clipped contribution is ``C W^{-1/2}``, the worst case of docs/privacy/mechanism.md#mechanism-reduction; a
-fixed direction ``u``), runs one step of DP-SGD-RC with and without it, and scores the released
-gradient by its projection on ``u``. If the mechanism is ``(epsilon, delta)``-DP, every test
-``score > tau`` satisfies ``TPR <= e^epsilon FPR + delta`` and ``1 - FPR <= e^epsilon (1 - TPR) +
-delta``; with Clopper-Pearson bounds on the empirical rates this gives an epsilon lower bound
-that holds with probability ``1 - alpha`` (Bonferroni over all thresholds and both bounds).
+so that the sketch's ratio ``W = n_hat / n`` is a single ``chi2_k / k``,
+docs/privacy/estimators.md#estimators-hutchinson; a huge norm, so that the clipped contribution is
+``C W^{-1/2}``, the worst case of docs/privacy/mechanism.md#mechanism-reduction; a fixed direction
+``u``), runs one step of DP-SGD-RC with and without it, and scores the released gradient by its
+projection on ``u``. If the mechanism is ``(epsilon, delta)``-DP, every test ``score > tau``
+satisfies ``TPR <= e^epsilon FPR + delta`` and ``1 - FPR <= e^epsilon (1 - TPR) + delta``; with
+Clopper-Pearson bounds on the empirical rates this gives an epsilon lower bound that holds with
+probability ``1 - alpha`` (Bonferroni over all thresholds and both bounds).
 
 Trials are batched (:func:`run_canary_audit`). One step of the real
 :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` +
@@ -21,8 +22,9 @@ sample has its own probes, and every weight entry its own noise draw, so the ``m
 rows ``m..2m-1`` independent trials "without". A few background samples (input coordinate 0
 equal to 0, so their gradients are orthogonal to every canary direction) make each batch a
 realistic one without changing the scores' laws. The hypotheses are therefore exactly the pair
-the accountant analyses for a rank-one record at ``q = 1`` (docs/privacy/mechanism.md#mechanism-reduction, "hidden"): the
-adversary sees the released gradient, never the probes.
+the accountant analyses for a rank-one record at ``q = 1``
+(docs/privacy/mechanism.md#mechanism-reduction, "hidden"): the adversary sees the released gradient,
+never the probes.
 """
 
 from __future__ import annotations

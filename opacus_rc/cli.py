@@ -94,7 +94,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=[32],
         metavar="K",
         help="sketch columns k of randomized clipping, one column of output per value "
-        "(default: 32). For Hutch++ give the tail columns (docs/privacy/hutchpp.md#hutchpp-privacy).",
+        "(default: 32). For Hutch++ give the tail columns "
+        "(docs/privacy/hutchpp.md#hutchpp-privacy).",
     )
     p.add_argument(
         "--threat-model",

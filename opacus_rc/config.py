@@ -113,10 +113,10 @@ class RandomizedClippingConfig:
             copies of the trainable weights: negligible at long ``T`` (30 SmolLM2 blocks, T =
             32768: 1.00x the checkpointed non-private step's peak memory), but at short ``T``
             it can dominate a checkpointed step (T = 512: 1.34-1.51x), where ``False`` needs
-            less memory at 1.6-1.8x the FLOPs (``python -m benchmarks.long_context``). ``"always"``: every layer keeps
-            its input and output gradient, checkpointed or not (all sketched norms, more memory
-            under checkpointing). ``False``: two backward passes always. The guarantee is the
-            same in every mode (the same sketch spec is accounted).
+            less memory at 1.6-1.8x the FLOPs (``python -m benchmarks.long_context``). ``"always"``:
+            every layer keeps its input and output gradient, checkpointed or not (all sketched
+            norms, more memory under checkpointing). ``False``: two backward passes always. The
+            guarantee is the same in every mode (the same sketch spec is accounted).
 
     Attributes:
         sketch_spec: The :class:`~opacus_rc.sketching.SketchSpec` that every step of a module

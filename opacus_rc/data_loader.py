@@ -6,7 +6,8 @@ it. Under DDP the ranks then run different numbers of steps per epoch: their gra
 all-reduces fall out of step (summing gradients of different logical steps, or hanging), each
 rank's accountant counts a different number of steps, and a missing step reveals that the
 rank's batch was empty, i.e. that no record of its shard was sampled. Every step must be
-taken, noised and accounted, empty or not (docs/privacy/mechanism.md#mechanism-reduction: an empty batch is a noise-only step).
+taken, noised and accounted, empty or not (docs/privacy/mechanism.md#mechanism-reduction: an empty
+batch is a noise-only step).
 """
 
 from __future__ import annotations

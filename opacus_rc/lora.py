@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAUpdateError(RuntimeError):
-    """The LoRA update after a training step is zero or non-finite (see :class:`LoRAUpdateGuard`)."""
+    """The LoRA update after a training step is zero or non-finite (see
+    :class:`LoRAUpdateGuard`)."""
 
 
 @dataclass(frozen=True)

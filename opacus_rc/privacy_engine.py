@@ -255,9 +255,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Make the model, optimizer, criterion and data loader private.
 
         With ``clipping="randomized"`` the per-sample norms of ``nn.Linear`` layers are sketched
-        (docs/privacy/estimators.md#estimators-hutchinson and #estimators-hutchpp), every other layer's norm is exact, samples are clipped with
-        ``min(1, C / n_hat_i)`` and noised with ``N(0, sigma^2 C^2)``. Any other ``clipping``
-        is Opacus' own ``make_private`` with the same arguments and return value.
+        (docs/privacy/estimators.md#estimators-hutchinson and #estimators-hutchpp), every other
+        layer's norm is exact, samples are clipped with ``min(1, C / n_hat_i)`` and noised with
+        ``N(0, sigma^2 C^2)``. Any other ``clipping`` is Opacus' own ``make_private`` with the same
+        arguments and return value.
 
         Args:
             module: The model, in training mode.
@@ -290,9 +291,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             denoise: Name of a post-processing denoiser applied to the noisy gradient at every
                 step, after noise and scaling and before the optimizer step
                 (:mod:`opacus_rc.denoising.registry`; ``"spectral"``: spectral denoising of
-                every 2-D gradient, docs/denoising.md#denoising). ``None`` (default): no denoising. Works with
-                every ``clipping`` and ``grad_sample_mode`` of a single process; never changes
-                the accountant (post-processing, docs/denoising.md#denoising-post-processing). Afterwards the denoiser is
+                every 2-D gradient, docs/denoising.md#denoising). ``None`` (default): no denoising.
+                Works with every ``clipping`` and ``grad_sample_mode`` of a single process; never
+                changes the accountant (post-processing,
+                docs/denoising.md#denoising-post-processing). Afterwards the denoiser is
                 ``engine.denoiser`` (e.g. its ``last_report``).
             denoise_kappa: Threshold factor ``kappa >= 1`` of the denoiser (``None``: its
                 default, :data:`~opacus_rc.denoising.DEFAULT_KAPPA` for ``"spectral"``).

@@ -2,8 +2,8 @@
 
 Pure torch; no Opacus import. The math is in ``docs/privacy/estimators.md#estimators`` (Hutchinson:
 docs/privacy/estimators.md#estimators-hutchinson; Hutch++:
-docs/privacy/estimators.md#estimators-hutchpp) and in Ullah et al., "Efficient DP-SGD for LLMs with Randomized Clipping",
-arXiv:2605.24879, ICML 2026.
+docs/privacy/estimators.md#estimators-hutchpp) and in Ullah et al., "Efficient DP-SGD for LLMs with
+Randomized Clipping", arXiv:2605.24879, ICML 2026.
 
 For sample ``i`` of a linear layer with input activations ``A_i`` (``T x d``) and output
 gradients ``G_i`` (``T x p``), the weight gradient is ``M_i = G_i^T A_i`` (``p x d``) and the
@@ -84,7 +84,8 @@ class SketchSpec:
 
     @property
     def supports_hidden(self) -> bool:
-        """Whether the ``"hidden"`` threat model is valid for this sketch (docs/privacy/threat_models.md#threat-models)."""
+        """Whether the ``"hidden"`` threat model is valid for this sketch
+        (docs/privacy/threat_models.md#threat-models)."""
         return self.per_sample and self.secret
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,10 +149,10 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _resolve_side(side: str, p: int, d: int, probes: torch.Tensor | None) -> str:
     """Pick the side of ``M = G^T A`` that the Gaussian probes multiply.
 
-    ``"output"`` sketches the ``p`` side (docs/privacy/estimators.md#estimators-hutchinson, the default orientation), ``"input"``
-    the ``d`` side; both give the same law. ``"auto"`` picks the smaller dimension (fewer probe
-    entries, ``B * min(p, d) * k``); with explicit ``probes`` it picks the side their shape
-    matches (the output side when both match).
+    ``"output"`` sketches the ``p`` side (docs/privacy/estimators.md#estimators-hutchinson, the
+    default orientation), ``"input"`` the ``d`` side; both give the same law. ``"auto"`` picks the
+    smaller dimension (fewer probe entries, ``B * min(p, d) * k``); with explicit ``probes`` it
+    picks the side their shape matches (the output side when both match).
     """
     if side not in _SIDES:
         raise ValueError(f"side must be one of {', '.join(map(repr, _SIDES))}; got {side!r}")
@@ -172,7 +173,8 @@ def _resolve_side(side: str, p: int, d: int, probes: torch.Tensor | None) -> str
 def _check_probes(
     probes: torch.Tensor, *, batch: int, rows: int, name: str = "probes"
 ) -> torch.Tensor:
-    """Validate explicit probes of shape ``(B, rows, k)`` or ``(rows, k)``; return ``(B, rows, k)``."""
+    """Validate explicit probes of shape ``(B, rows, k)`` or ``(rows, k)``; return ``(B, rows,
+    k)``."""
     if probes.dim() == 2:
         probes = probes.unsqueeze(0).expand(batch, -1, -1)
     if probes.dim() != 3 or probes.shape[0] != batch or probes.shape[1] != rows:
@@ -252,11 +254,12 @@ def draw_gaussian_probes(
 ) -> torch.Tensor:
     """Draw independent per-sample Gaussian sketches with entries ``N(0, 1/cols)``.
 
-    docs/privacy/estimators.md#estimators-hutchinson: with ``Omega_uv ~ N(0, 1/k)``, ``E[Omega Omega^T] = I``. One ``(rows, cols)``
-    matrix per sample, independent across samples (required by the ``"hidden"`` threat model,
-    docs/privacy/threat_models.md#threat-models). Draws are made in float32 on the generator's device and then moved, so the
-    same generator state gives the same probes whatever the input dtype and device. This is the
-    single place where the library draws sketch randomness.
+    docs/privacy/estimators.md#estimators-hutchinson: with ``Omega_uv ~ N(0, 1/k)``, ``E[Omega
+    Omega^T] = I``. One ``(rows, cols)`` matrix per sample, independent across samples (required by
+    the ``"hidden"`` threat model, docs/privacy/threat_models.md#threat-models). Draws are made in
+    float32 on the generator's device and then moved, so the same generator state gives the same
+    probes whatever the input dtype and device. This is the single place where the library draws
+    sketch randomness.
 
     Args:
         batch: ``B``, number of independent sketches.
@@ -282,10 +285,10 @@ class SketchGenerators:
 
     Each is created lazily on the device of the tensors it draws for and seeded from the
     operating system's CSPRNG (:mod:`secrets`), so probes are drawn where they are used (no
-    host-device copy) and are unpredictable (the ``"hidden"`` threat model, docs/privacy/threat_models.md#threat-models). A
-    user-supplied generator (reproducible experiments; accounted as not secret) serves every
-    device instead: its probes are drawn on its device and moved. Meta tensors (FLOP counting)
-    draw on the CPU.
+    host-device copy) and are unpredictable (the ``"hidden"`` threat model,
+    docs/privacy/threat_models.md#threat-models). A user-supplied generator (reproducible
+    experiments; accounted as not secret) serves every device instead: its probes are drawn on its
+    device and moved. Meta tensors (FLOP counting) draw on the CPU.
 
     Args:
         user_generator: The caller's generator, or None.
@@ -334,8 +337,8 @@ def hutchinson_sqnorm(
 ) -> torch.Tensor:
     r"""Hutchinson estimate of the per-sample squared Frobenius norm ``||G_i^T A_i||_F^2``.
 
-    docs/privacy/estimators.md#estimators-hutchinson (Hutchinson 1989; DP-SGD-RC, arXiv:2605.24879, Sec. 3): with a per-sample
-    sketch ``Omega_i`` (``p x k``, entries ``N(0, 1/k)``),
+    docs/privacy/estimators.md#estimators-hutchinson (Hutchinson 1989; DP-SGD-RC, arXiv:2605.24879,
+    Sec. 3): with a per-sample sketch ``Omega_i`` (``p x k``, entries ``N(0, 1/k)``),
 
     .. math:: \hat n_i = tr(\Omega_i^T O_i \Omega_i) = \|A_i^T (G_i \Omega_i)\|_F^2 ,
 
@@ -405,7 +408,8 @@ def hutchpp_sqnorm(
     head_probes: torch.Tensor | None = None,
     scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head (docs/privacy/estimators.md#estimators-hutchpp).
+    r"""Hutch++ estimate of ``||G_i^T A_i||_F^2`` with an exact head
+    (docs/privacy/estimators.md#estimators-hutchpp).
 
     Meyer, Musco, Musco and Woodruff, "Hutch++", SOSA 2021, adaptive form with an **exact**
     head. Per sample, with ``s = head_dim`` head columns (``d`` side) and ``k = sketch_dim``
@@ -418,8 +422,8 @@ def hutchpp_sqnorm(
 
     Unbiased since ``E[tail | Q] = ||M (I - Q Q^T)||_F^2``; exact when ``rank(M) <= s``;
     ``Var(n_hat | Q) = (2/k) ||(I - QQ^T) M^T M (I - QQ^T)||_F^2``. Privacy is certified by the
-    Hutchinson envelope with ``k`` = tail columns (docs/privacy/hutchpp.md#hutchpp-privacy, Theorem H), which needs the
-    tail sketch independent of the head sketch: they are separate draws here.
+    Hutchinson envelope with ``k`` = tail columns (docs/privacy/hutchpp.md#hutchpp-privacy, Theorem
+    H), which needs the tail sketch independent of the head sketch: they are separate draws here.
 
     Cost: about ``2 B T (3 s + k)(p + d)`` FLOPs plus a batched ``d x s`` QR.
 

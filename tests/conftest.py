@@ -1,4 +1,5 @@
-"""Shared fixtures for the randomized-clipping tests (sketching, grad_sample, optimizers, engine)."""
+"""Shared fixtures for the randomized-clipping tests (sketching, grad_sample, optimizers,
+engine)."""
 
 from __future__ import annotations
 

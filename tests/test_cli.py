@@ -26,7 +26,8 @@ def test_epsilon_prints_exact_and_randomized_side_by_side(capsys: pytest.Capture
     out = capsys.readouterr().out
     assert "exact clipping" in out and "k = 32" in out
     exact, rc = (float(v) for v in _row(out, "epsilon (upper)"))
-    # docs/privacy/reference_numbers.md#reference-epsilon: Opacus' PRV accountant gives 1.8384; k = 32 hidden is 2.140 + eps_error
+    # docs/privacy/reference_numbers.md#reference-epsilon: Opacus' PRV accountant gives 1.8384; k =
+    # 32 hidden is 2.140 + eps_error
     assert exact == pytest.approx(1.8384, abs=2e-3)
     assert rc == pytest.approx(2.150, abs=0.02)
     remove = [float(v) for v in _row(out, "remove")]
@@ -39,7 +40,8 @@ def test_noise_multiplier_prints_sigmas_and_ratio(capsys: pytest.CaptureFixture)
     assert main(argv) == 0
     out = capsys.readouterr().out
     exact, rc = (float(v) for v in _row(out, "noise multiplier"))
-    # docs/privacy/reference_numbers.md#reference-sigma (T = 100, target 3): 0.6496 exact, 0.7107 for k = 32 hidden
+    # docs/privacy/reference_numbers.md#reference-sigma (T = 100, target 3): 0.6496 exact, 0.7107
+    # for k = 32 hidden
     assert exact == pytest.approx(0.6496, rel=0.01)
     assert rc == pytest.approx(0.7107, rel=0.01)
     assert float(_row(out, "ratio to exact")[1]) == pytest.approx(rc / exact, abs=1e-3)

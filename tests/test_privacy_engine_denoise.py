@@ -6,8 +6,8 @@ What is proved here:
   randomized clipping with both grad-sample modes), a step with ``denoise="spectral"`` releases,
   for every 2-D gradient, exactly ``denoise_matrix(noisy, sigma_e)`` of the noisy gradient the
   same step releases without denoising, with ``sigma_e`` computed here from the test's own
-  numbers (docs/denoising.md#denoising-noise-level); the Frobenius norm is kept, the values change; 1-D gradients are
-  bit-identical;
+  numbers (docs/denoising.md#denoising-noise-level); the Frobenius norm is kept, the values change;
+  1-D gradients are bit-identical;
 * the accountant sees the same steps: epsilon with and without denoising is identical;
 * every invalid option raises before a hook is attached (and none is left behind), including a
   failure detected after Opacus attached its hooks.
@@ -167,8 +167,8 @@ def test_each_clipping_mode_denoises_exactly_the_2d_gradients(
     denoiser = den["engine"].denoiser
     assert isinstance(denoiser, SpectralDenoiser) and denoiser.kappa == DEFAULT_KAPPA
     assert plain["engine"].denoiser is None
-    # sigma_e of docs/denoising.md#denoising-noise-level from the test's own constants: sigma * C / expected batch size
-    # (rel 1e-6: Opacus forms the per-layer combined norm in float32).
+    # sigma_e of docs/denoising.md#denoising-noise-level from the test's own constants: sigma * C /
+    # expected batch size (rel 1e-6: Opacus forms the per-layer combined norm in float32).
     sigma_e = noise_multiplier_of_add_noise(den["optimizer"]) * combined_clip / BATCH
     assert denoiser.last_report.noise_std == pytest.approx(sigma_e, rel=1e-6)
 

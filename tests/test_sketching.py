@@ -55,7 +55,8 @@ def test_exact_oracle_of_the_fixture() -> None:
 
 
 def test_hutchinson_equals_trace_oracle_for_given_probes() -> None:
-    """n_hat = tr(Omega^T O Omega) exactly (docs/privacy/estimators.md#estimators-hutchinson; oracle numbers above)."""
+    """n_hat = tr(Omega^T O Omega) exactly (docs/privacy/estimators.md#estimators-hutchinson; oracle
+    numbers above)."""
     A, G = oracle_factors()
     omega = np.random.default_rng(123).standard_normal((3, 4)) / 2
     est = hutchinson_sqnorm(A, G, sketch_dim=4, probes=torch.tensor(omega))
@@ -131,7 +132,8 @@ def test_hutchinson_rank_one_law_is_scaled_chi_square() -> None:
 
 
 def test_hutchinson_mixture_law_two_sample_ks() -> None:
-    """Oracle sample 0: n_hat/n ~ w1 chi2_k/k + w2 chi2_k/k (docs/privacy/estimators.md#estimators-hutchinson).
+    """Oracle sample 0: n_hat/n ~ w1 chi2_k/k + w2 chi2_k/k
+    (docs/privacy/estimators.md#estimators-hutchinson).
 
     Two-sample KS against 20,000 numpy draws of the mixture (an independent generator).
     """
@@ -150,7 +152,8 @@ def test_hutchinson_mixture_law_two_sample_ks() -> None:
 
 
 def test_hutchpp_exact_when_rank_at_most_head_dim() -> None:
-    """docs/privacy/estimators.md#estimators-hutchpp: with s >= rank(M), Hutch++ returns the exact value for any probes."""
+    """docs/privacy/estimators.md#estimators-hutchpp: with s >= rank(M), Hutch++ returns the exact
+    value for any probes."""
     A, G = oracle_factors()
     for seed in range(5):
         gen = torch.Generator().manual_seed(seed)

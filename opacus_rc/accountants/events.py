@@ -10,12 +10,12 @@ DP-SGD with (randomized) clipping, as the events of Google's ``dp_accounting``
     otherwise a Gaussian sketch described by ``sketch_spec``); release
     ``sum_i c_i g_i + N(0, (noise_multiplier * C)^2 I)``.
 
-Adjacency is add/remove-one (both directions are accounted, docs/privacy/adjacency.md#adjacency). The analysis
-(docs/privacy/prv.md#prv) depends on the sketch only through the number of Gaussian columns that certify
-it (:attr:`~opacus_rc.sketching.SketchSpec.accounted_dim`) and on the threat model: ``"hidden"``
-(the sketch stays secret, drawn per sample) or ``"revealed"`` (valid for any sketch sharing).
-Events are immutable and validated on construction; their meaning never changes (new
-semantics get a new class).
+Adjacency is add/remove-one (both directions are accounted, docs/privacy/adjacency.md#adjacency).
+The analysis (docs/privacy/prv.md#prv) depends on the sketch only through the number of Gaussian
+columns that certify it (:attr:`~opacus_rc.sketching.SketchSpec.accounted_dim`) and on the threat
+model: ``"hidden"`` (the sketch stays secret, drawn per sample) or ``"revealed"`` (valid for any
+sketch sharing). Events are immutable and validated on construction; their meaning never changes
+(new semantics get a new class).
 
 The Opacus-compatible ``history`` of :class:`~opacus_rc.accountants.rc.RCAccountant` stores
 plain tuples (safe for ``torch.load(weights_only=True)``); :func:`event_from_history_entry` is
@@ -75,8 +75,9 @@ class RandomizedClipDpEvent:
         sketch_spec: The sketch that produced the clip factors (a
             :class:`~opacus_rc.sketching.SketchSpec`; its ``to_dict()`` form is converted), or
             ``None`` for exact clipping.
-        threat_model: ``"hidden"`` (default) or ``"revealed"`` (docs/privacy/threat_models.md#threat-models). Exact
-            clipping has ``S = 1`` and both models coincide: it is stored as ``"hidden"``.
+        threat_model: ``"hidden"`` (default) or ``"revealed"``
+            (docs/privacy/threat_models.md#threat-models). Exact clipping has ``S = 1`` and both
+            models coincide: it is stored as ``"hidden"``.
 
     Raises:
         TypeError: on a non-numeric sigma or sample rate, or a sketch spec of the wrong type.
@@ -100,7 +101,8 @@ class RandomizedClipDpEvent:
             object.__setattr__(self, "threat_model", "hidden")
         elif self.threat_model == "hidden" and not spec.supports_hidden:
             raise ValueError(
-                f"the 'hidden' threat model needs per-sample, secret sketches (docs/privacy/threat_models.md#threat-models); "
+                "the 'hidden' threat model needs per-sample, secret sketches "
+                "(docs/privacy/threat_models.md#threat-models); "
                 f"{spec} is shared or publicly seeded: use threat_model='revealed'"
             )
 
@@ -136,7 +138,8 @@ def event_from_history_entry(
       ``SketchSpec.to_dict()`` or ``None`` (exact clipping).
 
     The threat model is ``threat_model`` (the accountant's), except that a sketch which does
-    not support the hidden model is accounted as ``"revealed"`` (docs/privacy/threat_models.md#threat-models).
+    not support the hidden model is accounted as ``"revealed"``
+    (docs/privacy/threat_models.md#threat-models).
 
     Args:
         entry: The history tuple.

@@ -20,7 +20,8 @@ weights_only=True)`` checkpoints work) and read back as typed events by
   ``opacus.accountants.utils.get_noise_multiplier``: accounted with the accountant's own sketch
   (its constructor's ``sketch_dim``; exact clipping if ``None``).
 
-RDP and GDP are never used: the RDP of randomized clipping is infinite (docs/privacy/heavy_tails.md#heavy-tails-rdp).
+RDP and GDP are never used: the RDP of randomized clipping is infinite
+(docs/privacy/heavy_tails.md#heavy-tails-rdp).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class RCAccountant(IAccountant):
         sketch_dim: ``k`` used for 3-tuple history entries (those written by Opacus'
             ``get_noise_multiplier``); ``None`` (default) means exact clipping. Steps reported
             by an optimizer carry their own sketch spec.
-        envelope: ``"chi2"`` (default, docs/privacy/envelope.md#envelope-law) or ``"chernoff"`` (item 5, fully
-            proved, more conservative).
+        envelope: ``"chi2"`` (default, docs/privacy/envelope.md#envelope-law) or ``"chernoff"``
+            (fully proved, more conservative; docs/privacy/envelope.md#envelope-chernoff).
         threat_model: ``"hidden"`` (default; valid for per-sample, secret sketches) or
             ``"revealed"`` (the paper's; valid for any sketch sharing). Steps whose sketch is
             shared or seeded publicly are accounted as ``"revealed"`` regardless.
@@ -239,7 +240,8 @@ class RCAccountant(IAccountant):
         if warn and not self._warned_revealed:
             logger.warning(
                 "a step used a sketch that is shared across samples or not secret (%s); its "
-                "privacy is accounted with the 'revealed' threat model (docs/privacy/threat_models.md#threat-models)",
+                "privacy is accounted with the 'revealed' threat model "
+                "(docs/privacy/threat_models.md#threat-models)",
                 spec.to_dict(),
             )
             self._warned_revealed = True

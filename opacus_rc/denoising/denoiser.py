@@ -12,8 +12,8 @@ Model (docs/denoising.md#denoising-noise-level). A released 2-D gradient is
 with :math:`\bar G` the (clipped, averaged) gradient; :math:`\sigma_e` of an Opacus optimizer is
 :func:`~opacus_rc.denoising.noise_std_from_optimizer`.
 
-Per matrix (docs/denoising.md#denoising-algorithm), with ``m <= n`` its dimensions and ``s_1 >= s_2 >= ...`` its singular
-values:
+Per matrix (docs/denoising.md#denoising-algorithm), with ``m <= n`` its dimensions and ``s_1 >= s_2
+>= ...`` its singular values:
 
 1. threshold rule: if :math:`s_1 \le \kappa \sigma_e(\sqrt m + \sqrt n)` leave the matrix as it is;
 2. shrink every singular value with the Frobenius-optimal shrinker
@@ -66,12 +66,12 @@ __all__ = [
     "optimal_shrinkage",
 ]
 
-#: Default threshold factor kappa. Source: docs/denoising.md#denoising-oracle, whose pure-noise control uses
-#: kappa = 1.05. Why not kappa = 1 [num, checked here with torch.randn, 2000 draws per shape]:
-#: for pure Gaussian noise s_1 / (sigma_e (sqrt(m) + sqrt(n))) exceeds 1 in 5-16% of draws at
-#: shapes (2..768, 256..1024) (finite-size Tracy-Widom fluctuations above the bulk edge), but never
-#: exceeded 1.05 (maximum 1.046) once the larger dimension is >= 256. At a larger dimension of 64
-#: or less, 1.6-5% of pure-noise draws still pass 1.05 (raise kappa or min_dim there).
+#: Default threshold factor kappa. Source: docs/denoising.md#denoising-oracle, whose pure-noise
+#: control uses kappa = 1.05. Why not kappa = 1 [num, checked here with torch.randn, 2000 draws per
+#: shape]: for pure Gaussian noise s_1 / (sigma_e (sqrt(m) + sqrt(n))) exceeds 1 in 5-16% of draws
+#: at shapes (2..768, 256..1024) (finite-size Tracy-Widom fluctuations above the bulk edge), but
+#: never exceeded 1.05 (maximum 1.046) once the larger dimension is >= 256. At a larger dimension of
+#: 64 or less, 1.6-5% of pure-noise draws still pass 1.05 (raise kappa or min_dim there).
 DEFAULT_KAPPA = 1.05
 
 #: Default smallest dimension of a matrix the denoiser touches. Source: with norm correction, a
@@ -166,8 +166,9 @@ def _denoise_batch(
     top = S[..., 0]
     kept_rank = (shat > 0).sum(-1)
     # kappa=None: pure shrinkage (optimal_shrinkage), no threshold rule. Otherwise apply only if
-    # s_1 > kappa * edge (docs/denoising.md#denoising-algorithm); with kappa >= 1 that keeps s_1, but if rounding zeroes
-    # it anyway the matrix is left as it is, as below the threshold (never a zero gradient).
+    # s_1 > kappa * edge (docs/denoising.md#denoising-algorithm); with kappa >= 1 that keeps s_1,
+    # but if rounding zeroes it anyway the matrix is left as it is, as below the threshold (never a
+    # zero gradient).
     if kappa is None:
         applied = torch.ones_like(top, dtype=torch.bool)
     else:
@@ -223,10 +224,11 @@ def optimal_shrinkage(matrix: Tensor, *, noise_std: float) -> Tensor:
     r"""Shrink every singular value of ``matrix`` with the Frobenius-optimal shrinker.
 
     :math:`\hat X = \sum_a \hat s_a u_a v_a^\top` with :math:`\hat s_a` from
-    :func:`~opacus_rc.denoising.shrink_singular_values` (Gavish and Donoho 2017; docs/denoising.md#denoising-shrinker).
-    No threshold rule and no norm correction: this is the "shrunk" column of the docs/denoising.md#denoising-oracle
-    table, the asymptotically MSE-optimal estimate of a low-rank signal in white noise. Computed
-    with an exact SVD in float32 (float64 for float64 input), returned in the input dtype.
+    :func:`~opacus_rc.denoising.shrink_singular_values` (Gavish and Donoho 2017;
+    docs/denoising.md#denoising-shrinker). No threshold rule and no norm correction: this is the
+    "shrunk" column of the docs/denoising.md#denoising-oracle table, the asymptotically MSE-optimal
+    estimate of a low-rank signal in white noise. Computed with an exact SVD in float32 (float64 for
+    float64 input), returned in the input dtype.
 
     Args:
         matrix: Noisy matrix, shape ``(..., m, n)``, any aspect ratio; leading dimensions are a
@@ -273,7 +275,8 @@ def denoise_matrix(
 ) -> Tensor:
     r"""Spectral denoising of one noisy gradient matrix (or a batch of equal shapes).
 
-    docs/denoising.md#denoising-algorithm, per matrix ``M`` (``m <= n`` after an internal transpose):
+    docs/denoising.md#denoising-algorithm, per matrix ``M`` (``m <= n`` after an internal
+    transpose):
 
     1. if :math:`s_1 \le \kappa\,\sigma_e(\sqrt m + \sqrt n)`, return ``M`` unchanged;
     2. :math:`D = \sum_a \hat s_a u_a v_a^\top`
@@ -291,9 +294,10 @@ def denoise_matrix(
             independent matrices, each with its own threshold decision.
         noise_std: :math:`\sigma_e`, the standard deviation of each noise entry (for a DP
             optimizer see :func:`~opacus_rc.denoising.noise_std_from_optimizer`).
-        kappa: Threshold factor, ``>= 1``. Default :data:`DEFAULT_KAPPA` (docs/denoising.md#denoising-oracle).
-        norm_correction: Rescale to the noisy Frobenius norm. Default ``True`` (docs/denoising.md#denoising-algorithm,
-            the paper's step C).
+        kappa: Threshold factor, ``>= 1``. Default :data:`DEFAULT_KAPPA`
+            (docs/denoising.md#denoising-oracle).
+        norm_correction: Rescale to the noisy Frobenius norm. Default ``True``
+            (docs/denoising.md#denoising-algorithm, the paper's step C).
         svd: A name in :data:`~opacus_rc.denoising.svd.SVD_BACKENDS`: ``"exact"``
             (``torch.linalg.svd``) or ``"randomized"`` (truncated randomized subspace iteration,
             Halko et al. 2011: the rank doubles from ``rank`` until the ``rank``-th computed

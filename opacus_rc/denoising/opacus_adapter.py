@@ -2,14 +2,15 @@ r"""Spectral denoising of an Opacus DP optimizer's released gradients, as a post
 
 What here reads an Opacus ``DPOptimizer`` (by its public attributes, without importing Opacus):
 the per-entry noise level :math:`\sigma_e` of the released gradient
-(:func:`noise_std_from_optimizer`, docs/denoising.md#denoising-noise-level), the refusal of distributed optimizers, and
-:class:`SpectralDenoiser`, the step hook that ``make_private(denoise="spectral")`` attaches with
-``attach_post_processing_hook`` and that runs :mod:`opacus_rc.denoising.denoiser` on
-``optimizer.params``.
+(:func:`noise_std_from_optimizer`, docs/denoising.md#denoising-noise-level), the refusal of
+distributed optimizers, and :class:`SpectralDenoiser`, the step hook that
+``make_private(denoise="spectral")`` attaches with ``attach_post_processing_hook`` and that runs
+:mod:`opacus_rc.denoising.denoiser` on ``optimizer.params``.
 
 :math:`\sigma_e = \sigma C / (B_{exp} \cdot A)` for ``loss_reduction="mean"`` (``B_exp`` the
 *expected* batch size, ``A`` the accumulated iterations) or :math:`\sigma_e = \sigma C` for
-``"sum"``: public constants only, so the denoiser stays post-processing (docs/denoising.md#denoising-post-processing).
+``"sum"``: public constants only, so the denoiser stays post-processing
+(docs/denoising.md#denoising-post-processing).
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ class SpectralDenoiser:
     SVD, whatever the number of layers; the randomized SVD adds one per power iteration.
     ``last_report`` reads its numbers from the device when first accessed after a call.
 
-    Post-processing (docs/denoising.md#denoising-post-processing): the output depends only on the released noisy gradients and
-    public constants, so the accountant is unchanged.
+    Post-processing (docs/denoising.md#denoising-post-processing): the output depends only on the
+    released noisy gradients and public constants, so the accountant is unchanged.
 
     Distributed optimizers are refused: Opacus adds the noise on rank 0 only and all-reduces
     *after* the step hook, so in the hook the gradients on other ranks are un-noised partial sums

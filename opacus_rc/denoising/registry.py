@@ -2,9 +2,10 @@
 
 A denoiser is a post-processing step hook: ``denoiser(optimizer) -> None`` rewrites ``p.grad`` of
 a DP optimizer's parameters after noise and scaling and before the wrapped optimizer's step, using
-only the released noisy gradient and public constants (docs/denoising.md#denoising-post-processing), so the accountant is
-unchanged. The engine resolves ``denoise="<name>"`` through this registry (as every extension point,
-docs/architecture.md#architecture-extending), so a new denoiser needs no change to the engine.
+only the released noisy gradient and public constants (docs/denoising.md#denoising-post-processing),
+so the accountant is unchanged. The engine resolves ``denoise="<name>"`` through this registry (as
+every extension point, docs/architecture.md#architecture-extending), so a new denoiser needs no
+change to the engine.
 
 A *factory* builds one denoiser per ``make_private`` call. It takes keyword arguments only:
 ``kappa`` (the engine's ``denoise_kappa``; ``None`` means the denoiser's own default) and any

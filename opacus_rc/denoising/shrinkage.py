@@ -48,10 +48,10 @@ def frobenius_shrinker(y: Tensor | float, *, beta: float) -> Tensor:
                   = \frac{\sqrt{(y^2 - (1+\sqrt\beta)^2)(y^2 - (1-\sqrt\beta)^2)}}{y}
         \quad \text{if } y > 1 + \sqrt\beta, \text{ else } 0.
 
-    Source: Gavish and Donoho 2017, the optimal shrinker for Frobenius loss; docs/denoising.md#denoising-shrinker. The
-    factored form (used here) avoids the cancellation of the expanded one near the edge. In the
-    spiked model, :math:`\eta^*(y(x)) = x\,c(x)\,\tilde c(x)` (docs/denoising.md#denoising-shrinker), which the tests use
-    as an independent check.
+    Source: Gavish and Donoho 2017, the optimal shrinker for Frobenius loss;
+    docs/denoising.md#denoising-shrinker. The factored form (used here) avoids the cancellation of
+    the expanded one near the edge. In the spiked model, :math:`\eta^*(y(x)) = x\,c(x)\,\tilde c(x)`
+    (docs/denoising.md#denoising-shrinker), which the tests use as an independent check.
 
     Args:
         y: Observed singular values in units of :math:`\sigma_e\sqrt n` (``n`` the larger
@@ -83,7 +83,8 @@ def frobenius_shrinker(y: Tensor | float, *, beta: float) -> Tensor:
 def shrink_singular_values(s: Tensor, *, noise_std: float, m: int, n: int) -> Tensor:
     r"""Frobenius-optimal shrinkage of the singular values of an ``m x n`` noisy matrix.
 
-    Raw units (docs/denoising.md#denoising-shrinker), with :math:`\sigma = \sigma_e` the noise entry standard deviation:
+    Raw units (docs/denoising.md#denoising-shrinker), with :math:`\sigma = \sigma_e` the noise entry
+    standard deviation:
 
     .. math::
         \hat s = \frac{\sqrt{\big(s^2 - \sigma^2(\sqrt m + \sqrt n)^2\big)

@@ -2,9 +2,9 @@ r"""SVD back ends of the spectral denoiser: exact and randomized, resolved by na
 
 The denoiser (:mod:`opacus_rc.denoising.denoiser`) needs, for a batch of noisy matrices, every
 singular triplet whose value lies above the noise bulk edge :math:`\sigma_e(\sqrt m + \sqrt n)`:
-only those survive the Frobenius-optimal shrinker (docs/denoising.md#denoising-algorithm). A back end is resolved
-from the ``svd=`` option through :data:`SVD_BACKENDS` (:func:`register_svd_backend`) and has the
-signature::
+only those survive the Frobenius-optimal shrinker (docs/denoising.md#denoising-algorithm). A back
+end is resolved from the ``svd=`` option through :data:`SVD_BACKENDS` (:func:`register_svd_backend`)
+and has the signature::
 
     backend(M, *, edge, rank, oversampling, tol, max_iterations, generator)
         -> (U, S, Vh, svd_rank)
@@ -14,7 +14,8 @@ in the units of ``M``'s entries, and the remaining keywords the randomized SVD's
 end that needs none ignores them). It returns ``U (b, m, w)``, ``S (b, w)`` in descending order,
 ``Vh (b, w, n)`` and ``svd_rank`` (the number of triplets it guarantees, ``w >= svd_rank``): every
 singular value above ``edge`` must be among the first ``svd_rank`` values of ``S``.
-The test matrices of a randomized back end must not depend on ``M`` (post-processing, docs/denoising.md#denoising-post-processing).
+The test matrices of a randomized back end must not depend on ``M`` (post-processing,
+docs/denoising.md#denoising-post-processing).
 
 Built in: ``"exact"`` (``torch.linalg.svd``) and ``"randomized"`` (Halko, Martinsson and Tropp
 2011, Algorithms 4.4 and 5.1, with the rank-doubling rule of docs/denoising.md#denoising-algorithm).
@@ -46,8 +47,9 @@ logger = logging.getLogger(__name__)
 #: values are the keys of :data:`SVD_BACKENDS` (these two unless more are registered).
 SVD_METHODS = ("exact", "randomized")
 
-#: Default starting rank of the randomized SVD. Not from a paper: the rank doubles until the stopping
-#: rule of docs/denoising.md#denoising-algorithm holds, so this value affects cost, not the result.
+#: Default starting rank of the randomized SVD. Not from a paper: the rank doubles until the
+#: stopping rule of docs/denoising.md#denoising-algorithm holds, so this value affects cost, not the
+#: result.
 DEFAULT_RANK = 16
 
 #: Default oversampling of the randomized range finder. Source: Halko, Martinsson and Tropp 2011,
@@ -56,10 +58,10 @@ DEFAULT_RANK = 16
 DEFAULT_OVERSAMPLING = 10
 
 #: Default relative residual tolerance of the randomized SVD: every kept singular triplet satisfies
-#: ||M v - s u|| <= tol * s. Source [num, docs/denoising.md#denoising-oracle planted matrix, float32 and float64]: the
-#: relative Frobenius distance between the randomized and the exact denoised matrix is about tol/2
-#: (4.3e-5 at tol = 1e-4), three to four orders below the denoising error itself (0.48); tol = 1e-6
-#: is still reachable in float32 there.
+#: ||M v - s u|| <= tol * s. Source [num, docs/denoising.md#denoising-oracle planted matrix, float32
+#: and float64]: the relative Frobenius distance between the randomized and the exact denoised
+#: matrix is about tol/2 (4.3e-5 at tol = 1e-4), three to four orders below the denoising error
+#: itself (0.48); tol = 1e-6 is still reachable in float32 there.
 DEFAULT_TOL = 1e-4
 
 #: Default cap on power iterations of the randomized SVD before it falls back to the exact SVD.
@@ -185,10 +187,10 @@ def _randomized_svd(
 
     Stopping rules:
 
-    * rank (docs/denoising.md#denoising-algorithm): only singular values above the bulk edge survive shrinkage, so the
-      ``r``-th computed value must be ``<= edge`` for every matrix; Ritz values are lower bounds
-      of the true ones, so a value above the edge proves that ``r`` is too small: ``r`` doubles
-      and the iteration restarts;
+    * rank (docs/denoising.md#denoising-algorithm): only singular values above the bulk edge survive
+      shrinkage, so the ``r``-th computed value must be ``<= edge`` for every matrix; Ritz values
+      are lower bounds of the true ones, so a value above the edge proves that ``r`` is too small:
+      ``r`` doubles and the iteration restarts;
     * accuracy: every kept triplet (``s_j > edge``) has residual ``<= tol * s_j`` (the relative
       residual test of ARPACK, as used by ``scipy.sparse.linalg.svds``), i.e. it is an exact
       triplet of a matrix within ``tol * s_j`` of ``M``;

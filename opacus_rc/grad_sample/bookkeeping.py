@@ -1,4 +1,5 @@
-"""Book-keeping: the clipped gradient sum from one backward pass (docs/architecture.md#architecture-step, step 5).
+"""Book-keeping: the clipped gradient sum from one backward pass
+(docs/architecture.md#architecture-step, step 5).
 
 Bu, Wang, Zha and Karypis, "Differentially Private Optimization on Large Model at Small Cost",
 ICML 2023. Ghost and randomized clipping need a second backward pass of ``sum_i c_i loss_i``
@@ -6,9 +7,10 @@ once the clip factors ``c`` are known. Book-keeping instead keeps, during the fi
 pass, what each module's clipped sum needs (:class:`BookkeepingStash`): a sketched or exact
 layer with a clipped-sum function keeps its input and output gradient, a layer on Opacus'
 per-sample-gradient path keeps those per-sample gradients, and in an activation-checkpointed
-step each layer keeps whichever of the two is smaller (:mod:`~opacus_rc.grad_sample.norms`). :func:`write_clipped_sums` then
-writes ``p.grad += sum_i c_i grad_p loss_i``, exactly what the second pass accumulates. No
-random number is drawn here: the probes of the first pass are the only ones, in both modes.
+step each layer keeps whichever of the two is smaller (:mod:`~opacus_rc.grad_sample.norms`).
+:func:`write_clipped_sums` then writes ``p.grad += sum_i c_i grad_p loss_i``, exactly what the
+second pass accumulates. No random number is drawn here: the probes of the first pass are the only
+ones, in both modes.
 
 The stashes are owned by the step's :class:`~opacus_rc.grad_sample.step.StepState` and never
 outlive the step.

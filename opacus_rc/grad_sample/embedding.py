@@ -39,7 +39,8 @@ unnoised, exactly the rows the private batch selects), ``scale_grad_by_freq`` (a
 gradient depends on the other samples' tokens) and ``sparse=True``.
 
 The sampler is exact: it ignores the sketch arguments and draws no probe (registered with
-``exact=True``; exact layers inside a sketched step are covered by the accountant, docs/privacy/envelope.md#envelope-definition, Lemma D).
+``exact=True``; exact layers inside a sketched step are covered by the accountant,
+docs/privacy/envelope.md#envelope-definition, Lemma D).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Grad-sample modules for randomized clipping (DP-SGD-RC; docs/architecture.md#architecture-step).
 
 :class:`GradSampleModuleRandomizedClipping` wraps a model like Opacus'
-``GradSampleModuleFastGradientClipping`` (ghost clipping); :class:`GradSampleHooksRandomizedClipping`
-attaches the same hooks without wrapping (``wrap_model=False``). Both share
-:class:`_RandomizedClippingMixin`, which holds the hooks only; the rest lives in one module
-each:
+``GradSampleModuleFastGradientClipping`` (ghost clipping);
+:class:`GradSampleHooksRandomizedClipping` attaches the same hooks without wrapping
+(``wrap_model=False``). Both share :class:`_RandomizedClippingMixin`, which holds the hooks only;
+the rest lives in one module each:
 
 * :mod:`~opacus_rc.grad_sample.routing`: how each module's norm is computed (sketched, exact
-  such as ``nn.Embedding``'s, Opacus' per-sample gradients, functorch, or refused), decided once and used by the hooks,
-  book-keeping, the log line and the report;
+  such as ``nn.Embedding``'s, Opacus' per-sample gradients, functorch, or refused), decided once and
+  used by the hooks, book-keeping, the log line and the report;
 * :mod:`~opacus_rc.grad_sample.step`: the :class:`~opacus_rc.grad_sample.step.StepState` that
   records one step and enforces its invariant (every gradient the optimizer releases got a
   per-sample norm and a clip factor in this step's private backward);
@@ -36,8 +36,8 @@ fresh for every step, sample and layer (docs/privacy/estimators.md#estimators-hu
 docs/privacy/threat_models.md#threat-models-conditions), and never stored or logged.
 
 The clip factor is ``min(1, C / (n_hat_i + 1e-6))`` with ``n_hat_i`` the square root of the sum
-over parameters of the squared per-parameter norms (docs/privacy/mechanism.md#mechanism-reduction), the same form as Opacus'
-ghost clipping so that exact and sketched runs are comparable.
+over parameters of the squared per-parameter norms (docs/privacy/mechanism.md#mechanism-reduction),
+the same form as Opacus' ghost clipping so that exact and sketched runs are comparable.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Sketched per-sample gradient norms of ``nn.Linear`` (docs/privacy/estimators.md#estimators-setup).
+"""Sketched per-sample gradient norms of ``nn.Linear``
+(docs/privacy/estimators.md#estimators-setup).
 
 For sample ``i`` with input ``A_i`` (``T x d``) and output gradient ``G_i`` (``T x p``):
 
@@ -118,7 +119,8 @@ def compute_linear_sketched_norm_sample(
     B = A.shape[0]
     ret: dict[nn.Parameter, torch.Tensor] = {}
     if A.dim() == 2:
-        # Exact: ||g a^T||_F = ||g|| ||a|| (docs/privacy/estimators.md#estimators-setup with T = 1), in float64 to avoid overflow.
+        # Exact: ||g a^T||_F = ||g|| ||a|| (docs/privacy/estimators.md#estimators-setup with T = 1),
+        # in float64 to avoid overflow.
         with autocast_off(G.device):
             g_norm = torch.linalg.vector_norm(G.double(), dim=1)
             if layer.weight.requires_grad:

@@ -1,4 +1,5 @@
-"""One module use's per-sample gradient norms, by the path its route names (docs/architecture.md#architecture-step, step 3).
+"""One module use's per-sample gradient norms, by the path its route names
+(docs/architecture.md#architecture-step, step 3).
 
 :class:`ModuleNorms` is called by the grad-sample module's backward hook with the module's
 stored activations and its output gradient (batch first, rescaled to per-sample losses). It
@@ -6,9 +7,11 @@ computes the norms of the module's trainable parameters by the route's
 :class:`~opacus_rc.grad_sample.routing.NormPath` and records them, and with book-keeping what the
 clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.step.StepState`:
 
-* sketched or exact: the project's sampler (:data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS`),
-  drawing fresh probes from the sketch generator of the gradient's device;
-* tied: the joint sketch of a weight shared with another module (:mod:`~opacus_rc.grad_sample.tied`);
+* sketched or exact: the project's sampler
+  (:data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS`), drawing fresh probes from the
+  sketch generator of the gradient's device;
+* tied: the joint sketch of a weight shared with another module
+  (:mod:`~opacus_rc.grad_sample.tied`);
 * ghost: Opacus' norm sampler;
 * grad sampler or functorch: Opacus' per-sample gradients, or those of the module's
   :class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`, accumulated over repeated uses
@@ -32,8 +35,8 @@ step is accounted with the module's sketch spec unchanged. The choice depends on
 never on values or probes, and costs no host synchronisation. A tied weight's head keeps its
 joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes its per-sample
 gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
-``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)`` floats per sample, which is
-smaller than ``V d`` at every practical ``T`` anyway.
+``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)``
+floats per sample, which is smaller than ``V d`` at every practical ``T`` anyway.
 """
 
 from __future__ import annotations

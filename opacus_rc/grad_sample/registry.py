@@ -18,7 +18,8 @@ trainable parameter. Opacus combines them with ``torch.stack(...).norm(2, dim=0)
 A sampler registered with ``exact=True`` computes the norm exactly and ignores ``estimator``,
 ``sketch_dim`` and ``generator`` (it draws no probe); its types are listed in
 :data:`EXACT_NORM_TYPES`. An exact layer inside a sketched step needs no change to the
-accountant (docs/privacy/envelope.md#envelope-definition, Lemma D: deterministic parts never worsen the envelope).
+accountant (docs/privacy/envelope.md#envelope-definition, Lemma D: deterministic parts never worsen
+the envelope).
 
 :data:`CLIPPED_SUM_FUNCTIONS` (:func:`register_clipped_sum`) holds, for the same module types,
 the clipped gradient sum used by the single-backward book-keeping path (Bu et al., ICML 2023).

@@ -1,4 +1,5 @@
-"""The norm-path resolver: how each hooked module's per-sample norm is computed (docs/architecture.md#architecture-step, step 3).
+"""The norm-path resolver: how each hooked module's per-sample norm is computed
+(docs/architecture.md#architecture-step, step 3).
 
 Every decision about *how* a module's per-sample gradient norm is obtained is made here, once,
 when the grad-sample module is built, and then used by every consumer: the backward hook
@@ -29,7 +30,9 @@ accounted for). The paths:
 A module with trainable parameters of its own, no sampler and trainable descendants is refused:
 Opacus would compute its whole subtree with functorch (its ``nn.Linear`` children would not be
 sketched although they look it, and randomness inside it, such as dropout, cannot be replayed
-by ``vmap``). Exact norms inside a sketched step are covered by the RC accountant (docs/privacy/hutchpp.md#hutchpp-privacy, Lemma D), so a step mixing paths is accounted with the module's sketch spec.
+by ``vmap``). Exact norms inside a sketched step are covered by the RC accountant
+(docs/privacy/hutchpp.md#hutchpp-privacy, Lemma D), so a step mixing paths is accounted with the
+module's sketch spec.
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ class NormRoute:
         """The sketch this module's norm is a sample of (``None``: an exact norm).
 
         A tied weight's joint sketch is a Hutchinson sketch with ``spec.sketch_dim`` columns,
-        certified by the same envelope (``k = spec.accounted_dim``, docs/privacy/envelope.md#envelope-definition and D).
+        certified by the same envelope (``k = spec.accounted_dim``,
+        docs/privacy/envelope.md#envelope-definition and D).
         """
         return spec if self.path in (NormPath.SKETCHED, NormPath.TIED) else None
 

@@ -1,4 +1,5 @@
-"""The state of one randomized-clipping step, with explicit transitions (docs/architecture.md#architecture-step).
+"""The state of one randomized-clipping step, with explicit transitions
+(docs/architecture.md#architecture-step).
 
 One :class:`StepState` is owned by each randomized-clipping grad-sample module. The DP loss,
 the module's hooks and the optimizer talk to each other only through its public methods, and
@@ -212,8 +213,9 @@ class StepState:
     ) -> torch.Tensor:
         """Combine this step's norms and issue the clip factors ``min(1, C / (n_hat + 1e-6))``.
 
-        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)`` (docs/privacy/estimators.md#estimators-hutchinson, several layers), in
-        float64. One host synchronisation: the finiteness decision over all samples.
+        ``n_hat_i = sqrt(sum_params norm_{i,param}^2)``
+        (docs/privacy/estimators.md#estimators-hutchinson, several layers), in float64. One host
+        synchronisation: the finiteness decision over all samples.
 
         Args:
             max_grad_norm: ``C``.

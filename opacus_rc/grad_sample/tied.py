@@ -14,10 +14,10 @@ and the per-sample norm the clip factor needs is ``||E_i + H_i||_F``, not
 ``sqrt(||E_i||^2 + ||H_i||^2)``: the cross term ``2 <E_i, H_i>_F`` is not zero (the logits'
 gradient of a token and its input embedding's gradient share rows of ``W``).
 
-**The joint sketch** (docs/privacy/estimators.md#estimators-hutchinson, the ``d``-side Hutchinson estimator applied to ``M_i``).
-One fresh per-sample probe ``Omega_i`` (``d x k``, entries ``N(0, 1/k)``, drawn by
-:func:`~opacus_rc.sketching.draw_gaussian_probes` from the module's sketch generator) serves
-both parts:
+**The joint sketch** (docs/privacy/estimators.md#estimators-hutchinson, the ``d``-side Hutchinson
+estimator applied to ``M_i``). One fresh per-sample probe ``Omega_i`` (``d x k``, entries ``N(0,
+1/k)``, drawn by :func:`~opacus_rc.sketching.draw_gaussian_probes` from the module's sketch
+generator) serves both parts:
 
     Y_i = M_i Omega_i = G_i^T (A_i Omega_i) + sum_t e_{x_{i,t}} (g_{i,t}^T Omega_i)   (V x k),
     n_hat_i = ||Y_i||_F^2 = tr(Omega_i^T M_i^T M_i Omega_i).
@@ -29,9 +29,10 @@ a Hutchinson sketch of ``M_i`` with ``k`` columns: ``n_hat_i / ||M_i||_F^2 = sum
 chi2_{k,j} / k`` with ``w`` the normalised squared singular values of ``M_i``, so
 ``Var(n_hat_i / n_i) <= 2 / k``. The step is therefore accounted with the module's
 :class:`~opacus_rc.sketching.SketchSpec` unchanged (the envelope with ``k = sketch_dim``,
-docs/privacy/envelope.md#envelope-definition; with Hutch++ selected, the tied weight still uses this Hutchinson sketch with
-``k = sketch_dim`` columns, which the Hutchinson envelope of the ``k`` tail columns certifies,
-docs/privacy/hutchpp.md#hutchpp-privacy). The probes are independent of every other layer's (fresh draws).
+docs/privacy/envelope.md#envelope-definition; with Hutch++ selected, the tied weight still uses this
+Hutchinson sketch with ``k = sketch_dim`` columns, which the Hutchinson envelope of the ``k`` tail
+columns certifies, docs/privacy/hutchpp.md#hutchpp-privacy). The probes are independent of every
+other layer's (fresh draws).
 
 Cost: ``2 B T' k (d + V)`` (head) plus ``2 B T d k`` (embedding) FLOPs; ``B V k + B d k``
 floats held from the first of the two backward hooks (the head's, in a language model) to the
@@ -284,8 +285,9 @@ def tied_hutchinson_sqnorm(
     """Joint Hutchinson estimate of ``||G_i^T A_i + sum_t e_{x_{i,t}} g_{i,t}^T||_F^2``.
 
     The squared per-sample norm of the summed gradient of a weight tied between an
-    ``nn.Linear`` head and an ``nn.Embedding`` (see the module docstring; docs/privacy/estimators.md#estimators-hutchinson,
-    ``d``-side sketch). What the module computes across the two backward hooks, in one call.
+    ``nn.Linear`` head and an ``nn.Embedding`` (see the module docstring;
+    docs/privacy/estimators.md#estimators-hutchinson, ``d``-side sketch). What the module computes
+    across the two backward hooks, in one call.
 
     Args:
         activations: Head input ``A``, ``(B, T', d)``.

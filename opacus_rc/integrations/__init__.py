@@ -1,7 +1,7 @@
 """Integrations of randomized clipping with training frameworks.
 
-* :mod:`opacus_rc.integrations.transformers`: :class:`~opacus_rc.integrations.transformers.DPTrainer`
-  (a ``transformers.Trainer``) and
+* :mod:`opacus_rc.integrations.transformers`:
+  :class:`~opacus_rc.integrations.transformers.DPTrainer` (a ``transformers.Trainer``) and
   :class:`~opacus_rc.integrations.transformers.PrivacyArguments` (parsed by
   ``transformers.HfArgumentParser``).
 * :mod:`opacus_rc.integrations.trl`: :class:`~opacus_rc.integrations.trl.DPSFTTrainer` (a

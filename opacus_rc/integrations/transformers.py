@@ -57,7 +57,8 @@ Example::
     from transformers import HfArgumentParser, TrainingArguments
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
 
-    args, privacy = HfArgumentParser((TrainingArguments, PrivacyArguments)).parse_args_into_dataclasses()
+    parser = HfArgumentParser((TrainingArguments, PrivacyArguments))
+    args, privacy = parser.parse_args_into_dataclasses()
     trainer = DPTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
                         privacy_args=privacy)
     trainer.train()
@@ -198,7 +199,8 @@ class PrivacyArguments:
             raise ValueError(
                 "PrivacyArguments needs exactly one of target_epsilon (the noise multiplier is "
                 "then searched for the run) and noise_multiplier; got "
-                f"target_epsilon={self.target_epsilon!r}, noise_multiplier={self.noise_multiplier!r}"
+                f"target_epsilon={self.target_epsilon!r}, "
+                f"noise_multiplier={self.noise_multiplier!r}"
             )
         if self.target_epsilon is not None and not (
             math.isfinite(self.target_epsilon) and self.target_epsilon > 0

@@ -1,10 +1,12 @@
-"""Post-processing hook point for any Opacus ``DPOptimizer`` (docs/architecture.md#architecture-step, step 8).
+"""Post-processing hook point for any Opacus ``DPOptimizer``
+(docs/architecture.md#architecture-step, step 8).
 
 A post-processing hook is a function ``hook(optimizer) -> None`` that may rewrite ``p.grad`` of
 the optimizer's parameters after noise and ``scale_grad`` and before the wrapped optimizer's
 step. It runs before the step hook that was already attached (the accountant's), so the
 accountant still sees every step. It must only use the released noisy gradient and public
-constants (docs/denoising.md#denoising-post-processing): then it is post-processing and the privacy guarantee is unchanged.
+constants (docs/denoising.md#denoising-post-processing): then it is post-processing and the privacy
+guarantee is unchanged.
 
 Opacus calls ``optimizer.step_hook(optimizer)`` once per step in ``pre_step`` (after
 ``add_noise`` and ``scale_grad``, and only for steps that are not skipped). This module chains

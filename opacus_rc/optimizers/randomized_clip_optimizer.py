@@ -10,12 +10,12 @@ book-keeping, has the module write ``sum_i c_i grad loss_i`` from the first pass
 This optimizer adds the noise, scales, runs post-processing hooks, tells the accountant the
 step's :class:`SketchSpec` and steps the wrapped optimizer.
 
-Formal guarantee (docs/privacy/threat_models.md#threat-models): with per-sample Gaussian sketches that are fresh every
-step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the chi-square
-envelope of ``k = sketch_spec.sketch_dim`` columns; the RC accountant composes exactly that.
-Edge cases: a zero-norm sample gets ``c_i = 1`` (its contribution is 0); a NaN/inf estimate
-raises ``FloatingPointError`` in the module before any clip factor exists; an empty batch gives
-a noise-only step that is still accounted. After a failed backward of
+Formal guarantee (docs/privacy/threat_models.md#threat-models): with per-sample Gaussian sketches
+that are fresh every step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the
+chi-square envelope of ``k = sketch_spec.sketch_dim`` columns; the RC accountant composes exactly
+that. Edge cases: a zero-norm sample gets ``c_i = 1`` (its contribution is 0); a NaN/inf estimate
+raises ``FloatingPointError`` in the module before any clip factor exists; an empty batch gives a
+noise-only step that is still accounted. After a failed backward of
 :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, or with a NaN/inf gradient, ``step()``
 raises before anything is noised or accounted (:meth:`RandomizedClipOptimizer.check_step_allowed`).
 """

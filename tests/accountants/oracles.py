@@ -14,18 +14,18 @@ oracle 2 (and the Gaussian closed form) below.
 
 Oracle 1, details.
 
-The hidden-model pair of one DP-SGD-RC step (docs/privacy/prv.md#prv-hidden) is ``N(0, sigma^2)`` versus
-``(1 - q) N(0, sigma^2) + q E_S N(S, sigma^2)``: a mixture-of-Gaussians mechanism
-(``dp_accounting.pld.privacy_loss_distribution.from_mixture_gaussian_mechanism``, Choquette-Choo
-et al. 2023) once the law of ``S`` is made discrete. The envelope law of ``S``
-(:class:`~opacus_rc.accountants.analysis.envelope.SensitivityEnvelope`: an atom at 1, a
-density on ``(1, inf)``) is put into ``buckets`` cells, equally spaced in ``log s`` up to the
-``1 - tail`` quantile:
+The hidden-model pair of one DP-SGD-RC step (docs/privacy/prv.md#prv-hidden) is ``N(0, sigma^2)``
+versus ``(1 - q) N(0, sigma^2) + q E_S N(S, sigma^2)``: a mixture-of-Gaussians mechanism
+(``dp_accounting.pld.privacy_loss_distribution.from_mixture_gaussian_mechanism``, Choquette-Choo et
+al. 2023) once the law of ``S`` is made discrete. The envelope law of ``S``
+(:class:`~opacus_rc.accountants.analysis.envelope.SensitivityEnvelope`: an atom at 1, a density on
+``(1, inf)``) is put into ``buckets`` cells, equally spaced in ``log s`` up to the ``1 - tail``
+quantile:
 
 * ``rounding="up"`` gives every cell's mass to its right end: a stochastically larger ``S``,
-  hence a dominating mechanism (docs/privacy/dominance.md#dominance); with ``pessimistic=True`` its epsilon is an
-  upper bound on the true one, up to the last ``tail`` of mass, put at the last edge (a
-  sensitivity of ``10^3`` would make dp_accounting's loss grid unaffordably long), which can
+  hence a dominating mechanism (docs/privacy/dominance.md#dominance); with ``pessimistic=True`` its
+  epsilon is an upper bound on the true one, up to the last ``tail`` of mass, put at the last edge
+  (a sensitivity of ``10^3`` would make dp_accounting's loss grid unaffordably long), which can
   lower delta by at most ``steps * q * tail`` (``1e-20`` for ``10^4`` steps);
 * ``rounding="down"`` gives every cell's mass to its left end and the tail to the last edge: a
   dominated mechanism; with ``pessimistic=False`` a lower estimate.
@@ -201,6 +201,12 @@ if __name__ == "__main__":  # pragma: no cover
     _main()
 
 STORED = {
-    100: {1e-05: (0.9218, 0.9245), 1e-10: (2.8572, 2.8651), 1e-12: (3.6503, 3.6582), 1e-13: (4.0366, 4.0306)},
-    1000: {1e-05: (2.1379, 2.1419), 1e-10: (4.0748, 4.0844), 2e-12: (4.7669, 4.7737), 1e-12: (4.8878, 4.8907)},
+    100: {
+        1e-05: (0.9218, 0.9245), 1e-10: (2.8572, 2.8651),
+        1e-12: (3.6503, 3.6582), 1e-13: (4.0366, 4.0306),
+    },
+    1000: {
+        1e-05: (2.1379, 2.1419), 1e-10: (4.0748, 4.0844),
+        2e-12: (4.7669, 4.7737), 1e-12: (4.8878, 4.8907),
+    },
 }  # fmt: skip

@@ -202,8 +202,9 @@ def test_chi2_at_k1_warns_that_it_is_not_proved() -> None:
 # delta = 1e-5, hidden, max over directions, (estimate, upper) per envelope;
 # k -> {envelope: (est, upper)}. From the independent reference script of
 # docs/privacy/reference_numbers.md#reference-numbers (prv-accountant composition,
-# eps_error = 0.01), printed to 3 decimals; its precision rule (+-0.02) applies, and we hold the estimate to 2e-3 (we
-# reproduce the cells of docs/privacy/reference_numbers.md#reference-epsilon to 1e-3, README "Status").
+# eps_error = 0.01), printed to 3 decimals; its precision rule (+-0.02) applies, and we hold the
+# estimate to 2e-3 (we reproduce the cells of docs/privacy/reference_numbers.md#reference-epsilon to
+# 1e-3, README "Status").
 SCHUR_COSTS = {
     16: {"chi2": (2.469, 2.480), "schur": (2.601, 2.611), "chernoff": (3.971, 3.981)},
     32: {"chi2": (2.140, 2.150), "schur": (2.203, 2.213), "chernoff": (2.845, 2.856)},
@@ -238,8 +239,9 @@ def test_schur_is_registered() -> None:
 
 @pytest.mark.parametrize(("k", "envelope"), [(k, e) for k in SCHUR_COSTS for e in SCHUR_COSTS[k]])
 def test_envelope_costs_table_b3(k: int, envelope: str) -> None:
-    """The cost table of docs/privacy/envelope.md#envelope-costs: the estimate within 2e-3 and upper = estimate + eps_error;
-    exact <= chi2 <= schur <= chernoff (each envelope bounds the one before it)."""
+    """The cost table of docs/privacy/envelope.md#envelope-costs: the estimate within 2e-3 and upper
+    = estimate + eps_error; exact <= chi2 <= schur <= chernoff (each envelope bounds the one before
+    it)."""
     est_ref, upper_ref = SCHUR_COSTS[k][envelope]
     rep = compute_epsilon([Segment(1.0, 0.01, 1000, k)], delta=1e-5, envelope=envelope)
     assert rep.estimate == pytest.approx(est_ref, abs=2e-3)
@@ -341,10 +343,10 @@ def test_schur_law_is_consistent(k: int) -> None:
 
 @pytest.mark.parametrize("k", [8, 16, 32, 64])
 def test_schur_quadrature_c3(k: int) -> None:
-    """The quadrature (docs/privacy/prv.md#prv-quadrature) for "schur": weights sum to 1 - eta (1e-12), the atom s* is
-    a node with its mass, and E S and the hidden-PRV moment E exp(S x - S^2 / 2) on
-    [1, s_max] match adaptive quadrature (split at s*) to 1e-11 (the capped part,
-    eta E[S | S > s_max] <= 1e-13, is below that)."""
+    """The quadrature (docs/privacy/prv.md#prv-quadrature) for "schur": weights sum to 1 - eta
+    (1e-12), the atom s* is a node with its mass, and E S and the hidden-PRV moment E exp(S x - S^2
+    / 2) on [1, s_max] match adaptive quadrature (split at s*) to 1e-11 (the capped part, eta E[S |
+    S > s_max] <= 1e-13, is below that)."""
     env = SensitivityEnvelope(sketch_dim=k, envelope="schur")
     quad = env.quadrature()
     assert abs(quad.weights.sum() - (1 - 1e-15)) < 1e-12

@@ -1,4 +1,5 @@
-"""The epsilon of a history: budgets, both directions, heterogeneous segments (docs/privacy/prv.md#prv)."""
+"""The epsilon of a history: budgets, both directions, heterogeneous segments
+(docs/privacy/prv.md#prv)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def _check_cell(steps: int, sigma: float, k: int | None) -> None:
     # the tabulated figure is the max over directions of the prv_accountant estimate
     assert abs(hidden.estimate - hidden_ref) <= tol(hidden_ref), hidden
     assert abs(hidden.add[1] - add_ref) <= 0.02, hidden
-    # get_epsilon reports the upper bound: estimate + eps_error (precision rule of docs/privacy/reference_numbers.md#reference-epsilon)
+    # get_epsilon reports the upper bound: estimate + eps_error (precision rule of
+    # docs/privacy/reference_numbers.md#reference-epsilon)
     assert abs(hidden.upper - (hidden_ref + 0.01)) <= tol(hidden_ref)
     if k is not None:
         revealed = report(sigma, steps, k, "revealed")
@@ -104,7 +105,8 @@ def test_c6_independent_check_estimates_per_direction() -> None:
 # ----------------------------------------------------------------------------- exact clipping
 def test_exact_clipping_equals_opacus_prv_accountant() -> None:
     """k = None: the remove direction reproduces Opacus' PRVAccountant (upper bound), live and
-    against the figures quoted in docs/privacy/reference_numbers.md#reference-epsilon; the add direction is computed and smaller."""
+    against the figures quoted in docs/privacy/reference_numbers.md#reference-epsilon; the add
+    direction is computed and smaller."""
     for (steps, sigma), opacus_value in REF.OPACUS_PRV_UPPER.items():
         rep = report(sigma, steps, None)
         assert rep.remove[2] == pytest.approx(opacus_value, abs=2e-3)
@@ -117,8 +119,9 @@ def test_exact_clipping_equals_opacus_prv_accountant() -> None:
 
 
 def test_k_to_infinity_converges_to_exact_clipping() -> None:
-    """The convergence table of docs/privacy/reference_numbers.md#reference-epsilon (hidden, remove, T = 1000, sigma = 1): within +-0.02, strictly
-    decreasing in k, and |eps(4096) - eps(inf)| < 0.03."""
+    """The convergence table of docs/privacy/reference_numbers.md#reference-epsilon (hidden, remove,
+    T = 1000, sigma = 1): within +-0.02, strictly decreasing in k, and |eps(4096) - eps(inf)| <
+    0.03."""
     values = {}
     for k, ref in REF.K_CONVERGENCE.items():
         values[k] = report(1.0, 1000, k).remove[1]
@@ -147,7 +150,8 @@ def test_epsilon_is_nonincreasing_in_k() -> None:
 
 @pytest.mark.parametrize(("steps", "sigma", "k"), sorted(REF.CHERNOFF_COSTS))
 def test_chernoff_envelope_costs_more_than_chi2_b3(steps: int, sigma: float, k: int) -> None:
-    """The cost table of docs/privacy/envelope.md#envelope-costs (hidden, max over directions): exact <= chi2 <= chernoff."""
+    """The cost table of docs/privacy/envelope.md#envelope-costs (hidden, max over directions):
+    exact <= chi2 <= chernoff."""
     exact_ref, chi2_ref, chern_ref = REF.CHERNOFF_COSTS[(steps, sigma, k)]
     chi2 = report(sigma, steps, k)
     chern = report(sigma, steps, k, envelope="chernoff")
@@ -159,9 +163,10 @@ def test_chernoff_envelope_costs_more_than_chi2_b3(steps: int, sigma: float, k: 
 def test_add_direction_is_computed_and_can_tie() -> None:
     """The add direction is always composed. Searching q in {0.01, 0.5, 0.9, 1}, sigma in
     {0.5, 1, 2}, T in {1, 10, 100, 1000}, delta in {1e-2, 1e-5}, k in {None, 8, 32, ..., 1024}
-    found no configuration where it strictly dominates (see the parentheses of docs/privacy/reference_numbers.md#reference-epsilon: always below),
-    so we assert it is computed (the parenthesised values, test above) and that it is reported
-    when it ties: the Gaussian mechanism (q = 1, exact clipping) is symmetric."""
+    found no configuration where it strictly dominates (see the parentheses of
+    docs/privacy/reference_numbers.md#reference-epsilon: always below), so we assert it is computed
+    (the parenthesised values, test above) and that it is reported when it ties: the Gaussian
+    mechanism (q = 1, exact clipping) is symmetric."""
     acc = RCAccountant()
     acc.history = [(1.0, 1.0, 10)]
     rep = acc.get_epsilon_report(DELTA)
@@ -218,7 +223,8 @@ def test_heterogeneous_history_composes() -> None:
 
 
 def test_hutchpp_is_accounted_with_its_tail_columns() -> None:
-    """Theorem H (docs/privacy/hutchpp.md#hutchpp-theorem-h): Hutch++ with k tail columns = Hutchinson with k columns."""
+    """Theorem H (docs/privacy/hutchpp.md#hutchpp-theorem-h): Hutch++ with k tail columns =
+    Hutchinson with k columns."""
     acc = RCAccountant()
     acc.history = [(1.0, Q, 100, spec(32, estimator="hutch++", head_dim=32))]
     assert acc.get_epsilon(DELTA) == pytest.approx(report(1.0, 100, 32).upper, abs=1e-12)
@@ -339,10 +345,10 @@ def test_plain_opacus_engine_with_rc_reports_exact_clipping() -> None:
     [(100, 1, 0), (100, 1, 1), (100, 1, 2), (100, 3, 1)],
 )
 def test_sigma_for_target_epsilon_c7(steps: int, target: float, column: int) -> None:
-    """docs/privacy/reference_numbers.md#reference-sigma within 1% relative (T = 100 rows here; T = 1000 in the next test).
-    The reference solved
-    estimate = target; we search on the upper bound, so the accountant uses eps_error = 0.001 and
-    epsilon_tolerance = 0.002 (the remaining gap is ~0.003 in epsilon, < 0.3% in sigma)."""
+    """docs/privacy/reference_numbers.md#reference-sigma within 1% relative (T = 100 rows here; T =
+    1000 in the next test). The reference solved estimate = target; we search on the upper bound, so
+    the accountant uses eps_error = 0.001 and epsilon_tolerance = 0.002 (the remaining gap is ~0.003
+    in epsilon, < 0.3% in sigma)."""
     ref = REF.SIGMA_FOR_EPS[(steps, target)][column]
     template = RCAccountant(threat_model="revealed" if column == 2 else "hidden", eps_error=0.001)
     sketch = None if column == 0 else SketchSpec(estimator="hutchinson", sketch_dim=32)

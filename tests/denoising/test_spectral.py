@@ -141,7 +141,8 @@ def test_spiked_model_predictions_of_e5() -> None:
 @HYPOTHESIS
 @given(beta=st.floats(0.01, 1.0), excess=st.floats(0.01, 10.0))
 def test_shrinker_equals_spiked_model_identity(beta: float, excess: float) -> None:
-    # eta*(y(x)) = x c(x) c~(x) for every detectable x > beta^(1/4) (docs/denoising.md#denoising-shrinker).
+    # eta*(y(x)) = x c(x) c~(x) for every detectable x > beta^(1/4)
+    # (docs/denoising.md#denoising-shrinker).
     x = beta**0.25 + excess
     y, _, _, expected = spiked(x, beta)
     assert frobenius_shrinker(y, beta=beta).item() == pytest.approx(expected, rel=1e-9)
@@ -217,7 +218,8 @@ def test_planted_rank3_oracle() -> None:
 
 
 def test_pure_noise_control_unchanged() -> None:
-    # docs/denoising.md#denoising-oracle: continuing the same rng, s1/threshold = 0.977; kappa = 1.05 leaves it as is.
+    # docs/denoising.md#denoising-oracle: continuing the same rng, s1/threshold = 0.977; kappa =
+    # 1.05 leaves it as is.
     case = planted_e5()
     noise = torch.from_numpy(case["noise"])
     ratio = float(torch.linalg.svdvals(noise)[0]) / 12.0

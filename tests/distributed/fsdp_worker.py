@@ -66,7 +66,8 @@ ORDER = torch.cat([torch.arange(r, B, WORLD) for r in range(WORLD)])
 
 def fsdp_pieces(base: nn.Module, *, C: float, sigma: float, reduction: str = "mean",
                 sketch_dim: int = 8, bookkeeping: bool = True,
-                sketch_generator: torch.Generator | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+                sketch_generator: torch.Generator | None = None
+                ) -> tuple[Any, Any, Any]:  # fmt: skip
     model = FSDP2Wrapper(copy.deepcopy(base))
     gsm = GradSampleModuleRandomizedClippingFSDP(
         model,
@@ -243,7 +244,8 @@ def scenario_noise_once(rank: int, *, bookkeeping: bool) -> dict[str, Any]:
             ref_opt.generator = torch.Generator().manual_seed(seed)
             ref_seen: list[torch.Tensor] = []
             ref_opt.attach_step_hook(lambda o, s=ref_seen: s.append(o.params[0].grad.clone()))
-            DPLossRandomizedClipping(ref, ref_opt, Pick(), "sum")(ref(torch.zeros(B, T, 64)), target).backward()  # fmt: skip
+            ref_loss = DPLossRandomizedClipping(ref, ref_opt, Pick(), "sum")
+            ref_loss(ref(torch.zeros(B, T, 64)), target).backward()
             ref_opt.step()
             assert torch.equal(noise, ref_seen[0]), "not the single-process noise"
             results[name]["equals_single_process"] = True

@@ -1,4 +1,5 @@
-"""Randomized clipping under torch.distributed: 2 CPU processes, gloo (tests/distributed/ddp_worker.py).
+"""Randomized clipping under torch.distributed: 2 CPU processes, gloo
+(tests/distributed/ddp_worker.py).
 
 One spawn runs every scenario (process start-up dominates the cost); the worker asserts inside
 each rank and rank 0 writes the numbers checked here:

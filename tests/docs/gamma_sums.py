@@ -12,9 +12,9 @@ Ann. Inst. Statist. Math. 37 (1985) 541-544): with ``t1 = min scale``,
 a mixture with non-negative weights summing to 1, decaying geometrically with ratio
 ``max_g (1 - t1 / scale_g)``. The series is truncated once the geometric bound on the
 remaining weight, ``c_r rate / (1 - rate)``, is below 1e-15 (``RuntimeError`` after 200 000
-terms); the CDF, density and density derivative are then exact to about 1e-14 absolute. Independent of the
-library (scipy's Gamma functions only); validated in test_envelope_proof.py against
-closed forms and numerical convolution.
+terms); the CDF, density and density derivative are then exact to about 1e-14 absolute. Independent
+of the library (scipy's Gamma functions only); validated in test_envelope_proof.py against closed
+forms and numerical convolution.
 """
 
 from __future__ import annotations

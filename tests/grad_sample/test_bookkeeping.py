@@ -647,10 +647,11 @@ def test_first_pass_skips_the_weight_gradients_it_would_discard() -> None:
     then a head on the mean. Non-private backward: three weight gradients ``W = 2BTd^2`` each
     and two input gradients (the lowest layer's input needs none). Book-keeping: the same two
     input gradients, the three clipped sums ``(cG)^T A`` (``3W``), the sketches
-    (``2BTk(p + d)`` per layer, docs/privacy/estimators.md#estimators-hutchinson) and one discarded autograd ``dL/dW`` for the lowest
-    layer only, the one module reached through its parameters. So the difference is exactly
-    ``W + 3 * 2BTk(2d)`` up to the head's few FLOPs; a first pass computing every ``dL/dW``
-    would add ``2W`` more (and two passes ``~2x``), far outside the 1 % tolerance.
+    (``2BTk(p + d)`` per layer, docs/privacy/estimators.md#estimators-hutchinson) and one discarded
+    autograd ``dL/dW`` for the lowest layer only, the one module reached through its parameters. So
+    the difference is exactly ``W + 3 * 2BTk(2d)`` up to the head's few FLOPs; a first pass
+    computing every ``dL/dW`` would add ``2W`` more (and two passes ``~2x``), far outside the 1 %
+    tolerance.
     """
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -1,4 +1,5 @@
-"""Sketched nn.Linear norm sampler against exact per-sample norms (docs/privacy/estimators.md#estimators-hutchinson)."""
+"""Sketched nn.Linear norm sampler against exact per-sample norms
+(docs/privacy/estimators.md#estimators-hutchinson)."""
 
 from __future__ import annotations
 

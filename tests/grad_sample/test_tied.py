@@ -10,13 +10,13 @@ Oracles are float64 per-sample gradients from a batch-size-1 backward loop on a 
 the model (autograd sums the two uses of the tied weight itself).
 
 Tolerance of the statistical checks (k = 4096). For one sketched part, ``n_hat / n`` is a convex
-combination of iid ``chi2_k / k`` (docs/privacy/estimators.md#estimators-hutchinson), so ``Var(n_hat / n) <= 2 / k``; the total over
-layers is again such a combination (independent sketches) plus an exact atom, so its variance
-is <= 2/k too. The norm ``sqrt(n_hat)`` then has relative standard deviation <= ``sqrt(2/k) / 2
-= 0.011`` (first order), and ``RTOL = 0.06`` is more than five standard deviations. The sketch
-generator is seeded, so the tests are deterministic. Each check is paired with the norm that
-ignores the cross term ``2 <E_i, H_i>``, which differs from the oracle by more than ``RTOL``:
-the check can fail.
+combination of iid ``chi2_k / k`` (docs/privacy/estimators.md#estimators-hutchinson), so ``Var(n_hat
+/ n) <= 2 / k``; the total over layers is again such a combination (independent sketches) plus an
+exact atom, so its variance is <= 2/k too. The norm ``sqrt(n_hat)`` then has relative standard
+deviation <= ``sqrt(2/k) / 2 = 0.011`` (first order), and ``RTOL = 0.06`` is more than five standard
+deviations. The sketch generator is seeded, so the tests are deterministic. Each check is paired
+with the norm that ignores the cross term ``2 <E_i, H_i>``, which differs from the oracle by more
+than ``RTOL``: the check can fail.
 
 Before this, every test here failed at construction with ``NotImplementedError`` ("tied between
 modules 'model.embed_tokens' (Embedding), 'lm_head' (Linear)").

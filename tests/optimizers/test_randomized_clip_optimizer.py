@@ -83,8 +83,9 @@ def params_after_one_step(
 def test_sigma0_step_matches_opacus_ghost_clipping() -> None:
     """One sigma = 0 step with k = 4096 against Opacus' exact ghost-clipping step.
 
-    Tolerances (docs/privacy/estimators.md#estimators-hutchinson): at k = 4096, W = n_hat^2/n^2 has sd <= sqrt(2/k) = 0.022, so
-    n_hat/n has sd <= 0.011 and |n_hat_i/n_i - 1| <= 0.06 is >= 5 sd for each sample.
+    Tolerances (docs/privacy/estimators.md#estimators-hutchinson): at k = 4096, W = n_hat^2/n^2 has
+    sd <= sqrt(2/k) = 0.022, so n_hat/n has sd <= 0.011 and |n_hat_i/n_i - 1| <= 0.06 is >= 5 sd for
+    each sample.
     1. The norm estimates are within 6% of Opacus' exact ghost norms (k = 1 fails this).
     2. The step applies exactly the factors min(1, C/(n_hat_i + 1e-6)) to the exact per-sample
        gradients (a microbatch loop), to float32 precision.

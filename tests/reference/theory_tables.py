@@ -5,9 +5,10 @@ docs/privacy/envelope.md#envelope-law.
 Provenance:
 
 * ENVELOPE_CDF, S_ENV (docs/privacy/envelope.md#envelope-law): numerical values from scipy's
-  chi-square functions and the closed-form Chernoff bound. Values are printed to the digits kept here; tests compare to half a
-  unit in the last printed digit.
-* S_MAX (docs/privacy/prv.md#prv-quadrature): ``s_max = sqrt(k / F^{-1}_{chi2_k}(eta))`` at ``eta = 1e-15``.
+  chi-square functions and the closed-form Chernoff bound. Values are printed to the digits kept
+  here; tests compare to half a unit in the last printed digit.
+* S_MAX (docs/privacy/prv.md#prv-quadrature): ``s_max = sqrt(k / F^{-1}_{chi2_k}(eta))`` at ``eta =
+  1e-15``.
 * EPS_T100, EPS_T1000, K_CONVERGENCE, CHERNOFF_COSTS
   (docs/privacy/reference_numbers.md#reference-epsilon, docs/privacy/envelope.md#envelope-costs):
   epsilon at ``delta = 1e-5``, ``q = 0.01``, computed by an independent reference script
@@ -15,11 +16,13 @@ Provenance:
   delta_error = delta / 1000, envelope "chi2", eta = 1e-15, t_cap rule 1e-3 delta), each value
   the max over directions of the prv_accountant *estimate*, cross-checked against a uniform-grid
   PLD bracket at the bracket midpoints. Stated precision: +-0.02 absolute, +-1% for values >= 10.
-* OPACUS_PRV_UPPER (docs/privacy/reference_numbers.md#reference-epsilon): Opacus 1.6 ``PRVAccountant.get_epsilon`` (upper bound, eps_error 0.01).
-* SIGMA_FOR_EPS (docs/privacy/reference_numbers.md#reference-sigma): noise multiplier with remove-direction estimate = target (to +-0.002 in
-  epsilon); stated precision +-0.003 in sigma, test tolerance 1% relative.
-* PRV_TAIL_MC (docs/privacy/reference_numbers.md#reference-tail): P(Y_R > t) for k = 32, sigma = 1, q = 0.01 from the PRV, with a 4e8-draw
-  Monte Carlo check.
+* OPACUS_PRV_UPPER (docs/privacy/reference_numbers.md#reference-epsilon): Opacus 1.6
+  ``PRVAccountant.get_epsilon`` (upper bound, eps_error 0.01).
+* SIGMA_FOR_EPS (docs/privacy/reference_numbers.md#reference-sigma): noise multiplier with
+  remove-direction estimate = target (to +-0.002 in epsilon); stated precision +-0.003 in sigma,
+  test tolerance 1% relative.
+* PRV_TAIL_MC (docs/privacy/reference_numbers.md#reference-tail): P(Y_R > t) for k = 32, sigma = 1,
+  q = 0.01 from the PRV, with a 4e8-draw Monte Carlo check.
 """
 
 # k -> {y: (chi2 envelope P(chi2_k <= k y), chernoff envelope (y e^{1-y})^{k/2})}
@@ -97,7 +100,8 @@ S_ENV_LEVELS = ("atom", "mean", 0.5, 0.9, 0.99, 1 - 1e-6, 1 - 1e-10)
 
 S_MAX = {8: "100.8", 16: "12.59", 32: "4.406", 64: "2.513"}
 
-# sigma -> k -> (hidden, revealed, add-direction epsilon in hidden mode); k=None: (exact, exact, add)
+# sigma -> k -> (hidden, revealed, add-direction epsilon in hidden mode); k=None: (exact, exact,
+# add)
 EPS_T100 = {
     0.8: {
         None: (1.511, 1.511, 0.437),
@@ -146,7 +150,8 @@ EPS_T1000 = {
 }
 EPS_TABLES = {100: EPS_T100, 1000: EPS_T1000}
 
-# The independent PLD check of docs/privacy/reference_numbers.md#reference-epsilon (T = 1000, sigma = 1): prv_accountant estimates (remove, add)
+# The independent PLD check of docs/privacy/reference_numbers.md#reference-epsilon (T = 1000, sigma
+# = 1): prv_accountant estimates (remove, add)
 ESTIMATES_T1000_SIGMA1 = {
     None: (1.8282, 1.4167),
     (32, "hidden"): (2.1399, 1.5563),

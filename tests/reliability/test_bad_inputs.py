@@ -1,4 +1,5 @@
-"""Bad and awkward inputs through the whole randomized-clipping stack (tests/reliability/CATALOGUE.md).
+"""Bad and awkward inputs through the whole randomized-clipping stack
+(tests/reliability/CATALOGUE.md).
 
 Every entry either works (checked against an exact oracle) or fails with a clear error before
 anything is noised or accounted: never a silent wrong norm, an unclipped sample or an unaccounted
@@ -639,7 +640,8 @@ class Scale(nn.Module):
 
 def test_exact_fallback_is_logged_once_not_per_step(caplog: pytest.LogCaptureFixture) -> None:
     """Modules without a sketched sampler are logged (INFO) once, at construction, with the path
-    they take; training steps log nothing (paths: test_exact_fallbacks_frozen_layers_and_logging)."""
+    they take; training steps log nothing (paths:
+    test_exact_fallbacks_frozen_layers_and_logging)."""
     model = nn.Sequential(nn.Linear(D, H), Scale(), nn.Linear(H, CLASSES))
     logger = "opacus_rc.grad_sample.grad_sample_module"
     with caplog.at_level(logging.INFO, logger=logger):

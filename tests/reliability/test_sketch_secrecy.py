@@ -146,9 +146,9 @@ def test_passed_generator_warns_and_is_accounted_as_revealed(
 ) -> None:
     """A user-supplied sketch generator (a seed the adversary may know): one warning, a spec
     with secret=False, and the accountant switches that step to the more conservative
-    "revealed" threat model (docs/privacy/threat_models.md#threat-models-revealed), so the reported epsilon is larger than with an OS
-    seed. The engine's warning at make_private says so; the accountant does not log it again
-    (issue 14, new-user test: it used to be said twice)."""
+    "revealed" threat model (docs/privacy/threat_models.md#threat-models-revealed), so the reported
+    epsilon is larger than with an OS seed. The engine's warning at make_private says so; the
+    accountant does not log it again (issue 14, new-user test: it used to be said twice)."""
     eps = {}
     for passed in (False, True):
         engine = PrivacyEngine()
@@ -193,8 +193,8 @@ def test_hutchpp_head_and_tail_probes_fresh_per_sample_layer_and_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Hutch++ draws two sketches per layer (head, tail): all draws of a step, and across
-    steps, are distinct, per sample (Theorem H, docs/privacy/hutchpp.md#hutchpp-theorem-h, needs the tail independent of the
-    head)."""
+    steps, are distinct, per sample (Theorem H, docs/privacy/hutchpp.md#hutchpp-theorem-h, needs the
+    tail independent of the head)."""
     draws: list[torch.Tensor] = []
     original = sketching.draw_gaussian_probes
 

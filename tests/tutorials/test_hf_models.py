@@ -11,10 +11,11 @@ hand patches, or fail with a clear error -- never train with a silently wrong no
 
 Where a step runs, the engine's per-sample norm estimates are checked against exact per-sample
 gradient norms from a batch-size-1 loop. Tolerance: the Hutchinson estimate of a squared norm
-with ``k`` columns has relative standard deviation at most ``sqrt(2/k)`` (docs/privacy/estimators.md#estimators-hutchinson), so the
-norm's is at most ``sqrt(1/(2k))`` to first order; with ``k = 512`` that is 0.031, and the
-tolerance of 0.16 is five standard deviations (the exact parts -- embeddings, LayerNorm -- only
-shrink the relative error). The sketch generator is seeded, so the test is deterministic.
+with ``k`` columns has relative standard deviation at most ``sqrt(2/k)``
+(docs/privacy/estimators.md#estimators-hutchinson), so the norm's is at most ``sqrt(1/(2k))`` to
+first order; with ``k = 512`` that is 0.031, and the tolerance of 0.16 is five standard deviations
+(the exact parts -- embeddings, LayerNorm -- only shrink the relative error). The sketch generator
+is seeded, so the test is deterministic.
 
 Tiny random models (built from a config; no files) keep each test to a second or two.
 """

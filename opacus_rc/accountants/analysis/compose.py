@@ -410,7 +410,8 @@ def compose_prvs(
     if points > discrete.MAX_FFT_POINTS:
         raise NumericalLimitError(
             f"composing {sum(counts)} steps at eps_error={eps_error:g} needs FFTs of about "
-            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); increase eps_error (about "
+            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); increase eps_error "
+            "(about "
             f"{points / discrete.MAX_FFT_POINTS:.2g} times) or reduce the number of steps"
         )
     plans = {0.0: plan}

@@ -188,7 +188,8 @@ _PROBE = np.concatenate([-np.geomspace(1e4, 1e-8, 97), [0.0], np.geomspace(1e-8,
 
 
 def lower_end(prv: RandomizedClippingPRV, tail: float = STEP_TAIL) -> float:
-    """A point ``a`` with ``P(Y < a) <= tail``; the mass below is moved up to it (docs/privacy/error_budget.md section 2).
+    """A point ``a`` with ``P(Y < a) <= tail``; the mass below is moved up to it
+    (docs/privacy/error_budget.md section 2).
 
     Any ``a`` keeps the bound valid; this one (found on a probe grid, then refined twice)
     keeps the moved mass negligible.

@@ -602,7 +602,8 @@ class SensitivityEnvelope:
         return self._law.mean()
 
     def s_max(self, eta: float = DEFAULT_ETA) -> float:
-        """The cap ``s_max`` with ``P(S > s_max) = eta`` (``docs/privacy/prv.md#prv-quadrature``)."""
+        """The cap ``s_max`` with ``P(S > s_max) = eta``
+        (``docs/privacy/prv.md#prv-quadrature``)."""
         if self.exact:
             return 1.0
         return float(self.isf(eta))

@@ -1,13 +1,13 @@
 """Epsilon of a history of DP-SGD-RC steps: budgets, PRVs in both directions, composition.
 
 :func:`compute_epsilon` groups a history of :class:`Segment` runs, builds the capped PRVs of
-every distinct step in both adjacency directions (docs/privacy/adjacency.md#adjacency) and composes them
-(:func:`~opacus_rc.accountants.analysis.compose.compose_prvs`). It splits delta into budgets chosen
-from the requested delta and the number of steps ``T``:
+every distinct step in both adjacency directions (docs/privacy/adjacency.md#adjacency) and composes
+them (:func:`~opacus_rc.accountants.analysis.compose.compose_prvs`). It splits delta into budgets
+chosen from the requested delta and the number of steps ``T``:
 
 * ``delta_error`` (default ``delta / 1000``): the discretisation's probability budget;
-* the envelope's revealing tail ``eta`` (docs/privacy/prv.md#prv-quadrature), ``T eta <= 1e-4 delta``
-  (rounded down to a power of ten, at most ``1e-15``): the mass it puts at infinity never
+* the envelope's revealing tail ``eta`` (docs/privacy/prv.md#prv-quadrature), ``T eta <= 1e-4
+  delta`` (rounded down to a power of ten, at most ``1e-15``): the mass it puts at infinity never
   decides whether a small delta can be reached;
 * the cap (docs/privacy/prv.md#prv-tail-cap): ``T P(Y > t_cap) <= 1e-3 delta``.
 
@@ -54,7 +54,8 @@ MIN_NOISE_MULTIPLIER = 0.01
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of identical steps: ``steps`` steps of noise ``sigma`` and rate ``q`` with sketch ``k``.
+    """A run of identical steps: ``steps`` steps of noise ``sigma`` and rate ``q`` with sketch
+    ``k``.
 
     Attributes:
         noise_multiplier: ``sigma`` (noise std / clipping bound), > 0.
@@ -109,7 +110,8 @@ class EpsilonReport:
 
     @property
     def estimate(self) -> float:
-        """Max over directions of the estimates (what docs/privacy/reference_numbers.md#reference-epsilon tabulates)."""
+        """Max over directions of the estimates (what
+        docs/privacy/reference_numbers.md#reference-epsilon tabulates)."""
         return max(self.remove[1], self.add[1])
 
     @property

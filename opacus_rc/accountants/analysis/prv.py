@@ -1,19 +1,20 @@
 """The privacy loss random variable (PRV) of one DP-SGD-RC step, for ``prv_accountant``.
 
 Under add/remove adjacency with Poisson subsampling both ordered pairs of the threat model
-(:mod:`~opacus_rc.accountants.analysis.threat_models`) are needed (docs/privacy/adjacency.md#adjacency, Zhu, Dong and
-Wang 2022): the *remove* PRV ``Y_R = log(dQ/dP)(X)``, ``X ~ Q``, and the *add* PRV
-``Y_A = log(dP/dQ)(X)``, ``X ~ P``. With ``A`` and ``B`` the tabulated P- and Q-laws of ``z``
-(:mod:`~opacus_rc.accountants.analysis.loss_table`), the remove CDF is ``F_R(t) = B(z(t))`` and
-the add CDF is ``F_A(t) = 1 - A(z(-t))``.
+(:mod:`~opacus_rc.accountants.analysis.threat_models`) are needed
+(docs/privacy/adjacency.md#adjacency, Zhu, Dong and Wang 2022): the *remove* PRV ``Y_R =
+log(dQ/dP)(X)``, ``X ~ Q``, and the *add* PRV ``Y_A = log(dP/dQ)(X)``, ``X ~ P``. With ``A`` and
+``B`` the tabulated P- and Q-laws of ``z`` (:mod:`~opacus_rc.accountants.analysis.loss_table`), the
+remove CDF is ``F_R(t) = B(z(t))`` and the add CDF is ``F_A(t) = 1 - A(z(-t))``.
 
 Heavy tail (docs/privacy/heavy_tails.md#heavy-tails-rdp, docs/privacy/prv.md#prv-quadrature,
-docs/privacy/prv.md#prv-tail-cap): the mass ``eta`` of ``S > s_max`` is a fully revealing event (``pm_inf = eta`` in both directions), and the PRV is capped at ``t_cap``, the
-smallest value in ``{2, 2.5, ..., 200}`` with ``steps * P(Y > t_cap) <= 1e-3 delta`` (200 if
-none qualifies), the mass above it moved to ``pm_inf`` (:func:`choose_t_cap`). Moving loss mass
-up to ``+inf`` can only increase ``E(1 - e^{eps - sum Y})_+``, so both steps keep the bound
-valid. ``rdp`` is a finite upper bound of the capped PRV's moment generating function, used only
-to size the discretisation domain; the true RDP is infinite and is never reported.
+docs/privacy/prv.md#prv-tail-cap): the mass ``eta`` of ``S > s_max`` is a fully revealing event
+(``pm_inf = eta`` in both directions), and the PRV is capped at ``t_cap``, the smallest value in
+``{2, 2.5, ..., 200}`` with ``steps * P(Y > t_cap) <= 1e-3 delta`` (200 if none qualifies), the mass
+above it moved to ``pm_inf`` (:func:`choose_t_cap`). Moving loss mass up to ``+inf`` can only
+increase ``E(1 - e^{eps - sum Y})_+``, so both steps keep the bound valid. ``rdp`` is a finite upper
+bound of the capped PRV's moment generating function, used only to size the discretisation domain;
+the true RDP is infinite and is never reported.
 
 Pure numpy/scipy and ``prv_accountant``; no Opacus import.
 """
@@ -43,7 +44,8 @@ __all__ = [
 DIRECTIONS = ("remove", "add")
 #: Candidate caps of the privacy loss (docs/privacy/prv.md#prv-tail-cap): {2, 2.5, ..., 200}.
 CAP_GRID = np.arange(2.0, 200.0 + 0.25, 0.5)
-#: Tail mass moved to ``pm_inf`` by the cap, as a fraction of delta (docs/privacy/prv.md#prv-tail-cap).
+#: Tail mass moved to ``pm_inf`` by the cap, as a fraction of delta
+#: (docs/privacy/prv.md#prv-tail-cap).
 CAP_DELTA_FRACTION = 1e-3
 # Orders at which prv_accountant's RDP accountant evaluates ``rdp`` (other_accountants.RDP).
 _RDP_ORDERS = tuple([1.0 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
@@ -53,9 +55,10 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
     """Per-step privacy loss random variable of DP-SGD-RC (docs/privacy/prv.md#prv).
 
     ``cdf`` is the CDF *conditioned on a finite value*, as ``prv_accountant`` expects; the mass at
-    ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped (docs/privacy/prv.md#prv-tail-cap):
-    ``cdf(t) = F(min(t, t_cap)) / F(t_cap)`` and ``pm_inf = eta + (1 - eta)(1 - F(t_cap))``.
-    Tables are cached per ``(q, sigma, k, envelope, mode, eta)`` and shared by both directions.
+    ``+inf`` is :attr:`pm_inf`. With ``t_cap`` set, the loss is capped
+    (docs/privacy/prv.md#prv-tail-cap): ``cdf(t) = F(min(t, t_cap)) / F(t_cap)`` and ``pm_inf = eta
+    + (1 - eta)(1 - F(t_cap))``. Tables are cached per ``(q, sigma, k, envelope, mode, eta)`` and
+    shared by both directions.
 
     Args:
         noise_multiplier: ``sigma``, noise std in units of the clipping bound (> 0).
@@ -68,8 +71,8 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         direction: ``"remove"`` (``Y_R``) or ``"add"`` (``Y_A``)
             (docs/privacy/adjacency.md#adjacency).
         t_cap: Cap of the loss, or ``None`` for the uncapped PRV.
-        eta: Mass of ``S > s_max`` treated as fully revealing (docs/privacy/prv.md#prv-quadrature), in
-            ``(0, 1e-6]``; default ``1e-15``. Ignored for exact clipping (``S = 1``).
+        eta: Mass of ``S > s_max`` treated as fully revealing (docs/privacy/prv.md#prv-quadrature),
+            in ``(0, 1e-6]``; default ``1e-15``. Ignored for exact clipping (``S = 1``).
 
     Raises:
         ValueError: on out-of-range parameters.
@@ -258,10 +261,12 @@ def choose_t_cap(
 ) -> float:
     """Smallest cap in :data:`CAP_GRID` with ``steps * P(Y > t_cap) <= fraction * delta``.
 
-    docs/privacy/prv.md#prv-tail-cap; ``steps`` is the total number of composed steps. If no cap up to 200
-    qualifies, 200 is returned: capping is valid at any level (the mass above the cap goes to
-    ``pm_inf``), it only spends more of delta, and :func:`~opacus_rc.accountants.analysis.compose.compose_epsilon` raises
-    :class:`~opacus_rc.accountants.analysis.errors.EpsilonOutOfRangeError` if the mass at infinity reaches delta.
+    docs/privacy/prv.md#prv-tail-cap; ``steps`` is the total number of composed steps. If no cap
+    up to 200 qualifies, 200 is returned: capping is valid at any level (the mass above the cap goes
+    to ``pm_inf``), it only spends more of delta, and
+    :func:`~opacus_rc.accountants.analysis.compose.compose_epsilon` raises
+    :class:`~opacus_rc.accountants.analysis.errors.EpsilonOutOfRangeError` if the mass at infinity
+    reaches delta.
     """
     base = prv.with_cap(None) if prv.t_cap is not None else prv
     sf = base.sf(CAP_GRID)

@@ -15,7 +15,8 @@ Both threat models share one representation. Write ``U = log L`` for the log-lik
 ``L = dQ/dP`` and ``z = log((e^u - (1 - q)) / q)``, so that ``u = log(1 - q + q e^z)``
 (:func:`u_of_z`, :func:`z_of_u`):
 
-* hidden (docs/privacy/prv.md#prv-hidden): ``z = log m(x)`` with ``m(x) = E_S exp((S x - S^2/2) / sigma^2)``;
+* hidden (docs/privacy/prv.md#prv-hidden): ``z = log m(x)`` with ``m(x) = E_S exp((S x - S^2/2) /
+  sigma^2)``;
 * revealed (docs/privacy/prv.md#prv-revealed): ``z = (S x - S^2/2) / sigma^2`` (the per-``S``
   Gaussian log-likelihood).
 
@@ -198,7 +199,8 @@ def _split_phi(y: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @register_threat_model("hidden")
 class HiddenLossModel:
-    """Hidden threat model (docs/privacy/prv.md#prv-hidden), parameterised by ``x`` (the 1-D output)."""
+    """Hidden threat model (docs/privacy/prv.md#prv-hidden), parameterised by ``x`` (the 1-D
+    output)."""
 
     default_step = _X_STEP
 
@@ -320,7 +322,8 @@ class HiddenLossModel:
 
 @register_threat_model("revealed")
 class RevealedLossModel:
-    """Revealed threat model (docs/privacy/prv.md#prv-revealed), parameterised by the per-``S`` log-likelihood ``z``."""
+    """Revealed threat model (docs/privacy/prv.md#prv-revealed), parameterised by the per-``S``
+    log-likelihood ``z``."""
 
     default_step = _Z_STEP
 
