@@ -179,7 +179,8 @@ with torch.no_grad():
 num_layers = len(full_model.model.layers)
 first_trained = num_layers - CONFIG["lora_layers"]
 print(
-    f"{type(full_model).__name__}: {num_layers} blocks, LoRA on blocks {first_trained}..{num_layers - 1}"
+    f"{type(full_model).__name__}: {num_layers} blocks, "
+    f"LoRA on blocks {first_trained}..{num_layers - 1}"
 )
 
 # %% [markdown]
@@ -388,10 +389,12 @@ runs["spectral"] = train(denoise="spectral", seed=CONFIG["seed"])
 # %%
 assert runs["none"]["epsilon"] == runs["spectral"]["epsilon"]
 print(
-    f"target validation loss {CONFIG['target_loss']}; epsilon = {runs['none']['epsilon']:.2f} at delta = 1e-5 for both runs"
+    f"target validation loss {CONFIG['target_loss']}; "
+    f"epsilon = {runs['none']['epsilon']:.2f} at delta = 1e-5 for both runs"
 )
 print(
-    f"{'run':>10} | {'steps to target':>15} | {'final loss':>10} | {'final acc':>9} | {'s/step':>6} | denoised"
+    f"{'run':>10} | {'steps to target':>15} | {'final loss':>10} | {'final acc':>9} | "
+    f"{'s/step':>6} | denoised"
 )
 for name, run in runs.items():
     step, loss, acc = run["history"][-1]
@@ -399,7 +402,8 @@ for name, run in runs.items():
     frac = run["denoised_fraction"]
     print(
         f"{name:>10} | {reached if reached is not None else f'> {step}':>15} | {loss:>10.4f} | "
-        f"{acc:>9.3f} | {run['step_time']:>6.2f} | {'' if frac is None else f'{frac:.0%} of matrix-steps'}"
+        f"{acc:>9.3f} | {run['step_time']:>6.2f} | "
+        f"{'' if frac is None else f'{frac:.0%} of matrix-steps'}"
     )
 print("validation loss every", CONFIG["eval_every"], "steps:")
 for name, run in runs.items():
@@ -418,8 +422,8 @@ for name, run in runs.items():
 # spectrum is flat; the clean one decays fast. Only the values above the threshold survive the
 # shrinker; the rest become exactly 0. The surviving value is *larger* than its noisy
 # counterpart because of the norm correction (the denoised matrix is rescaled to the noisy
-# matrix's Frobenius norm, docs/denoising.md#denoising-algorithm): the denoiser improves the *direction* of the update,
-# and the cosine to the clean gradient says by how much.
+# matrix's Frobenius norm, docs/denoising.md#denoising-algorithm): the denoiser improves the
+# *direction* of the update, and the cosine to the clean gradient says by how much.
 
 # %%
 probe = runs["none"]["probe"]
@@ -449,7 +453,8 @@ cos = {
     for k, v in (("noisy", noisy), ("denoised", denoised))
 }
 print(
-    f"{name} {tuple(noisy.shape)}, step {probe.snapshot_step}, sigma_e = {sigma_e:.3g}, bulk edge = {edge(noisy.shape):.3g}"
+    f"{name} {tuple(noisy.shape)}, step {probe.snapshot_step}, sigma_e = {sigma_e:.3g}, "
+    f"bulk edge = {edge(noisy.shape):.3g}"
 )
 for k, s in spectra.items():
     print(f"  {k:>20}: " + " ".join(f"{v:.3g}" for v in s.tolist()))
@@ -458,11 +463,13 @@ print(f"  cosine to the clean gradient: noisy {cos['noisy']:.3f}, denoised {cos[
 # Averaged over every LoRA factor and every step of the run without denoising:
 cos_noisy = [c for row in probe.cosines for c in row.values()]
 print(
-    f"mean cosine(released, clean) over {len(cos_noisy)} matrix-steps without denoising: {sum(cos_noisy) / len(cos_noisy):.3f}"
+    f"mean cosine(released, clean) over {len(cos_noisy)} matrix-steps without denoising: "
+    f"{sum(cos_noisy) / len(cos_noisy):.3f}"
 )
 cos_den = [c for row in runs["spectral"]["probe"].cosines for c in row.values()]
 print(
-    f"mean cosine(released, clean) over {len(cos_den)} matrix-steps with denoising:    {sum(cos_den) / len(cos_den):.3f}"
+    f"mean cosine(released, clean) over {len(cos_den)} matrix-steps with denoising:    "
+    f"{sum(cos_den) / len(cos_den):.3f}"
 )
 
 # %%
@@ -531,9 +538,12 @@ print(f"saved {png}; total time {time.perf_counter() - T0:.0f} s")
 #       none |              16 |     0.9687 |     0.630 |   2.45 |
 #   spectral |              12 |     0.9017 |     0.650 |   2.53 | 28% of matrix-steps
 # validation loss every 2 steps:
-#       none: 1.262 1.245 1.222 1.194 1.163 1.131 1.102 1.074 1.048 1.025 1.007 0.992 0.982 0.975 0.970 0.969
-#   spectral: 1.262 1.238 1.203 1.163 1.119 1.074 1.035 1.001 0.970 0.943 0.925 0.914 0.907 0.904 0.902 0.902
-# base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight (8, 576), step 15, sigma_e = 0.00105, bulk edge = 0.0282
+#       none: 1.262 1.245 1.222 1.194 1.163 1.131 1.102 1.074 1.048 1.025 1.007 0.992 0.982
+#             0.975 0.970 0.969
+#   spectral: 1.262 1.238 1.203 1.163 1.119 1.074 1.035 1.001 0.970 0.943 0.925 0.914 0.907
+#             0.904 0.902 0.902
+# base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight (8, 576), step 15,
+#   sigma_e = 0.00105, bulk edge = 0.0282
 #    clean (not private): 0.0218 0.00363 9.69e-05 6.94e-05 5.3e-05 3.93e-05 3.74e-05 2.54e-05
 #                  noisy: 0.0334 0.0267 0.0263 0.0258 0.0255 0.0246 0.0244 0.0229
 #               denoised: 0.0746 4.16e-17 3.16e-18 2.86e-18 1.99e-18 4.9e-19 4.33e-19 2.67e-19

@@ -338,8 +338,9 @@ print("per speech:", ", ".join(f"{x:.1f}" for x in before["per_document"]))
 #   isotropic noise of standard deviation 0.01 per weight raised it by only 0.008 nats, so DP
 #   noise is not what limits these few steps. `lr = 0.03` is the largest of these at which the
 #   non-private run still improves, so that "the same run without privacy" is a fair reference.
-#   DP Adam (lr 1e-5, expected batch 3, 8 steps) did not move the perplexity at all: with noise in every one of
-#   the 3.5 M coordinates, Adam's per-coordinate normalisation spends the step on noise;
+#   DP Adam (lr 1e-5, expected batch 3, 8 steps) did not move the perplexity at all: with noise
+#   in every one of the 3.5 M coordinates, Adam's per-coordinate normalisation spends the step on
+#   noise;
 # * the **clip bound** `C = 0.5` is near the middle of the per-document gradient norms of the
 #   pretrained block (0.5-0.9), so some documents are clipped and some are not: the regime where
 #   the sketch's error (about 12 % RMS at `k = 32`) decides which ones;
@@ -538,7 +539,8 @@ def results_table(runs: dict) -> str:
         lines.append(
             f"| {names[method]} | {r['perplexity_before']:.3f} | {r['perplexity_after']:.3f} "
             f"| {change:+.2f} % | {eps} | {r['noise_multiplier']:.3f} | {r['steps']} "
-            f"| {clipped} | {r['train_time_s']:.0f} | {r['wall_time_s']:.0f} | {r['peak_rss_gib']:.2f} "
+            f"| {clipped} | {r['train_time_s']:.0f} | {r['wall_time_s']:.0f} "
+            f"| {r['peak_rss_gib']:.2f} "
             f"| {load} |"
         )
     return "\n".join(lines)

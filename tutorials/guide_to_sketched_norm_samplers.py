@@ -170,7 +170,8 @@ for name in layers:
     factors[name] = (A, G, (sv2.sum(dim=1)), (w**2).sum(dim=1))
     print(
         f"{name:26s} A {tuple(A.shape)}, G {tuple(G.shape)}; "
-        f"effective rank 1/sum(w^2) per sample: {[round(x, 1) for x in (1 / (w**2).sum(1)).tolist()]}"
+        "effective rank 1/sum(w^2) per sample: "
+        f"{[round(x, 1) for x in (1 / (w**2).sum(1)).tolist()]}"
     )
 
 # %% [markdown]

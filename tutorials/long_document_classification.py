@@ -34,7 +34,7 @@ does as well (README, "The main job"; the comment at ``LOGIT_SCALE``).
 
 Usage::
 
-    python tutorials/long_document_classification.py              # default run (~15 min, 2 CPU cores)
+    python tutorials/long_document_classification.py              # default run (~15 min, 2 cores)
     python tutorials/long_document_classification.py --clipping ghost
     python tutorials/long_document_classification.py --clipping none
     python tutorials/long_document_classification.py --smoke      # a few steps at length 128 (CI)

@@ -122,7 +122,8 @@ for T in [64, 128] if SMOKE else [256, 512, 1024, 2048, 4096]:
     sketch_mib = B * K * (1536 + T + 576) * 4 / 2**20
     rows.append((T, ghost, sketch, ghost_mib, sketch_mib))
 print(
-    f"{'T':>6s} {'ghost (s)':>10s} {'sketch (s)':>10s} {'ghost extra MiB':>16s} {'sketch extra MiB':>17s}"
+    f"{'T':>6s} {'ghost (s)':>10s} {'sketch (s)':>10s} {'ghost extra MiB':>16s} "
+    f"{'sketch extra MiB':>17s}"
 )
 for T, g, s, gm, sm in rows:
     print(f"{T:6d} {g:10.3f} {s:10.3f} {gm:16.1f} {sm:17.2f}")
@@ -350,11 +351,13 @@ test_loader = DataLoader(
 accuracy = job.evaluate(model, test_loader)
 majority = max(test_labels.count(0), test_labels.count(1)) / len(test_labels)
 print(
-    f"test accuracy            {accuracy:.3f}  ({len(test_set)} documents, {time.perf_counter() - t0:.0f} s)"
+    f"test accuracy            {accuracy:.3f}  "
+    f"({len(test_set)} documents, {time.perf_counter() - t0:.0f} s)"
 )
 print(f"majority-class baseline  {majority:.3f}")
 print(
-    f"epsilon                  {engine.get_epsilon(settings.delta):.3f} at delta = {settings.delta:g}"
+    f"epsilon                  {engine.get_epsilon(settings.delta):.3f} "
+    f"at delta = {settings.delta:g}"
 )
 print(f"peak memory (RSS)        {job.peak_memory_gib():.2f} GiB")
 
@@ -365,9 +368,12 @@ print(f"peak memory (RSS)        {job.peak_memory_gib():.2f} GiB")
 # 2,048 tokens, 2 blocks of which the top one is trained, SGD), changing only `--clipping`:
 #
 # ```bash
-# python tutorials/long_document_classification.py --clipping randomized --output-json tutorials/outputs/long_documents_randomized.json
-# python tutorials/long_document_classification.py --clipping ghost      --output-json tutorials/outputs/long_documents_ghost.json
-# python tutorials/long_document_classification.py --clipping none       --output-json tutorials/outputs/long_documents_none.json
+# python tutorials/long_document_classification.py --clipping randomized \
+#     --output-json tutorials/outputs/long_documents_randomized.json
+# python tutorials/long_document_classification.py --clipping ghost \
+#     --output-json tutorials/outputs/long_documents_ghost.json
+# python tutorials/long_document_classification.py --clipping none \
+#     --output-json tutorials/outputs/long_documents_none.json
 # ```
 #
 # Ghost clipping is Opacus' own (exact norms, the same RC accountant in its exact-clipping

@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             same_gz = new == old
             same_jsonl = bool(old) and gzip.decompress(new) == gzip.decompress(old)
             print(
-                f"{name}: jsonl {'same' if same_jsonl else 'DIFFERENT'}, gz {'same' if same_gz else 'different'}"
+                f"{name}: jsonl {'same' if same_jsonl else 'DIFFERENT'}, "
+                f"gz {'same' if same_gz else 'different'}"
             )
             if not same_jsonl:
                 bad.append(name)
