@@ -413,9 +413,11 @@ def envelope_cdf(y: float | np.ndarray, *, sketch_dim: int, envelope: str = "chi
     """The envelope ``F_env(y) >= sup_W P(W <= y)`` of the ratio ``W = n_hat / n``.
 
     ``docs/privacy/envelope.md`` (definitions and proofs): ``F_env(y) = 1`` for ``y >= 1``
-    (item 1); for ``y < 1`` it is ``P(chi2_k <= k y)`` ("chi2", item 2, proved for ``k >= 2``:
-    then it is the supremum itself), the Schur/hinge fallback ("schur", item 2) or the Chernoff
-    bound ``(y e^{1-y})^{k/2}`` ("chernoff", item 5).
+    (docs/privacy/envelope.md#envelope-above-one); for ``y < 1`` it is ``P(chi2_k <= k y)``
+    ("chi2", proved for ``k >= 2``: then it is the supremum itself,
+    docs/privacy/envelope.md#envelope-claim-l), the Schur/hinge fallback ("schur",
+    docs/privacy/envelope.md#envelope-schur) or the Chernoff bound ``(y e^{1-y})^{k/2}``
+    ("chernoff", docs/privacy/envelope.md#envelope-chernoff).
 
     Args:
         y: Ratio of estimated to true squared norm (dimensionless), any shape.
@@ -543,7 +545,7 @@ class SensitivityEnvelope:
 
         "chi2": ``rho(s) = (2k / s^3) f_{chi2_k}(k / s^2)`` (``#envelope-law``). "chernoff":
         ``rho(s) = (k / s)(1 - s^{-2})(s^{-2} e^{1 - s^{-2}})^{k/2}``, the derivative of the
-        survival function of item 5. "schur": ``(2 / s^3) b'(s^{-2})`` on ``(1, s*)`` (``b`` the
+        Chernoff survival function. "schur": ``(2 / s^3) b'(s^{-2})`` on ``(1, s*)`` (``b`` the
         hinge bound, ``b' = b / (c* - y)``), the "chi2" density above ``s*``.
         """
         s = np.asarray(s, dtype=float)
