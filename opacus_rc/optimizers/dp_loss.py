@@ -52,7 +52,22 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-__all__ = ["DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
+__all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
+
+#: Why fp16 loss scaling (``torch.amp.GradScaler``, ``torch.cuda.amp.GradScaler``) is refused,
+#: at ``scaler.scale(loss)`` and at ``scaler.step(optimizer)``.
+LOSS_SCALING_REFUSED = (
+    "fp16 loss scaling (torch.amp.GradScaler) is not supported with randomized clipping. "
+    "scaler.scale(loss) multiplies every per-sample gradient by the loss scale S before the "
+    "clip factors are computed (after unscaling, each sample would be clipped at C / S "
+    "instead of max_grad_norm C), and "
+    "scaler.step(optimizer) skips the step whenever a gradient overflows: whether one sample's "
+    "gradient overflows is a function of the private data, released without noise, so no "
+    "epsilon covers the skipped steps, accounted or not. Use bf16 autocast, which has float32's "
+    "exponent range and needs no scaler: `with torch.autocast(device_type, "
+    "dtype=torch.bfloat16): loss = criterion(model(x), y)`, then loss.backward() and "
+    "optimizer.step() (remove the GradScaler, or construct it with enabled=False)"
+)
 
 _ARITHMETIC = (
     "__truediv__",
@@ -164,6 +179,16 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             optimizer.discard_gradients()
             module.abort_step()
             raise
+
+    def __iter__(self) -> Iterator[Any]:
+        """Refuse iteration: the DP loss is one scalar, and the caller is almost always
+        ``torch.amp.GradScaler.scale`` (fp16 loss scaling), which iterates what is not a
+        ``torch.Tensor``. See :data:`LOSS_SCALING_REFUSED` for why scaling is refused.
+
+        Raises:
+            TypeError: Always, naming bf16 autocast as the supported way.
+        """
+        raise TypeError(LOSS_SCALING_REFUSED)
 
     def _check_loss_shape(self) -> None:
         """One loss per sample, shape ``(B,)``, before anything is backpropagated."""

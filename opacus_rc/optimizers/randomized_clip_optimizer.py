@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.step import StepState
+from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
@@ -66,6 +67,11 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
     #: post_processing.attach_post_processing_hook need not warn: attach_step_hook keeps the chain.
     _keeps_post_processing = True
+
+    #: torch.amp.GradScaler.step then calls step() directly, with ``self.grad_scale`` and
+    #: ``self.found_inf`` set, instead of unscaling the clipped sum and skipping the step on an
+    #: overflow; check_step_allowed refuses such a step (dp_loss.LOSS_SCALING_REFUSED says why).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -195,9 +201,17 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         Raises:
             StepProtocolError: See :meth:`~opacus_rc.grad_sample.step.StepState.check_step`
                 (a ``RuntimeError``).
-            RuntimeError: If the module's ``max_grad_norm`` was changed behind the optimizer.
+            RuntimeError: If the module's ``max_grad_norm`` was changed behind the optimizer,
+                or if ``torch.amp.GradScaler.step`` called this step (fp16 loss scaling,
+                :data:`~opacus_rc.optimizers.dp_loss.LOSS_SCALING_REFUSED`).
             FloatingPointError: If a gradient is NaN or inf.
         """
+        if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):
+            # Set by torch.amp.GradScaler.step (see _step_supports_amp_scaling); dropped here
+            # because the scaler, interrupted, does not delete them.
+            for name in ("found_inf", "grad_scale"):
+                self.__dict__.pop(name, None)
+            raise RuntimeError(LOSS_SCALING_REFUSED)
         self._step_state.check_step(self.params)
         if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(

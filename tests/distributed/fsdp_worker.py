@@ -202,6 +202,97 @@ def scenario_parity_sketched(rank: int, *, bookkeeping: bool) -> dict[str, Any]:
     return out
 
 
+class ViewNet(FlatMLP):
+    """The two causes of PyTorch's "FSDP2-wrapped module (...) returned a view tensor" warning
+    in the FSDP2 tutorial: ``lin1`` on a rank-3 input (``F.linear`` returns a view of its 2-D
+    product) and the model's output, the output of ``lin2``, which the per-sample backward
+    hook (``register_full_backward_hook``) returns as a view. ``inplace=True`` adds 1 to
+    ``lin1``'s output in place."""
+
+    def __init__(self, hidden: int, *, inplace: bool = False) -> None:
+        super().__init__(hidden)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin1(x)
+        if self.inplace:
+            h += 1
+        return self.lin2(torch.tanh(h).mean(1))
+
+
+VIEW_WARNING = "returned a view tensor"
+
+
+def scenario_view_warning(rank: int) -> dict[str, Any]:
+    """PyTorch's FSDP2 view-tensor warning (issue 20 item 11) does not apply to the modules it
+    names in an opacus_rc model: each is a trainable (hooked) layer or the root returning one's
+    output.
+
+    (a) The warning fires for ``FSDPLinear`` (``lin1``) and the root ``FSDPViewNet``, nothing
+    else. (b) The danger it describes, an in-place op on the view silently dropping FSDP2's
+    pre-backward hook, cannot happen: ``lin1``'s caller never sees the flagged view (the
+    per-sample hook returns its own output) and an in-place op on that raises the module's
+    explained ``RuntimeError``; an in-place op on the root's output raises PyTorch's
+    "BackwardHookFunction is a view" error. (c) The update, in the run that raised the
+    warnings, equals ``theta - lr sum_i c_i g_i / B`` over the global batch with exact
+    single-process per-sample gradients ``g_i`` and this run's clip factors (sigma = 0, k = 8;
+    exact up to float32 rounding, as scenario_parity_sketched (a)), with clipping active.
+    """
+    torch.manual_seed(2)
+    base = ViewNet(H)
+    C = 0.5
+    x, y = global_batch(True, 6)
+    # Contiguous: F.linear folds a contiguous rank-3 input into one addmm and views it back
+    # (the tutorial's embeddings are contiguous); a strided slice takes matmul's copy instead.
+    mine = x[rank::WORLD].contiguous()
+    g = _per_sample_grads(base, x[ORDER], y[ORDER])
+    theta0 = full(base).double()
+    gsm, opt, crit = fsdp_pieces(
+        base, C=C, sigma=0.0, sketch_generator=torch.Generator().manual_seed(30 + rank)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = gsm(mine)
+    flagged = sorted(
+        {
+            str(w.message).split("(")[1].split(")")[0]
+            for w in caught
+            if VIEW_WARNING in str(w.message)
+        }
+    )
+    assert flagged == ["FSDPLinear", "FSDPViewNet"], flagged
+    crit(out, y[rank::WORLD]).backward()
+    n_hat = torch.cat(gather(gsm.per_sample_gradient_norms.double()))
+    opt.step()
+    opt.zero_grad()
+    c = (C / (n_hat + 1e-6)).clamp(max=1.0)
+    assert (c < 1).sum() >= 4
+    diff = (full(gsm).double() - (theta0 - LR * (c[:, None] * g).sum(0) / B)).abs().max().item()
+    assert diff < 1e-5, diff
+    root_out = gsm(mine)
+    try:
+        root_out += 1
+    except RuntimeError as err:
+        assert "BackwardHookFunction is a view" in str(err), err
+    else:
+        raise AssertionError("an in-place op on the root's output did not raise")
+    gsm.discard_recorded()
+    inplace, _, _ = fsdp_pieces(ViewNet(H, inplace=True), C=C, sigma=0.0)
+    try:
+        inplace(mine)
+    except RuntimeError as err:
+        assert "an in-place operation modified the output" in str(err), err
+    else:
+        raise AssertionError("an in-place op on lin1's output did not raise")
+    return {
+        "flagged": flagged,
+        "vs_formula": diff,
+        "clipped_samples": int((c < 1).sum()),
+        "inplace_root_raises": True,
+        "inplace_layer_raises": True,
+    }
+
+
 def scenario_noise_once(rank: int, *, bookkeeping: bool) -> dict[str, Any]:
     """Zero data gradients, sigma = 1, C = 1, sum reduction: the released gradient is the noise.
 
@@ -354,6 +445,7 @@ def run(rank: int, port: int | None, out: str) -> None:
             "noise_once_two_pass": scenario_noise_once(rank, bookkeeping=False),
             "engine": scenario_engine(rank),
             "denoise_refused": scenario_denoise_refused(rank),
+            "view_warning": scenario_view_warning(rank),
         }
         assert math.isfinite(results["engine"]["epsilon"])
         if dist.get_rank() == 0:
