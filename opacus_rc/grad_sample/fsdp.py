@@ -245,7 +245,7 @@ class _FSDPRandomizedClippingMixin:
         """
         if not self._bookkeeping:  # type: ignore[attr-defined]
             raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         step = self.step_state  # type: ignore[attr-defined]

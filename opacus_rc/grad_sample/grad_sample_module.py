@@ -49,7 +49,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.grad_sample_module import (
     GradSampleHooks,
 )
@@ -61,7 +60,6 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
@@ -110,30 +108,6 @@ _NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
 #: whatever the model's layout (with the model's ``batch_first=True`` the batch was read from the
 #: sequence axis, and the backward hook failed with a shape error for every step).
 _OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
-
-
-def resolve_sketch_spec(
-    *,
-    sketch: str,
-    sketch_dim: int,
-    sketch_head_dim: int | None = None,
-    sketch_generator: torch.Generator | None = None,
-) -> SketchSpec:
-    """The :class:`SketchSpec` a randomized-clipping module built with these options uses.
-
-    A thin view of :class:`~opacus_rc.config.RandomizedClippingConfig`, which validates.
-
-    Raises:
-        ValueError: Unknown estimator, dimension < 1, or a head dimension without Hutch++.
-        TypeError: Non-integer dimension.
-    """
-    return RandomizedClippingConfig(
-        max_grad_norm=1.0,
-        sketch=sketch,
-        sketch_dim=sketch_dim,
-        sketch_head_dim=sketch_head_dim,
-        sketch_generator=sketch_generator,
-    ).sketch_spec
 
 
 def _fallback_warning(why: str) -> None:
@@ -198,7 +172,6 @@ class _RandomizedClippingMixin:
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
     _step_smaller_stash: bool = False
-    _distributed: bool = False
     _reducer_off: ReducerOff | None = None
     #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
     #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
@@ -329,13 +302,6 @@ class _RandomizedClippingMixin:
             )
             self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
-            ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
-            world = (
-                torch.distributed.get_world_size()
-                if torch.distributed.is_available() and torch.distributed.is_initialized()
-                else 1
-            )
-            self._distributed = world > 1 or any(isinstance(sub, ddp) for sub in m.modules())
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
             self._step_smaller_stash = False
@@ -432,16 +398,10 @@ class _RandomizedClippingMixin:
         return self._bookkeeping
 
     @property
-    def step_bookkeeping(self) -> bool:
-        """Whether the current step uses book-keeping: :attr:`bookkeeping`, in every step
-        (checkpointed steps too, where :attr:`step_smaller_stash` says what is kept)."""
-        return self._bookkeeping
-
-    @property
     def step_smaller_stash(self) -> bool:
         """Whether the current step's layers keep the smaller of their per-sample gradients and
         their input and output gradient: a book-keeping step whose forward ran activation-
-        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`step_bookkeeping`).
+        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`bookkeeping`).
         Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
         D: the step is accounted with the same sketch spec)."""
         return self._step_smaller_stash
@@ -636,7 +596,7 @@ class _RandomizedClippingMixin:
         """
         if not self._bookkeeping:
             raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         ready = self.step_state.take_stashes()

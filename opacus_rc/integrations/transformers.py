@@ -85,7 +85,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from opacus_rc.accountants import AccountingError, get_noise_multiplier
-from opacus_rc.grad_sample.grad_sample_module import resolve_sketch_spec
+from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
@@ -786,12 +786,13 @@ class DPTrainerMixin:
             planned = int(self.state.max_steps)
             if planned < 1:
                 raise ValueError(f"the run has {planned} optimizer steps; nothing to train")
-            spec = resolve_sketch_spec(
+            spec = RandomizedClippingConfig(  # validates; max_grad_norm does not enter the spec
+                max_grad_norm=1.0,
                 sketch=pa.sketch,
                 sketch_dim=pa.sketch_dim,
                 sketch_head_dim=pa.sketch_head_dim,
                 sketch_generator=sketch_generator,
-            )
+            ).sketch_spec
             noise_multiplier = get_noise_multiplier(
                 target_epsilon=pa.target_epsilon,
                 target_delta=pa.target_delta,
