@@ -65,7 +65,7 @@ def test_seams_forward_in_order() -> None:
     class Mixed(compat.TrainerSeams, Base):
         pass
 
-    for name, seam in compat.TRAINER_SEAMS.items():
+    for seam in compat.TRAINER_SEAMS.values():
 
         def override(self, *a, _seam=seam, **k):
             calls.append(_seam)
