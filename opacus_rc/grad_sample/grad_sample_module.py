@@ -56,11 +56,20 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
-from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from opacus_rc._compat.opacus import (
+    WRAPPED_MODULE_ATTR,
+    SequenceBias,
+    count_down_use,
+    drop_current_grad_sample,
+    forward_count,
+    reset_forward_counter,
+    wrapped_module,
+    wrapped_module_if_built,
+)
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_checkpointed_forward
@@ -382,7 +391,7 @@ class _RandomizedClippingMixin:
     @property
     def sketch_generator(self) -> torch.Generator:
         """The generator probes for the model's own device are drawn from (never the noise's)."""
-        return self.generator_for(_module_device(self._module))  # type: ignore[attr-defined]
+        return self.generator_for(_module_device(wrapped_module(self)))
 
     @property
     def bookkeeping(self) -> bool:
@@ -630,17 +639,16 @@ class _RandomizedClippingMixin:
 
     def discard_recorded(self) -> None:
         """Drop the activations and forward counters Opacus stored, and this step's records."""
-        for sub in self._module.modules():  # type: ignore[attr-defined]
+        for sub in wrapped_module(self).modules():
             if hasattr(sub, "activations"):
                 sub.activations = []
             if hasattr(sub, "max_batch_len"):
                 del sub.max_batch_len
         if self._call_kwargs is not None:
             self._call_kwargs.clear()
-        for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
-            p._forward_counter = 0
-            if getattr(p, "_current_grad_sample", None) is not None:
-                del p._current_grad_sample
+        for _, p in trainable_parameters(wrapped_module(self)):
+            reset_forward_counter(p)
+            drop_current_grad_sample(p)
             p.grad_sample = None
         self._uses.clear()
         if self._tied is not None:
@@ -823,7 +831,7 @@ class _RandomizedClippingMixin:
         if (tied and len(module.activations) > 1) or (
             route is not None
             and route.path in _NORM_SAMPLED
-            and any(p._forward_counter > 1 for _, p in trainable_parameters(module))
+            and any(forward_count(p) > 1 for _, p in trainable_parameters(module))
         ):
             self._drop_after_hook_error()
             raise self._reuse_error(module)
@@ -886,7 +894,7 @@ class _RandomizedClippingMixin:
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
             module.activations.pop()
             for p in params:
-                p._forward_counter -= 1
+                count_down_use(p)
             self.step_state.record_norms(
                 {p: torch.zeros(0, device=p.device, dtype=torch.float32) for p in params}
             )
@@ -952,7 +960,7 @@ class _RandomizedClippingMixin:
         if self._reducer_off is not None:
             self._reducer_off.restore()
         super().cleanup()  # type: ignore[misc]
-        strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
+        strip_grad_sample_hooks(wrapped_module(self))
 
 
 class GradSampleModuleRandomizedClipping(
@@ -1011,7 +1019,7 @@ class GradSampleModuleRandomizedClipping(
                 raise
             inplace = [
                 name or "<root>"
-                for name, sub in self._module.named_modules()
+                for name, sub in wrapped_module(self).named_modules()
                 if getattr(sub, "inplace", False) is True
             ]
             raise RuntimeError(
@@ -1031,9 +1039,10 @@ class GradSampleModuleRandomizedClipping(
             return super().__getattr__(name)
         except AttributeError:
             # Our own attributes (and a property that raised) are not forwarded.
-            if name == "_module" or hasattr(type(self), name) or "_module" not in self._modules:
+            inner = None if name == WRAPPED_MODULE_ATTR else wrapped_module_if_built(self)
+            if inner is None or hasattr(type(self), name):
                 raise
-            return getattr(self._modules["_module"], name)
+            return getattr(inner, name)
 
 
 class GradSampleHooksRandomizedClipping(
