@@ -413,7 +413,9 @@ def register(*, force: bool = False) -> None:
     """
     from opacus.accountants import registry
 
-    existing = getattr(registry, "_ACCOUNTANTS", {}).get("rc")
+    from opacus_rc._compat.opacus import registered_accountant
+
+    existing = registered_accountant("rc")
     if existing is RCAccountant:
         return
     if existing is not None and not force:
