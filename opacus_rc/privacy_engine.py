@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-import opacus
 import torch
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 from opacus.data_loader import DPDataLoader
@@ -53,6 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from opacus_rc._compat.opacus import PrivacyEngineSeams, wrapped_module_if_built
 from opacus_rc.config import (
     DEFAULT_SKETCH,
     DEFAULT_SKETCH_DIM,
@@ -130,7 +130,7 @@ class _Request:
         opacus_options: Keyword arguments of ``opacus.PrivacyEngine.make_private`` except
             ``noise_multiplier`` (the criterion defaulted). For randomized clipping,
             ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and returns
-            four values; the module itself is built by :meth:`PrivacyEngine._prepare_model`.
+            four values; the module itself is built by :meth:`PrivacyEngine.prepare_model_seam`.
         kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
         config: The randomized-clipping configuration, or None for Opacus' own clipping.
         post: The post-processing to attach.
@@ -181,7 +181,7 @@ def _sample_rate(data_loader: DataLoader) -> float:
     return 1 / n_batches
 
 
-class PrivacyEngine(opacus.PrivacyEngine):
+class PrivacyEngine(PrivacyEngineSeams):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
     Args:
@@ -411,7 +411,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     # Opacus' seams
     # ------------------------------------------------------------------------------------------
 
-    def _prepare_model(
+    def prepare_model_seam(
         self,
         module: nn.Module,
         *,
@@ -424,7 +424,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Opacus' seam; for randomized clipping, the module built from the configuration."""
         build = self._build
         if build is None:
-            return super()._prepare_model(
+            return super().prepare_model_seam(
                 module,
                 batch_first=batch_first,
                 max_grad_norm=max_grad_norm,
@@ -451,7 +451,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         build.module = module_class(module, config=build.config)
         return build.module
 
-    def _prepare_data_loader(
+    def prepare_data_loader_seam(
         self,
         data_loader: DataLoader,
         *,
@@ -467,7 +467,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         :class:`DistributedDPDataLoader` yields it as a noise-only step.
         """
         if self._build is None or not (distributed and poisson_sampling):
-            loader = super()._prepare_data_loader(
+            loader = super().prepare_data_loader_seam(
                 data_loader,
                 poisson_sampling=poisson_sampling,
                 distributed=distributed,
@@ -485,7 +485,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 )
             return loader
         # Opacus' method without sampling: it records (or checks) the engine's dataset.
-        super()._prepare_data_loader(
+        super().prepare_data_loader_seam(
             data_loader,
             poisson_sampling=False,
             distributed=True,
@@ -500,7 +500,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             rand_on_empty=rand_on_empty,
         )
 
-    def _prepare_optimizer(
+    def prepare_optimizer_seam(
         self,
         *,
         optimizer: optim.Optimizer,
@@ -517,7 +517,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Opacus' seam; for randomized clipping, the registry's optimizer for the module."""
         build = self._build
         if build is None:
-            return super()._prepare_optimizer(
+            return super().prepare_optimizer_seam(
                 optimizer=optimizer,
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm,
@@ -531,7 +531,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        sharded = isinstance(getattr(build.module, "_module", None), FSDPModule)
+        sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
         optimizer_class = get_optimizer_class(
             clipping, distributed="fsdp" if sharded else distributed
         )
@@ -544,7 +544,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             secure_mode=build.config.secure_mode,
         )
 
-    def _prepare_criterion(
+    def prepare_criterion_seam(
         self,
         *,
         module: Any,
@@ -555,7 +555,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> Any:
         """Opacus' seam; for randomized clipping, :class:`DPLossRandomizedClipping`."""
         if self._build is None:
-            return super()._prepare_criterion(
+            return super().prepare_criterion_seam(
                 module=module,
                 optimizer=optimizer,
                 criterion=criterion,
