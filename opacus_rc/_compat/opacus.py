@@ -1,7 +1,7 @@
 """Opacus internals ``opacus_rc`` relies on (see :mod:`opacus_rc._compat` for the rule).
 
-Checked against Opacus 1.6.0 (``setup.cfg`` pins ``opacus>=1.6,<1.7``); the contract tests
-are in ``tests/compat/test_opacus_contract.py``. Every function names the internal it reads.
+Checked against Opacus 1.6.0 (``setup.cfg`` pins ``opacus>=1.6,<1.7``: private names may
+change in any minor release); the contract tests are in ``tests/compat/test_opacus_contract.py``. Every function names the internal it reads.
 """
 
 from __future__ import annotations
