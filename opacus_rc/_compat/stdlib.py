@@ -15,7 +15,7 @@ def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse
     usage line).
 
     Relies on ``ArgumentParser._actions`` and ``argparse._SubParsersAction`` (``argparse``
-    offers no public lookup).
+    offers no public lookup). Test: ``test_stdlib_contract.py::test_subcommand_parser``.
 
     Raises:
         KeyError: ``parser`` has no sub-command ``command``.

@@ -95,62 +95,72 @@ class TrainerSeams:
 
 
 def overrides_train_sampler(trainer_type: type) -> bool:
-    """Whether ``trainer_type`` replaces ``transformers.Trainer._get_train_sampler``.
+    """Whether ``trainer_type`` replaces the ``Trainer``'s train sampler.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``transformers.Trainer._get_train_sampler``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_private_methods``.
     """
     return trainer_type._get_train_sampler is not transformers.Trainer._get_train_sampler
 
 
 def train_batch_size(trainer: Any) -> int:
-    """The per-device batch size the ``Trainer`` builds its loader with
-    (``Trainer._train_batch_size``, which ``auto_find_batch_size`` may lower).
+    """The per-device batch size the ``Trainer`` builds its loader with (which
+    ``auto_find_batch_size`` may lower).
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._train_batch_size``, set in ``__init__``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_sets_private_attributes``.
     """
     return trainer._train_batch_size
 
 
 def remove_unused_columns(trainer: Any, dataset: Any, *, description: str) -> Any:
-    """``dataset`` without the columns the model's ``forward`` does not take
-    (``Trainer._remove_unused_columns(dataset, description)``).
+    """``dataset`` without the columns the model's ``forward`` does not take.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._remove_unused_columns(dataset, description)``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_private_methods``.
     """
     return trainer._remove_unused_columns(dataset, description=description)
 
 
 def collator_with_removed_columns(trainer: Any, collator: Any, *, description: str) -> Any:
-    """``collator`` wrapped to drop unused columns (``Trainer.
-    _get_collator_with_removed_columns(data_collator, description)``).
+    """``collator`` wrapped to drop the columns the model's ``forward`` does not take.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._get_collator_with_removed_columns(data_collator, description)``.
+    Tests: ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_private_methods``.
     """
     return trainer._get_collator_with_removed_columns(collator, description=description)
 
 
 def prepare_inputs(trainer: Any, inputs: Any) -> Any:
-    """``inputs`` moved to the device and prepared as the ``Trainer`` does before a forward
-    (``Trainer._prepare_inputs(inputs)``).
+    """``inputs`` moved to the device and prepared as the ``Trainer`` does before a forward.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._prepare_inputs(inputs)``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_private_methods``.
     """
     return trainer._prepare_inputs(inputs)
 
 
 def output_dir(trainer: Any, trial: Any) -> str:
-    """The folder checkpoints of this run (or hyper-parameter trial) go into
-    (``Trainer._get_output_dir(trial=trial)``).
+    """The folder checkpoints of this run (or hyper-parameter trial) go into.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._get_output_dir(trial=trial)``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_private_methods``.
     """
     return trainer._get_output_dir(trial=trial)
 
 
 def loss_shifts_labels(trainer: Any) -> bool:
     """Whether the ``Trainer`` found the model's loss to be the causal-LM loss that shifts
-    the labels (``Trainer._loss_shifts_labels``, set in ``__init__``); ``False`` if unknown.
+    the labels; ``False`` if unknown.
 
-    Test: ``test_transformers_contract.py::test_trainer_helpers``.
+    Relies on ``Trainer._loss_shifts_labels``, set in ``__init__``. Tests:
+    ``test_transformers_contract.py::test_trainer_helpers``,
+    ``test_transformers_contract.py::test_trainer_sets_private_attributes``.
     """
     return bool(getattr(trainer, "_loss_shifts_labels", False))
