@@ -4,15 +4,18 @@
 ``make_private`` template for every ``clipping`` value. For ``clipping="randomized"`` it fills
 Opacus' seams (OPACUS.md section 1.5):
 
-* ``_prepare_model`` builds a :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
-  (or its hooks-only twin for ``wrap_model=False``);
-* ``_prepare_data_loader`` is Opacus' (Poisson sampling), except that a distributed model gets
-  :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
-* ``_prepare_optimizer`` builds the optimizer registered for ``("randomized", distributed)`` in
-  :mod:`opacus_rc.optimizers.registry` (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer`
-  or its DDP or FSDP2 variant; an FSDP2 model also gets
-  :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
-* ``_prepare_criterion`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
+* ``prepare_model_seam`` (Opacus' ``_prepare_model``, forwarded by
+  :class:`~opacus_rc._compat.opacus.PrivacyEngineSeams`) builds a
+  :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
+  ``wrap_model=False``);
+* ``prepare_data_loader_seam`` is Opacus' (Poisson sampling), except that a distributed model
+  gets :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank
+  batches;
+* ``prepare_optimizer_seam`` builds the optimizer registered for
+  ``("randomized", distributed)`` in :mod:`opacus_rc.optimizers.registry`
+  (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer` or its DDP or FSDP2 variant; an
+  FSDP2 model also gets :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
+* ``prepare_criterion_seam`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
   backward pass with book-keeping where the model allows it, else two).
 
 Opacus ties the accountant's step hook to the optimizer. Every option of randomized clipping is
@@ -144,7 +147,7 @@ class _Request:
 
 @dataclass
 class _RandomizedBuild:
-    """State shared by the ``_prepare_*`` seams during one randomized ``make_private``.
+    """State shared by the ``prepare_*_seam`` methods during one randomized ``make_private``.
 
     Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs``
     (OPACUS.md section 1.5, point 3), so the configuration reaches the seams through this
@@ -152,7 +155,7 @@ class _RandomizedBuild:
 
     Attributes:
         config: The configuration of this call.
-        module: The grad-sample module once ``_prepare_model`` has built it.
+        module: The grad-sample module once ``prepare_model_seam`` has built it.
     """
 
     config: RandomizedClippingConfig

@@ -1,7 +1,8 @@
 """Opacus internals ``opacus_rc`` relies on (see :mod:`opacus_rc._compat` for the rule).
 
 Checked against Opacus 1.6.0 (``setup.cfg`` pins ``opacus>=1.6,<1.7``: private names may
-change in any minor release); the contract tests are in ``tests/compat/test_opacus_contract.py``. Every function names the internal it reads.
+change in any minor release); the contract tests are in
+``tests/compat/test_opacus_contract.py``. Every function names the internal it reads.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def fsdp_base_type(module: nn.Module) -> type:
     Relies on ``GradSampleHooksFastGradientClippingFSDP._get_module_type`` (a method that does
     not use its instance). Test: ``test_opacus_contract.py::test_fsdp_base_type``.
     """
-    return GradSampleHooksFastGradientClippingFSDP._get_module_type(None, module)  # type: ignore[arg-type]
+    get_type = GradSampleHooksFastGradientClippingFSDP._get_module_type
+    return get_type(None, module)  # type: ignore[arg-type]
 
 
 # Forward counters: Opacus' hooks set ``p._forward_counter = 0`` on every trainable parameter
