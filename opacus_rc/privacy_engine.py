@@ -14,7 +14,8 @@ Opacus' seams (OPACUS.md section 1.5):
 * ``prepare_optimizer_seam`` builds the optimizer registered for
   ``("randomized", distributed)`` in :mod:`opacus_rc.optimizers.registry`
   (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer` or its DDP or FSDP2 variant; an
-  FSDP2 model also gets :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
+  FSDP2 model also gets
+  :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
 * ``prepare_criterion_seam`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
   backward pass with book-keeping where the model allows it, else two).
 
