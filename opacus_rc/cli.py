@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from opacus_rc._compat.stdlib import subcommand_parser
 from opacus_rc.accountants import (
     EpsilonOutOfRangeError,
     NumericalLimitError,
@@ -273,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = _missing(args)
     if missing:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(
+        subcommand_parser(parser, args.command).error(
             f"missing {', '.join(missing)}; a complete command is: {EXAMPLES[args.command]}"
         )
     try:

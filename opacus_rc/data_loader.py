@@ -23,6 +23,8 @@ from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSample
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
+from opacus_rc._compat.opacus import make_empty_batch
+
 __all__ = ["DistributedDPDataLoader", "DistributedPoissonSampler", "RandomOnEmptyCollate"]
 
 logger = logging.getLogger(__name__)
@@ -123,7 +125,7 @@ class RandomOnEmptyCollate(CollateFnWithEmpty):
     def __call__(self, batch: list[Any]) -> Any:
         if not batch and self.rand_on_empty and self.first_batch is None:
             template = self.wrapped_collator_fn([self._dataset[0]])
-            return self._make_empty_batch(template)  # random, batch size 1 (Opacus)
+            return make_empty_batch(self, template)  # random, batch size 1 (Opacus)
         return super().__call__(batch)
 
 

@@ -4,15 +4,19 @@
 ``make_private`` template for every ``clipping`` value. For ``clipping="randomized"`` it fills
 Opacus' seams (docs/architecture.md#architecture-seams):
 
-* ``_prepare_model`` builds a :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
-  (or its hooks-only twin for ``wrap_model=False``);
-* ``_prepare_data_loader`` is Opacus' (Poisson sampling), except that a distributed model gets
-  :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
-* ``_prepare_optimizer`` builds the optimizer registered for ``("randomized", distributed)`` in
-  :mod:`opacus_rc.optimizers.registry` (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer`
-  or its DDP or FSDP2 variant; an FSDP2 model also gets
+* ``prepare_model_seam`` (Opacus' ``_prepare_model``, forwarded by
+  :class:`~opacus_rc._compat.opacus.PrivacyEngineSeams`) builds a
+  :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
+  ``wrap_model=False``);
+* ``prepare_data_loader_seam`` is Opacus' (Poisson sampling), except that a distributed model
+  gets :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank
+  batches;
+* ``prepare_optimizer_seam`` builds the optimizer registered for
+  ``("randomized", distributed)`` in :mod:`opacus_rc.optimizers.registry`
+  (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer` or its DDP or FSDP2 variant; an
+  FSDP2 model also gets
   :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
-* ``_prepare_criterion`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
+* ``prepare_criterion_seam`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` (one
   backward pass with book-keeping where the model allows it, else two).
 
 Opacus ties the accountant's step hook to the optimizer. Every option of randomized clipping is
@@ -41,7 +45,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-import opacus
 import torch
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 from opacus.data_loader import DPDataLoader
@@ -53,6 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from opacus_rc._compat.opacus import PrivacyEngineSeams, wrapped_module_if_built
 from opacus_rc.config import (
     DEFAULT_SKETCH,
     DEFAULT_SKETCH_DIM,
@@ -130,7 +134,7 @@ class _Request:
         opacus_options: Keyword arguments of ``opacus.PrivacyEngine.make_private`` except
             ``noise_multiplier`` (the criterion defaulted). For randomized clipping,
             ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and returns
-            four values; the module itself is built by :meth:`PrivacyEngine._prepare_model`.
+            four values; the module itself is built by :meth:`PrivacyEngine.prepare_model_seam`.
         kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
         config: The randomized-clipping configuration, or None for Opacus' own clipping.
         post: The post-processing to attach.
@@ -144,7 +148,7 @@ class _Request:
 
 @dataclass
 class _RandomizedBuild:
-    """State shared by the ``_prepare_*`` seams during one randomized ``make_private``.
+    """State shared by the ``prepare_*_seam`` methods during one randomized ``make_private``.
 
     Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs`` (its
     call passes ``batch_first``, ``max_grad_norm``, ``loss_reduction`` and ``grad_sample_mode``),
@@ -153,7 +157,7 @@ class _RandomizedBuild:
 
     Attributes:
         config: The configuration of this call.
-        module: The grad-sample module once ``_prepare_model`` has built it.
+        module: The grad-sample module once ``prepare_model_seam`` has built it.
     """
 
     config: RandomizedClippingConfig
@@ -182,7 +186,7 @@ def _sample_rate(data_loader: DataLoader) -> float:
     return 1 / n_batches
 
 
-class PrivacyEngine(opacus.PrivacyEngine):
+class PrivacyEngine(PrivacyEngineSeams):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
     Args:
@@ -414,7 +418,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     # Opacus' seams
     # ------------------------------------------------------------------------------------------
 
-    def _prepare_model(
+    def prepare_model_seam(
         self,
         module: nn.Module,
         *,
@@ -427,7 +431,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Opacus' seam; for randomized clipping, the module built from the configuration."""
         build = self._build
         if build is None:
-            return super()._prepare_model(
+            return super().prepare_model_seam(
                 module,
                 batch_first=batch_first,
                 max_grad_norm=max_grad_norm,
@@ -454,7 +458,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         build.module = module_class(module, config=build.config)
         return build.module
 
-    def _prepare_data_loader(
+    def prepare_data_loader_seam(
         self,
         data_loader: DataLoader,
         *,
@@ -470,7 +474,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         :class:`DistributedDPDataLoader` yields it as a noise-only step.
         """
         if self._build is None or not (distributed and poisson_sampling):
-            loader = super()._prepare_data_loader(
+            loader = super().prepare_data_loader_seam(
                 data_loader,
                 poisson_sampling=poisson_sampling,
                 distributed=distributed,
@@ -488,7 +492,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 )
             return loader
         # Opacus' method without sampling: it records (or checks) the engine's dataset.
-        super()._prepare_data_loader(
+        super().prepare_data_loader_seam(
             data_loader,
             poisson_sampling=False,
             distributed=True,
@@ -503,7 +507,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             rand_on_empty=rand_on_empty,
         )
 
-    def _prepare_optimizer(
+    def prepare_optimizer_seam(
         self,
         *,
         optimizer: optim.Optimizer,
@@ -520,7 +524,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Opacus' seam; for randomized clipping, the registry's optimizer for the module."""
         build = self._build
         if build is None:
-            return super()._prepare_optimizer(
+            return super().prepare_optimizer_seam(
                 optimizer=optimizer,
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm,
@@ -534,7 +538,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        sharded = isinstance(getattr(build.module, "_module", None), FSDPModule)
+        sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
         optimizer_class = get_optimizer_class(
             clipping, distributed="fsdp" if sharded else distributed
         )
@@ -547,7 +551,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             secure_mode=build.config.secure_mode,
         )
 
-    def _prepare_criterion(
+    def prepare_criterion_seam(
         self,
         *,
         module: Any,
@@ -558,7 +562,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> Any:
         """Opacus' seam; for randomized clipping, :class:`DPLossRandomizedClipping`."""
         if self._build is None:
-            return super()._prepare_criterion(
+            return super().prepare_criterion_seam(
                 module=module,
                 optimizer=optimizer,
                 criterion=criterion,

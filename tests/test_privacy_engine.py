@@ -294,7 +294,7 @@ def test_failure_after_hooks_are_attached_cleans_up(
     def broken_loader(*args: Any, **kwargs: Any) -> DataLoader:
         raise RuntimeError("data loader preparation failed")
 
-    monkeypatch.setattr(fake_engine, "_prepare_data_loader", broken_loader)
+    monkeypatch.setattr(fake_engine, "prepare_data_loader_seam", broken_loader)
     model = TinyTransformer()
     with pytest.raises(RuntimeError, match="data loader preparation failed"):
         setup(fake_engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -101,17 +101,17 @@ def get_noise_multiplier(
         raise TypeError(
             f"accountant must be an RCAccountant (or None), got {type(template).__name__}"
         )
-    work = RCAccountant(**template._config())
+    work = template.empty_copy()
     spec = sketch_spec_from(sketch_spec)
     spec = work.sketch_spec if spec is None else spec
-    mode = work._mode_for(spec)
+    mode = work.threat_model_for(spec)
     target = float(target_epsilon)
     fine = work.eps_error
     coarse_start = min(max(fine, 0.02 * target), 0.5)
     coarse_max = max(coarse_start, 0.25 * target)
 
     def bounds(sigma: float, eps_error: float) -> _Bounds:
-        work.history = []
+        work.clear()
         work.compose(
             RandomizedClipDpEvent(
                 noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode

@@ -161,7 +161,7 @@ class RCAccountant(IAccountant):
             noise_multiplier=noise_multiplier,
             sample_rate=sample_rate,
             sketch_spec=spec,
-            threat_model=self._mode_for(spec, warn=True),
+            threat_model=self.threat_model_for(spec, warn=True),
         )
         self.compose(event)
 
@@ -173,9 +173,9 @@ class RCAccountant(IAccountant):
         ``threat_model``, or ``"revealed"`` for a sketch that does not support ``"hidden"``):
         the history stores the sketch, and the threat model is read back from it.
         """
-        return isinstance(event, RandomizedClipDpEvent) and event.threat_model == self._mode_for(
-            event.sketch_spec
-        )
+        return isinstance(
+            event, RandomizedClipDpEvent
+        ) and event.threat_model == self.threat_model_for(event.sketch_spec)
 
     def compose(self, event: RandomizedClipDpEvent, count: int = 1) -> RCAccountant:
         """Add ``count`` steps of ``event`` to the ledger (merged with the last entry if equal).
@@ -199,7 +199,7 @@ class RCAccountant(IAccountant):
         if not self.supports(event):
             raise ValueError(
                 f"this accountant (threat_model={self.threat_model!r}) accounts the sketch of "
-                f"{event} under the {self._mode_for(event.sketch_spec)!r} threat model; to "
+                f"{event} under the {self.threat_model_for(event.sketch_spec)!r} threat model; to "
                 f"compose {event.threat_model!r} events use "
                 f"RCAccountant(threat_model={event.threat_model!r})"
             )
@@ -233,8 +233,24 @@ class RCAccountant(IAccountant):
         return sum(int(entry[2]) for entry in self.history)
 
     # ------------------------------------------------------------------ accounting
-    def _mode_for(self, spec: SketchSpec | None, *, warn: bool = False) -> str:
-        """The threat model this accountant uses for steps with sketch ``spec``."""
+    def threat_model_for(self, sketch_spec: SketchSpec | None, *, warn: bool = False) -> str:
+        """The threat model this accountant accounts a step with sketch ``sketch_spec`` under.
+
+        The constructor's ``threat_model`` for a sketch that supports it, ``"revealed"`` for a
+        sketch that is shared across samples or not secret (``supports_hidden`` is False), and
+        ``"hidden"`` for exact clipping (``sketch_spec=None``, where both models coincide).
+
+        Args:
+            sketch_spec: The step's sketch, or ``None`` for exact clipping.
+            warn: Log a one-time warning when the answer is ``"revealed"`` although the
+                accountant was built with ``"hidden"`` (what :meth:`step` does).
+
+        Returns:
+            ``"hidden"`` or ``"revealed"``: the ``threat_model`` of the
+            :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` :meth:`compose`
+            accepts for this sketch.
+        """
+        spec = sketch_spec
         if spec is None or self.threat_model == "revealed" or spec.supports_hidden:
             return self.threat_model if spec is not None else "hidden"
         if warn and not self._warned_revealed:
@@ -246,6 +262,18 @@ class RCAccountant(IAccountant):
             )
             self._warned_revealed = True
         return "revealed"
+
+    def clear(self) -> None:
+        """Empty the ledger (``history``); the configuration is kept."""
+        self.history = []
+
+    def empty_copy(self) -> RCAccountant:
+        """A new accountant with this one's configuration (:meth:`config`) and an empty ledger.
+
+        Used by :func:`~opacus_rc.accountants.noise_search.get_noise_multiplier` to evaluate
+        candidate noise multipliers without touching the caller's accountant.
+        """
+        return RCAccountant(**self.config())
 
     @property
     def ledger(self) -> list[tuple[RandomizedClipDpEvent, int]]:
@@ -336,7 +364,9 @@ class RCAccountant(IAccountant):
         return self.get_epsilon_report(delta, eps_error=eps_error, delta_error=delta_error).upper
 
     # ------------------------------------------------------------------ checkpoints
-    def _config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that rebuild this accountant (no ledger): plain
+        data, stored in :meth:`state_dict` as ``rc_config``."""
         return {
             "sketch_dim": self.sketch_dim,
             "envelope": self.envelope,
@@ -347,7 +377,7 @@ class RCAccountant(IAccountant):
     def state_dict(self, destination: Any = None) -> Any:
         """Opacus' state dict (``history``, ``mechanism``) plus ``rc_config``, all plain data."""
         destination = super().state_dict(destination if destination is not None else OrderedDict())
-        destination["rc_config"] = self._config()
+        destination["rc_config"] = self.config()
         return destination
 
     def load_state_dict(self, state_dict: Any) -> None:
@@ -385,7 +415,9 @@ def register(*, force: bool = False) -> None:
     """
     from opacus.accountants import registry
 
-    existing = getattr(registry, "_ACCOUNTANTS", {}).get("rc")
+    from opacus_rc._compat.opacus import registered_accountant
+
+    existing = registered_accountant("rc")
     if existing is RCAccountant:
         return
     if existing is not None and not force:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from opacus_rc._compat.opacus import adjusted_noise_multiplier
 from opacus_rc.denoising.denoiser import (
     DEFAULT_KAPPA,
     DEFAULT_MIN_DIM,
@@ -86,7 +87,7 @@ def noise_std_from_optimizer(optimizer: Any) -> float:
 def _noise_std(optimizer: Any, *, accumulated: int | None) -> float:
     """:func:`noise_std_from_optimizer`; ``accumulated=None`` reads the optimizer's (after a
     backward pass only: Opacus derives it from ``p.grad_sample``)."""
-    sigma = getattr(optimizer, "_adjusted_noise_multiplier", None)
+    sigma = adjusted_noise_multiplier(optimizer)
     if sigma is None:
         sigma = float(optimizer.noise_multiplier)
         sigma_u = getattr(optimizer, "unclipped_num_std", None)

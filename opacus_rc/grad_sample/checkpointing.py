@@ -36,17 +36,18 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from opacus_rc._compat.torch import in_backward as _engine_in_backward
+from opacus_rc._compat.torch import non_reentrant_checkpoint_pack_hook_active
+
 __all__ = ["NoEarlyStop", "has_reentrant_checkpoint", "in_backward", "in_checkpointed_forward"]
 
-#: The ``__qualname__`` prefix of the pack hook that non-reentrant checkpointing installs.
-_CHECKPOINT_PACK_HOOK = "_checkpoint_hook."
 #: The autograd node of a reentrant checkpoint region.
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 
 
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread now."""
-    return torch._C._current_graph_task_id() != -1
+    return _engine_in_backward()
 
 
 def in_checkpointed_forward() -> bool:
@@ -54,11 +55,7 @@ def in_checkpointed_forward() -> bool:
     recomputation inside the backward)."""
     if in_backward():
         return False
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not hooks:
-        return False
-    pack = hooks[0]
-    return getattr(pack, "__qualname__", "").startswith(_CHECKPOINT_PACK_HOOK)
+    return non_reentrant_checkpoint_pack_hook_active()
 
 
 def has_reentrant_checkpoint(node: Any) -> bool:

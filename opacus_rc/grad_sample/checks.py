@@ -23,6 +23,7 @@ from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
+from opacus_rc._compat.torch import autograd_sequence_nr
 from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
 
 __all__ = [
@@ -210,7 +211,7 @@ class ParameterUseCheck:
     def _sequence_number(self) -> int:
         """The autograd sequence number of a node created now (forward nodes are numbered in
         creation order, per thread)."""
-        return self._leaf.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
+        return autograd_sequence_nr(self._leaf.view(()).grad_fn)
 
     def _open_span(self, module: nn.Module, _args: Any) -> None:
         if self._active() and torch.is_grad_enabled():
@@ -273,7 +274,7 @@ class ParameterUseCheck:
                     owners = self._owners.get(id(var))
                     if owners is None:
                         continue
-                    seq = node._sequence_nr() if seq is None else seq
+                    seq = autograd_sequence_nr(node) if seq is None else seq
                     if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
                         outside[id(var)] = self._name_of(var)
                 elif id(nxt) not in seen:

@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
-    GradSampleHooksFastGradientClippingFSDP,
-)
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
+from opacus_rc._compat.opacus import fsdp_base_type as _opacus_fsdp_base_type
+from opacus_rc._compat.opacus import wrapped_module
+from opacus_rc._compat.torch import registered_parameters
 from opacus_rc.grad_sample.bookkeeping import compute_clipped_sums
 from opacus_rc.grad_sample.grad_sample_module import (
     GradSampleHooksRandomizedClipping,
@@ -69,10 +69,9 @@ __all__ = [
 def fsdp_base_type(module: nn.Module) -> type:
     """The module's own type, FSDP2's per-module subclass (``FSDPLinear``) unwrapped.
 
-    Opacus' ``GradSampleHooksFastGradientClippingFSDP._get_module_type`` (it does not use its
-    instance).
+    Opacus' own unwrapping (:func:`opacus_rc._compat.opacus.fsdp_base_type`).
     """
-    return GradSampleHooksFastGradientClippingFSDP._get_module_type(None, module)  # type: ignore[arg-type]
+    return _opacus_fsdp_base_type(module)
 
 
 def _with_fsdp_types(registry: Mapping[type, Any], fsdp_types: Mapping[type, type]) -> dict:
@@ -201,13 +200,14 @@ class _FSDPRandomizedClippingMixin:
         """Register ``module``'s sharded parameters on it for the duration of a hook.
 
         FSDP2 registers the unsharded parameters during a module's forward and backward and the
-        sharded DTensors outside them (``unsafe_setattr_param`` on ``module._parameters``);
+        sharded DTensors outside them (``unsafe_setattr_param`` on the module's registered
+        parameters);
         which one a hook sees depends on the order of FSDP2's and Opacus' hooks. The step state
         is keyed by parameter, so every hook sees the sharded ones (the optimizer's). No hook
         of this class reads parameter values (functorch, which would, is refused): the norms
         come from activations and output gradients alone.
         """
-        registered = module._parameters
+        registered = registered_parameters(module)
         swapped: dict[str, Any] = {}
         for name, sharded in self._sharded_params.get(id(module), {}).items():
             current = registered.get(name)
@@ -245,7 +245,7 @@ class _FSDPRandomizedClippingMixin:
         """
         if not self._bookkeeping:  # type: ignore[attr-defined]
             raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         step = self.step_state  # type: ignore[attr-defined]
@@ -260,7 +260,7 @@ class _FSDPRandomizedClippingMixin:
         finally:
             ready.clear()
         with torch.no_grad():
-            for p in _trainable(self._module):  # type: ignore[attr-defined]
+            for p in _trainable(wrapped_module(self)):
                 g = sums.pop(p, None)
                 _add_reduced(p, g)
         step.mark_applied()

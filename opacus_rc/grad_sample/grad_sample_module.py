@@ -50,7 +50,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.grad_sample_module import (
     GradSampleHooks,
 )
@@ -58,12 +57,20 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
-from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
 
+from opacus_rc._compat.opacus import (
+    WRAPPED_MODULE_ATTR,
+    SequenceBias,
+    count_down_use,
+    drop_current_grad_sample,
+    forward_count,
+    reset_forward_counter,
+    wrapped_module,
+    wrapped_module_if_built,
+)
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_checkpointed_forward
@@ -111,30 +118,6 @@ _NORM_SAMPLED = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
 #: whatever the model's layout (with the model's ``batch_first=True`` the batch was read from the
 #: sequence axis, and the backward hook failed with a shape error for every step).
 _OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
-
-
-def resolve_sketch_spec(
-    *,
-    sketch: str,
-    sketch_dim: int,
-    sketch_head_dim: int | None = None,
-    sketch_generator: torch.Generator | None = None,
-) -> SketchSpec:
-    """The :class:`SketchSpec` a randomized-clipping module built with these options uses.
-
-    A thin view of :class:`~opacus_rc.config.RandomizedClippingConfig`, which validates.
-
-    Raises:
-        ValueError: Unknown estimator, dimension < 1, or a head dimension without Hutch++.
-        TypeError: Non-integer dimension.
-    """
-    return RandomizedClippingConfig(
-        max_grad_norm=1.0,
-        sketch=sketch,
-        sketch_dim=sketch_dim,
-        sketch_head_dim=sketch_head_dim,
-        sketch_generator=sketch_generator,
-    ).sketch_spec
 
 
 def _fallback_warning(why: str) -> None:
@@ -199,7 +182,6 @@ class _RandomizedClippingMixin:
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
     _step_smaller_stash: bool = False
-    _distributed: bool = False
     _reducer_off: ReducerOff | None = None
     #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
     #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
@@ -330,13 +312,6 @@ class _RandomizedClippingMixin:
             )
             self._trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
-            ddp = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
-            world = (
-                torch.distributed.get_world_size()
-                if torch.distributed.is_available() and torch.distributed.is_initialized()
-                else 1
-            )
-            self._distributed = world > 1 or any(isinstance(sub, ddp) for sub in m.modules())
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
             self._step_smaller_stash = False
@@ -417,7 +392,7 @@ class _RandomizedClippingMixin:
     @property
     def sketch_generator(self) -> torch.Generator:
         """The generator probes for the model's own device are drawn from (never the noise's)."""
-        return self.generator_for(_module_device(self._module))  # type: ignore[attr-defined]
+        return self.generator_for(_module_device(wrapped_module(self)))
 
     @property
     def bookkeeping(self) -> bool:
@@ -433,16 +408,10 @@ class _RandomizedClippingMixin:
         return self._bookkeeping
 
     @property
-    def step_bookkeeping(self) -> bool:
-        """Whether the current step uses book-keeping: :attr:`bookkeeping`, in every step
-        (checkpointed steps too, where :attr:`step_smaller_stash` says what is kept)."""
-        return self._bookkeeping
-
-    @property
     def step_smaller_stash(self) -> bool:
         """Whether the current step's layers keep the smaller of their per-sample gradients and
         their input and output gradient: a book-keeping step whose forward ran activation-
-        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`step_bookkeeping`).
+        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`bookkeeping`).
         Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
         D: the step is accounted with the same sketch spec)."""
         return self._step_smaller_stash
@@ -637,7 +606,7 @@ class _RandomizedClippingMixin:
         """
         if not self._bookkeeping:
             raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.step_bookkeeping is False): "
+                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         ready = self.step_state.take_stashes()
@@ -671,17 +640,16 @@ class _RandomizedClippingMixin:
 
     def discard_recorded(self) -> None:
         """Drop the activations and forward counters Opacus stored, and this step's records."""
-        for sub in self._module.modules():  # type: ignore[attr-defined]
+        for sub in wrapped_module(self).modules():
             if hasattr(sub, "activations"):
                 sub.activations = []
             if hasattr(sub, "max_batch_len"):
                 del sub.max_batch_len
         if self._call_kwargs is not None:
             self._call_kwargs.clear()
-        for _, p in trainable_parameters(self._module):  # type: ignore[attr-defined]
-            p._forward_counter = 0
-            if getattr(p, "_current_grad_sample", None) is not None:
-                del p._current_grad_sample
+        for _, p in trainable_parameters(wrapped_module(self)):
+            reset_forward_counter(p)
+            drop_current_grad_sample(p)
             p.grad_sample = None
         self._uses.clear()
         if self._tied is not None:
@@ -864,7 +832,7 @@ class _RandomizedClippingMixin:
         if (tied and len(module.activations) > 1) or (
             route is not None
             and route.path in _NORM_SAMPLED
-            and any(p._forward_counter > 1 for _, p in trainable_parameters(module))
+            and any(forward_count(p) > 1 for _, p in trainable_parameters(module))
         ):
             self._drop_after_hook_error()
             raise self._reuse_error(module)
@@ -927,7 +895,7 @@ class _RandomizedClippingMixin:
             # ghost norm) fail on B = 0, so answer directly; the step is still noised.
             module.activations.pop()
             for p in params:
-                p._forward_counter -= 1
+                count_down_use(p)
             self.step_state.record_norms(
                 {p: torch.zeros(0, device=p.device, dtype=torch.float32) for p in params}
             )
@@ -993,7 +961,7 @@ class _RandomizedClippingMixin:
         if self._reducer_off is not None:
             self._reducer_off.restore()
         super().cleanup()  # type: ignore[misc]
-        strip_grad_sample_hooks(self._module)  # type: ignore[attr-defined]
+        strip_grad_sample_hooks(wrapped_module(self))
 
 
 class GradSampleModuleRandomizedClipping(
@@ -1052,7 +1020,7 @@ class GradSampleModuleRandomizedClipping(
                 raise
             inplace = [
                 name or "<root>"
-                for name, sub in self._module.named_modules()
+                for name, sub in wrapped_module(self).named_modules()
                 if getattr(sub, "inplace", False) is True
             ]
             raise RuntimeError(
@@ -1072,9 +1040,10 @@ class GradSampleModuleRandomizedClipping(
             return super().__getattr__(name)
         except AttributeError:
             # Our own attributes (and a property that raised) are not forwarded.
-            if name == "_module" or hasattr(type(self), name) or "_module" not in self._modules:
+            inner = None if name == WRAPPED_MODULE_ATTR else wrapped_module_if_built(self)
+            if inner is None or hasattr(type(self), name):
                 raise
-            return getattr(self._modules["_module"], name)
+            return getattr(inner, name)
 
 
 class GradSampleHooksRandomizedClipping(

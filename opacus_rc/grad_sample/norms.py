@@ -52,6 +52,7 @@ from opacus.grad_sample.grad_sample_module import (
 from opacus.grad_sample.linear import compute_linear_grad_sample
 from torch import nn
 
+from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
 from opacus_rc.grad_sample.step import StepState
@@ -294,7 +295,7 @@ class ModuleNorms:
                 "trainable parameter of its module"
             )
         for p in params:
-            p._forward_counter -= 1
+            count_down_use(p)
         step.record_norms({p: norms[p] for p in params if p in norms})
 
     def _from_grad_samples(
@@ -326,8 +327,7 @@ class ModuleNorms:
         last: dict[nn.Parameter, torch.Tensor] = {}
         done: dict[nn.Parameter, torch.Tensor] = {}
         for p in params:
-            p._forward_counter -= 1
-            if p._forward_counter == 0:
+            if count_down_use(p) == 0:
                 promote_current_grad_sample(p)
                 last[p] = p.grad_sample.detach()
                 if bookkeeping:

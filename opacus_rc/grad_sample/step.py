@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opacus_rc._compat.torch import in_backward
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 
 __all__ = ["StepPhase", "StepProtocolError", "StepState"]
@@ -105,7 +106,7 @@ class StepState:
         Book-keeping tensors handed over to a clipped sum that never ran (Opacus' own two-pass
         loss) are stale from now on and dropped.
         """
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return  # a forward recomputed inside the backward (activation checkpointing)
         self._ready = None
         if self.phase is StepPhase.NORMED:

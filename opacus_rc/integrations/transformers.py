@@ -85,8 +85,18 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from opacus_rc._compat.transformers import (
+    TrainerSeams,
+    collator_with_removed_columns,
+    loss_shifts_labels,
+    output_dir,
+    overrides_train_sampler,
+    prepare_inputs,
+    remove_unused_columns,
+    train_batch_size,
+)
 from opacus_rc.accountants import AccountingError, get_noise_multiplier
-from opacus_rc.grad_sample.grad_sample_module import resolve_sketch_spec
+from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
@@ -459,7 +469,7 @@ class _Private:
     sketch_generator: torch.Generator | None
 
 
-class DPTrainerMixin:
+class DPTrainerMixin(TrainerSeams):
     """The behaviour of :class:`DPTrainer`, for any ``transformers.Trainer`` subclass.
 
     Put it first in the bases (``class MyTrainer(DPTrainerMixin, SomeTrainer)``); see the module
@@ -609,7 +619,7 @@ class DPTrainerMixin:
                 "the default train_sampling_strategy='random' (it is replaced by Poisson "
                 "sampling)"
             )
-        if type(self)._get_train_sampler is not transformers.Trainer._get_train_sampler:
+        if overrides_train_sampler(type(self)):
             raise ValueError(
                 f"{type(self).__name__} overrides _get_train_sampler: a DP trainer draws its "
                 "batches by Poisson sampling, which the privacy accounting assumes, so a "
@@ -723,7 +733,7 @@ class DPTrainerMixin:
             dataset,
             batch_sampler=self._poisson_sampler,
             collate_fn=LogicalBatchCollator(
-                collate_fn=collator, max_physical_batch_size=self._train_batch_size
+                collate_fn=collator, max_physical_batch_size=train_batch_size(self)
             ),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
@@ -739,9 +749,9 @@ class DPTrainerMixin:
         except ImportError:  # pragma: no cover - datasets is a transformers dependency
             datasets = None
         if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="Training")
+            dataset = remove_unused_columns(self, dataset, description="Training")
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")
+            collator = collator_with_removed_columns(self, collator, description="Training")
         return dataset, collator
 
     def _rate_loader(self, dataset: Dataset) -> Any:
@@ -788,12 +798,13 @@ class DPTrainerMixin:
             planned = int(self.state.max_steps)
             if planned < 1:
                 raise ValueError(f"the run has {planned} optimizer steps; nothing to train")
-            spec = resolve_sketch_spec(
+            spec = RandomizedClippingConfig(  # validates; max_grad_norm does not enter the spec
+                max_grad_norm=1.0,
                 sketch=pa.sketch,
                 sketch_dim=pa.sketch_dim,
                 sketch_head_dim=pa.sketch_head_dim,
                 sketch_generator=sketch_generator,
-            )
+            ).sketch_spec
             noise_multiplier = get_noise_multiplier(
                 target_epsilon=pa.target_epsilon,
                 target_delta=pa.target_delta,
@@ -889,7 +900,7 @@ class DPTrainerMixin:
         (GPT-2 has no ``loss_type``)."""
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        if getattr(self, "_loss_shifts_labels", False):
+        if loss_shifts_labels(self):
             return True
         inner = _unwrap(self.model)
         if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
@@ -986,7 +997,7 @@ class DPTrainerMixin:
         )
         with context:
             for i, micro in enumerate(inputs.micro_batches):
-                micro = self._prepare_inputs(micro)
+                micro = prepare_inputs(self, micro)
                 with self.compute_loss_context_manager():
                     loss = self.compute_private_loss(model, micro)
                 loss.backward()
@@ -1041,13 +1052,13 @@ class DPTrainerMixin:
 
     # The Trainer's clipping of the summed gradient is replaced by per-example clipping, and the
     # norm of the gradient before noise is not private: neither is computed or logged.
-    def _clip_grad_norm(self, model: nn.Module) -> None:
+    def clip_grad_norm_seam(self, model: nn.Module) -> None:
         return None
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+    def get_grad_norm_seam(self, model: nn.Module, grad_norm: Any = None) -> None:
         return None
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
+    def num_items_in_batch_seam(self, batch_samples: list, device: torch.device) -> None:
         return None  # the private loss is a mean per example; no token count is needed
 
     def floating_point_ops(self, inputs: Any) -> int:
@@ -1058,12 +1069,12 @@ class DPTrainerMixin:
             flops += super().floating_point_ops(micro)
         return flops
 
-    def _track_num_input_tokens(self, inputs: Any) -> None:
+    def track_num_input_tokens_seam(self, inputs: Any) -> None:
         if isinstance(inputs, LogicalBatch):
             for micro in inputs.micro_batches:
-                super()._track_num_input_tokens(micro)
+                super().track_num_input_tokens_seam(micro)
             return
-        super()._track_num_input_tokens(inputs)
+        super().track_num_input_tokens_seam(inputs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``, with ``epsilon`` (at ``target_delta``) added once training
@@ -1088,15 +1099,15 @@ class DPTrainerMixin:
     # Checkpoints
     # ------------------------------------------------------------------------------------------
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def save_checkpoint_seam(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring)."""
-        super()._save_checkpoint(model, trial)
+        super().save_checkpoint_seam(model, trial)
         if self._private is None or not self.args.should_save:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(
-            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            output_dir(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
         os.makedirs(folder, exist_ok=True)
         torch.save(self._privacy_state(), os.path.join(folder, PRIVACY_STATE_NAME))
@@ -1119,7 +1130,7 @@ class DPTrainerMixin:
             else private.sketch_generator.get_state(),
         }
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def load_optimizer_and_scheduler_seam(self, checkpoint: str | None) -> None:
         """The Trainer's optimizer and scheduler states, then the privacy state.
 
         Raises:
@@ -1127,7 +1138,7 @@ class DPTrainerMixin:
                 epsilon from zero).
             ValueError: The checkpoint was trained with other privacy settings.
         """
-        super()._load_optimizer_and_scheduler(checkpoint)
+        super().load_optimizer_and_scheduler_seam(checkpoint)
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, PRIVACY_STATE_NAME)

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.optim import Optimizer
 
+from opacus_rc._compat.opacus import check_processed_flag, mark_as_processed, next_step_skipped
 from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
 from opacus_rc.optimizers.registry import register_optimizer
 
@@ -103,7 +103,7 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         Used by the loss's ``backward()`` and by :meth:`check_step_allowed` so that a failure
         on one rank makes every rank raise at the same point.
         """
-        if self._check_skip_next_step(pop_next=False):
+        if next_step_skipped(self):
             return ok
         device = self.params[0].device if self.params else torch.device("cpu")
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
@@ -136,9 +136,9 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
             super().add_noise()
             return
         for p in self.params:
-            _check_processed_flag(p.summed_grad)
+            check_processed_flag(p.summed_grad)
             p.grad = p.summed_grad.clone().view_as(p)  # no aliasing of summed_grad (PR 707)
-            _mark_as_processed(p.summed_grad)
+            mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
         """Opacus' scaling, then the all-reduce, so that step hooks see the global gradient."""

@@ -138,7 +138,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 _check_backward_arguments(gradient, retain_graph, create_graph, inputs)
                 self._check_loss_shape()
                 module.check_parameter_uses(reduced_loss)
-                bookkeeping = module.step_bookkeeping
+                bookkeeping = module.bookkeeping
                 # The first pass stops at the hooked modules' inputs, so no dL/dW is computed
                 # that the clipped sum or the second pass replaces; with book-keeping the graph
                 # is freed, else kept for the second pass.

@@ -26,10 +26,16 @@ import torch
 from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
-from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim import Optimizer
 
+from opacus_rc._compat.opacus import (
+    check_processed_flag,
+    generate_noise,
+    last_step_skipped,
+    mark_as_processed,
+    next_step_skipped,
+)
 from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
@@ -79,7 +85,7 @@ class FSDPRandomizedClipOptimizer(
             RuntimeError, FloatingPointError: As
                 :meth:`DistributedRandomizedClipOptimizer.check_step_allowed`.
         """
-        if not self._check_skip_next_step(pop_next=False) and self._step_state.phase in (
+        if not next_step_skipped(self) and self._step_state.phase in (
             StepPhase.IDLE,
             StepPhase.RECORDED,
         ):
@@ -121,7 +127,7 @@ class FSDPRandomizedClipOptimizer(
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' FSDP ``zero_grad`` (clears ``grad_state``), ending the step."""
         super().zero_grad(set_to_none)
-        if not self._is_last_step_skipped:
+        if not last_step_skipped(self):
             for p in self.params:
                 p.summed_grad = None
 
@@ -130,15 +136,15 @@ class FSDPRandomizedClipOptimizer(
         with implicit_replication():
             for p in self.params:
                 summed = self.grad_state[p]["summed_grad"]
-                _check_processed_flag(summed)
-                noise = _generate_noise(
+                check_processed_flag(summed)
+                noise = generate_noise(
                     std=self.noise_multiplier * self.max_grad_norm,
                     reference=summed,  # a DTensor: the noise has its global shape
                     generator=self.generator,
                     secure_mode=self.secure_mode,
                 )
                 p.grad = (summed + noise).view_as(p)
-                _mark_as_processed(summed)
+                mark_as_processed(summed)
 
     def scale_grad(self) -> None:
         """Divide by the expected global batch size (per-rank size times world size) under

@@ -377,7 +377,7 @@ def one_step(
     logits = gsm(input_ids=ids).logits[:, :-1]
     crit(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), shape=(B, T - 1)).backward()
     # The policy: one pass unless bookkeeping=False; the smaller stash only with True.
-    assert gsm.step_bookkeeping is bool(bookkeeping)
+    assert gsm.bookkeeping is bool(bookkeeping)
     assert gsm.step_smaller_stash is (bookkeeping is True and checkpointed)
     norms = gsm.per_sample_gradient_norms.clone()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

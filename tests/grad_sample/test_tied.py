@@ -348,7 +348,7 @@ def clipped_step(
     x = token_ids()
     logits = gsm(**inputs(x)).logits[:, :-1]
     crit(logits.reshape(-1, V), x[:, 1:].reshape(-1), shape=(B, T - 1)).backward()
-    out = gsm.per_sample_gradient_norms.clone(), gsm.step_bookkeeping
+    out = gsm.per_sample_gradient_norms.clone(), gsm.bookkeeping
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     gsm.cleanup()
@@ -588,7 +588,7 @@ def test_make_private_step_is_accounted_once_with_the_spec(
     assert route.path is NormPath.TIED and route.accounted(module.sketch_spec) == module.sketch_spec
     logits = module(**inputs(x)).logits[:, :-1]
     crit(logits.reshape(-1, V), x[:, 1:].reshape(-1), shape=(B, T - 1)).backward()
-    assert module.step_bookkeeping is True
+    assert module.bookkeeping is True
     assert set(module.norm_samples) == {n for n, _ in model.named_parameters()}
     opt.step()
     if engine == "rc":

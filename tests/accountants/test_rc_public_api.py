@@ -1,0 +1,66 @@
+"""The public RCAccountant methods noise_search uses (config, empty_copy, clear,
+threat_model_for): each answers what its docstring says, on values that could be wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from opacus_rc.accountants import RCAccountant
+from opacus_rc.accountants.events import RandomizedClipDpEvent
+from opacus_rc.sketching import SketchSpec
+
+SECRET = SketchSpec(estimator="hutchinson", sketch_dim=8)
+SEEDED = SketchSpec(estimator="hutchinson", sketch_dim=8, secret=False)
+SHARED = SketchSpec(estimator="hutchinson", sketch_dim=8, per_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("built", "spec", "expected"),
+    [
+        ("hidden", None, "hidden"),
+        ("revealed", None, "hidden"),  # exact clipping: the two models coincide
+        ("hidden", SECRET, "hidden"),
+        ("revealed", SECRET, "revealed"),
+        ("hidden", SEEDED, "revealed"),  # a seeded sketch is not secret
+        ("hidden", SHARED, "revealed"),  # one sketch for all samples
+    ],
+)
+def test_threat_model_for(built: str, spec: SketchSpec | None, expected: str) -> None:
+    acc = RCAccountant(threat_model=built)
+    assert acc.threat_model_for(spec) == expected
+    # compose accepts exactly the event built with that answer
+    event = RandomizedClipDpEvent(
+        noise_multiplier=1.0, sample_rate=0.01, sketch_spec=spec, threat_model=expected
+    )
+    assert acc.supports(event)
+
+
+def test_empty_copy_keeps_config_and_not_ledger() -> None:
+    acc = RCAccountant(sketch_dim=16, envelope="chi2", threat_model="revealed", eps_error=0.05)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=SECRET)
+    copy = acc.empty_copy()
+    assert copy is not acc
+    assert copy.config() == {
+        "sketch_dim": 16,
+        "envelope": "chi2",
+        "threat_model": "revealed",
+        "eps_error": 0.05,
+    }
+    assert copy.history == [] and len(acc) == 1
+    copy.step(noise_multiplier=2.0, sample_rate=0.01, sketch_spec=SECRET)
+    assert len(acc) == 1  # the copy's ledger is its own
+
+
+def test_clear_empties_the_ledger_only() -> None:
+    acc = RCAccountant(sketch_dim=4, eps_error=0.02)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=SECRET)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=SECRET)
+    assert len(acc) == 2
+    acc.clear()
+    assert acc.history == [] and len(acc) == 0
+    assert acc.config()["sketch_dim"] == 4 and acc.eps_error == 0.02
+
+
+def test_state_dict_stores_config() -> None:
+    acc = RCAccountant(sketch_dim=3, threat_model="revealed")
+    assert acc.state_dict()["rc_config"] == acc.config()

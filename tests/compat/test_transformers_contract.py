@@ -1,0 +1,121 @@
+"""Contract tests of :mod:`opacus_rc._compat.transformers` on the installed transformers.
+
+An override the ``Trainer`` no longer calls is skipped silently (the DP trainer would, e.g.,
+clip the summed gradient again, or save checkpoints without the privacy state), so these tests
+check that each private name exists, takes the arguments the adapter passes, and is called by
+the ``Trainer``'s own code.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from opacus_rc._compat import transformers as compat  # noqa: E402
+
+_TRAINER_SOURCE = inspect.getsource(inspect.getmodule(transformers.Trainer))
+
+#: private name -> the parameters (after self) the adapter passes.
+_SIGNATURES = {
+    "_clip_grad_norm": ["model"],
+    "_get_grad_norm": ["model", "grad_norm"],
+    "_get_num_items_in_batch": ["batch_samples", "device"],
+    "_track_num_input_tokens": ["inputs"],
+    "_save_checkpoint": ["model", "trial"],
+    "_load_optimizer_and_scheduler": ["checkpoint"],
+    "_get_train_sampler": ["train_dataset"],
+    "_remove_unused_columns": ["dataset", "description"],
+    "_get_collator_with_removed_columns": ["data_collator", "description"],
+    "_prepare_inputs": ["inputs"],
+    "_get_output_dir": ["trial"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SIGNATURES))
+def test_trainer_private_methods(name: str) -> None:
+    method = getattr(transformers.Trainer, name)
+    params = list(inspect.signature(method).parameters)[1:]
+    assert params == _SIGNATURES[name], f"Trainer.{name}{params}"
+
+
+@pytest.mark.parametrize("name", sorted(compat.TRAINER_SEAMS))
+def test_trainer_calls_each_seam(name: str) -> None:
+    assert f"self.{name}(" in _TRAINER_SOURCE, f"the Trainer no longer calls self.{name}(...)"
+
+
+def test_trainer_sets_private_attributes() -> None:
+    init = inspect.getsource(transformers.Trainer.__init__)
+    assert "self._train_batch_size =" in init
+    assert "self._loss_shifts_labels =" in init
+
+
+def test_seams_forward_in_order() -> None:
+    """Each private hook reaches its seam, and the seam's default the next class's hook."""
+    calls: list[str] = []
+
+    class Base:
+        pass
+
+    for name in compat.TRAINER_SEAMS:
+        setattr(Base, name, lambda self, *a, _n=name, **k: calls.append(f"base{_n}"))
+
+    class Mixed(compat.TrainerSeams, Base):
+        pass
+
+    for seam in compat.TRAINER_SEAMS.values():
+
+        def override(self, *a, _seam=seam, **k):
+            calls.append(_seam)
+            return getattr(super(Mixed, self), _seam)(*a, **k)
+
+        setattr(Mixed, seam, override)
+    obj = Mixed()
+    args = {n: [None] * len(p) for n, p in _SIGNATURES.items()}
+    for name, seam in compat.TRAINER_SEAMS.items():
+        calls.clear()
+        getattr(obj, name)(*args[name])
+        assert calls == [seam, f"base{name}"]
+
+
+def test_trainer_helpers() -> None:
+    class Fake:
+        _train_batch_size = 7
+        _loss_shifts_labels = True
+
+        def _remove_unused_columns(self, dataset, description=None):
+            return ("removed", dataset, description)
+
+        def _get_collator_with_removed_columns(self, data_collator, description=None):
+            return ("collator", data_collator, description)
+
+        def _prepare_inputs(self, inputs):
+            return ("prepared", inputs)
+
+        def _get_output_dir(self, trial):
+            return f"out-{trial}"
+
+    f = Fake()
+    assert compat.train_batch_size(f) == 7
+    assert compat.loss_shifts_labels(f) is True and compat.loss_shifts_labels(object()) is False
+    assert compat.remove_unused_columns(f, "d", description="Training") == (
+        "removed",
+        "d",
+        "Training",
+    )
+    assert compat.collator_with_removed_columns(f, "c", description="Training") == (
+        "collator",
+        "c",
+        "Training",
+    )
+    assert compat.prepare_inputs(f, 1) == ("prepared", 1)
+    assert compat.output_dir(f, 3) == "out-3"
+
+    class Own(transformers.Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return None
+
+    assert compat.overrides_train_sampler(Own) is True
+    assert compat.overrides_train_sampler(transformers.Trainer) is False
