@@ -2,6 +2,7 @@
 
 * :func:`check_training_mode`: Opacus' hooks skip eval-mode modules, whose gradients would then
   have no per-sample norm.
+* :func:`check_peft_dora`: PEFT's DoRA layers run their LoRA factors twice per forward.
 * :func:`check_tied_parameters`: a trainable parameter shared between a norm-sampled module and
   another one cannot be measured per module (except an embedding tied to an LM head, whose
   joint norm :mod:`~opacus_rc.grad_sample.tied` sketches).
@@ -24,10 +25,12 @@ from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
 from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
+from opacus_rc.grad_sample.routing import UnsupportedModuleError
 
 __all__ = [
     "ParameterUseCheck",
     "TrainableSetGuard",
+    "check_peft_dora",
     "check_tied_parameters",
     "check_training_mode",
     "strip_grad_sample_hooks",
@@ -77,6 +80,36 @@ def check_training_mode(module: nn.Module) -> None:
         raise ValueError(
             f"submodules with trainable parameters are in eval mode: {in_eval[:5]}; call "
             "model.train() (or freeze their parameters) before make_private"
+        )
+
+
+def check_peft_dora(module: nn.Module) -> None:
+    """Raise if a PEFT LoRA layer with DoRA (``use_dora=True``) has trainable parameters.
+
+    PEFT's DoRA layer (``peft.tuners.lora.dora.DoraLinearLayer`` and its embedding and conv
+    variants) forms its weight norm ``||W + s B A||`` by running ``lora_A`` and ``lora_B`` a
+    second time, on an identity matrix, and receives those modules as arguments of its own
+    forward. Each factor then runs twice per forward, so no per-sample norm of the adapter can
+    be taken from one forward (the first forward used to fail with "ran more than once"). The
+    layers are found by duck typing (PEFT's ``use_dora`` dict), so peft is not imported.
+
+    Raises:
+        UnsupportedModuleError: Naming the first DoRA layers and what to do, before any hook.
+    """
+    dora = [
+        name or "<root>"
+        for name, sub in module.named_modules()
+        if isinstance(getattr(sub, "use_dora", None), dict)
+        and any(sub.use_dora.values())
+        and any(p.requires_grad for p in sub.parameters())
+    ]
+    if dora:
+        raise UnsupportedModuleError(
+            f"PEFT DoRA layers (use_dora=True) are not supported by randomized clipping: "
+            f"{dora[:3]}. DoRA computes its weight norm by running lora_A and lora_B a second "
+            "time (on an identity matrix) in every forward, so their per-sample norms cannot "
+            "be measured from one forward. Use plain LoRA (LoraConfig(use_dora=False)), or "
+            "freeze these layers' adapters."
         )
 
 
@@ -284,10 +317,11 @@ class ParameterUseCheck:
             raise RuntimeError(
                 f"trainable parameter(s) {sorted(outside.values())} are used outside the "
                 "forward of the module that owns them (e.g. F.linear(h, model.fc.weight) "
-                "instead of model.fc(h)). Randomized clipping measures each per-sample norm "
-                "from the owning module's own forward, so that use would get a gradient no "
-                "norm accounts for. Call the module itself, give the other use its own module, "
-                "or freeze the parameter. (Under torch.autocast a weight is cast once per "
+                "instead of model.fc(h), or model.fc.forward(h), which runs the forward "
+                "without the module's hooks). Randomized clipping measures each per-sample "
+                "norm from the owning module's own forward, so that use would get a gradient "
+                "no norm accounts for. Call the module itself (model.fc(h)), give the other use "
+                "its own module, or freeze the parameter. (Under torch.autocast a weight is cast once per "
                 "autocast region, at its first use: enter autocast once per forward pass, and "
                 "not around an earlier use of the weight outside its module.)"
             )

@@ -10,6 +10,7 @@ its advice, and that the step after it works.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -155,3 +156,102 @@ def test_batch_level_tensor_in_the_dp_loss_is_refused(bookkeeping: bool, combine
     assert_grads_equal(model, expected)
     opt.step()
     assert len(engine.accountant) == 2
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# PEFT's DoRA (huggingface/peft PR 1474, 2024-02; use_dora=True in LoraConfig): the magnitude
+# layer forms ||W + s B A|| by running lora_A and lora_B on an identity matrix, inside every
+# forward. No DP tracker report was found; the case is PEFT's own implementation, met by any
+# user who switches LoRA to DoRA.
+# --------------------------------------------------------------------------------------------
+
+
+def test_peft_dora_is_refused_at_make_private_and_plain_lora_trains() -> None:
+    """Before: make_private accepted a DoRA model, and the first forward failed with
+    "module 'base_model.model.lin1.lora_A.default' (Linear) ran more than once before a
+    backward pass (a module reused within one forward, or a training-mode forward that was
+    never backpropagated)", which does not say that DoRA is the cause. Now make_private raises
+    UnsupportedModuleError naming the DoRA layer and the way out, leaving no hook behind; the
+    same model with plain LoRA takes an accounted step whose clipped gradient of the adapters
+    equals the float64 oracle."""
+    peft = pytest.importorskip("peft")
+    from opacus_rc.grad_sample.routing import UnsupportedModuleError
+
+    torch.manual_seed(0)
+    dora = peft.get_peft_model(MLP(), peft.LoraConfig(r=2, target_modules=["lin1"], use_dora=True))
+    hooks = hook_count(dora)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"DoRA.*'base_model.model.lin1'.*use_dora=False"
+    ):
+        private(dora)
+    assert hook_count(dora) == hooks
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(MLP(), peft.LoraConfig(r=2, target_modules=["lin1"]))
+    with torch.no_grad():  # B = 0 at peft's initialisation: make both factors matter
+        lora.base_model.model.lin1.lora_B.default.weight.normal_()
+    # float64 oracle on a copy of the adapted model made before any hook, one sample at a time
+    ref = copy.deepcopy(lora.base_model.model).double()
+    x, y = batch()
+    ref_named = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    expected = {n: torch.zeros_like(p) for n, p in ref_named.items()}
+    for i in range(B):
+        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+        grads = torch.autograd.grad(loss, list(ref_named.values()))
+        factor = min(1.0, C / float(torch.sqrt(sum((g**2).sum() for g in grads))))
+        for n, g in zip(ref_named, grads, strict=True):
+            expected[n] += factor * g
+    engine, module, opt, crit = private(lora, lr=0.0)
+    named = {n: p for n, p in lora.base_model.model.named_parameters() if p.requires_grad}
+    assert set(named) == set(expected)
+    crit(module(x), y).backward()
+    for n, p in named.items():  # float32 step against float64: a few ulps of the gradients
+        torch.testing.assert_close(p.grad.double(), expected[n], rtol=1e-4, atol=1e-6)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# pytorch/pytorch#117925 (2024-01): module hooks do not run when ``module.forward(x)`` is called
+# instead of ``module(x)``.
+# --------------------------------------------------------------------------------------------
+
+
+class ForwardCalledDirectly(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2.forward(torch.tanh(self.lin1(x)))
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["book-keeping", "two-passes"])
+def test_submodule_forward_called_directly_is_named_in_the_error(bookkeeping: bool) -> None:
+    """``self.lin2.forward(h)`` skips lin2's hooks, so its parameters get a gradient that no
+    per-sample norm covers. Before: refused, but the error named only ``F.linear(h,
+    model.fc.weight)`` as the cause. Now it also names ``model.fc.forward(h)`` and says to call
+    the module itself; nothing is noised or accounted, and after ``zero_grad()`` the step of
+    the corrected model equals the float64 oracle."""
+    torch.manual_seed(0)
+    model = ForwardCalledDirectly()
+    engine, module, opt, crit = private(model, lr=0.0, bookkeeping=bookkeeping)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match=r"'lin2.weight'.*model\.fc\.forward\(h\).*hooks"):
+        crit(module(x), y).backward()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert len(engine.accountant) == 0
+    opt.zero_grad()
+    model.forward = MLP.forward.__get__(model)  # the corrected forward: self.lin2(h)
+    expected, _ = clipped_sum_oracle(  # the oracle's copy has no hooks: .forward() is exact
+        model,
+        x,
+        lambda ref, i: nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1]),
+    )
+    crit(module(x), y).backward()
+    assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
