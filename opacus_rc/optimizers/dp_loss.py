@@ -333,6 +333,14 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 UserWarning,
                 stacklevel=2,
             )
+        if shape is not None and "target" in kwargs and len(args) <= 1:
+            # Opacus reads the targets (for ignore_index) from args[1] only: with
+            # ``criterion(logits, target=labels, shape=...)`` it averaged each sample's loss
+            # over all T positions, ignored ones included (meta-pytorch/opacus#792 again).
+            # Pass them by position, as nn.CrossEntropyLoss.forward(input, target) binds them.
+            if not args:
+                args = (kwargs.pop("input"),) if "input" in kwargs else ()
+            args = (*args, kwargs.pop("target"))
         out = super().__call__(*args, shape=shape, **kwargs)
         return DPTensorRandomizedClipping(
             out.module, out.optimizer, out.loss_per_sample, out.loss_reduction
