@@ -356,3 +356,202 @@ def test_per_token_loss_leaves_ignored_positions_out_of_each_mean(call: Any) -> 
     )
     opt.step()
     assert len(engine.accountant) == 1
+
+
+def ce_of_sample(x: torch.Tensor, y: torch.Tensor) -> Callable[[nn.Module, int], torch.Tensor]:
+    return lambda ref, i: nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#834 (2026-07): len(accountant) returned the number of history entries
+# (distinct (sigma, q) pairs), 1 after 100 steps, instead of the number of steps.
+# --------------------------------------------------------------------------------------------
+
+
+def test_len_of_the_accountant_counts_steps_not_history_entries() -> None:
+    """The RC accountant's history is compressed as in Opacus (one entry per run of equal
+    steps), but ``len`` sums the counts: 100 equal steps give 1 entry and len 100; a change of
+    q opens a second entry. Through the engine, three equal optimizer steps give len 3 (the
+    trainer integration compares len(accountant) with the planned number of steps)."""
+    from opacus_rc.accountants import RCAccountant
+
+    accountant = RCAccountant()
+    for _ in range(100):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.01)
+    assert (len(accountant.history), len(accountant)) == (1, 100)
+    for _ in range(7):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.02)
+    assert (len(accountant.history), len(accountant)) == (2, 107)
+    torch.manual_seed(0)
+    engine, module, opt, crit = private(MLP())
+    x, y = batch()
+    for _ in range(3):
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert (len(engine.accountant.history), len(engine.accountant)) == (1, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#687 (2024-11): "can I set some model parameter's requires_grad false after
+# make_private" (the maintainers: an error with ghost clipping, untested otherwise).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["book-keeping", "two-passes"])
+def test_parameter_frozen_after_make_private(bookkeeping: bool) -> None:
+    """Freezing ``lin1.weight`` after make_private (gradual unfreezing run backwards): the step
+    works, the frozen weight gets no gradient, no noise and no update, and the other
+    parameters' clipped gradient equals the float64 oracle whose per-sample norm covers the
+    still-trainable parameters only (so clipping is not looser than the accounted C)."""
+    torch.manual_seed(0)
+    model = MLP()
+    engine, module, opt, crit = private(model, lr=0.0, bookkeeping=bookkeeping)
+    x, y = batch()
+    model.lin1.weight.requires_grad_(False)
+    frozen = model.lin1.weight.detach().clone()
+    expected, _ = clipped_sum_oracle(model, x, ce_of_sample(x, y))
+    assert "lin1.weight" not in expected
+    crit(module(x), y).backward()
+    assert model.lin1.weight.grad is None
+    assert_grads_equal(model, expected)
+    opt.param_groups[0]["lr"] = 0.5
+    opt.step()
+    assert torch.equal(model.lin1.weight, frozen)
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#740 (2025-03): mixed precision, "RuntimeError: expected scalar type
+# BFloat16 but found Float" when activations are bf16 and backprops float32.
+# --------------------------------------------------------------------------------------------
+
+
+class NormMLP(nn.Module):
+    """Linear, LayerNorm (Opacus' grad sampler), Linear: rank-2 inputs, exact norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(D, H)
+        self.norm = nn.LayerNorm(H)
+        self.lin2 = nn.Linear(H, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.norm(torch.tanh(self.lin1(x))))
+
+
+def test_bf16_model_norms_match_the_oracle_within_bf16_rounding() -> None:
+    """A model cast to bfloat16 (weights, activations and gradients bf16, no autocast): the
+    step runs, the per-sample norms are float32 and equal the float64 oracle (on the same bf16
+    weights, in float64 arithmetic) within bf16 rounding: a relative 2**-8 per rounding, a few
+    dozen roundings along the forward and backward of these three layers, so 5%; the update
+    is finite and accounted."""
+    torch.manual_seed(0)
+    model = NormMLP().to(torch.bfloat16)
+    x, y = batch()
+    x = x.to(torch.bfloat16)
+    _, oracle_norms = clipped_sum_oracle(model, x, ce_of_sample(x, y))
+    engine, module, opt, crit = private(model)
+    crit(module(x), y).backward()
+    norms = module.per_sample_gradient_norms
+    assert norms.dtype in (torch.float32, torch.float64)
+    torch.testing.assert_close(
+        norms.double(), torch.tensor(oracle_norms, dtype=torch.float64), rtol=0.05, atol=0.0
+    )
+    assert min(oracle_norms) > C  # clipping is active
+    opt.step()
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# huggingface/peft#3409 (2026-07, from meta-pytorch/opacus#820): parameters materialised or
+# replaced after a hook-registering library wrapped the model; the optimizer keeps the stale
+# ones and the adapters never move (max |delta| = 0) while epsilon grows.
+# --------------------------------------------------------------------------------------------
+
+
+def test_parameters_replaced_after_make_private_are_refused() -> None:
+    """``model.load_state_dict(sd, assign=True)`` after make_private replaces every parameter
+    object (the optimizer holds the old ones). The private backward raises naming them,
+    nothing is accounted; a load without ``assign`` (copied in place) trains normally and
+    moves every parameter."""
+    torch.manual_seed(0)
+    model = MLP()
+    engine, module, opt, crit = private(model)
+    x, y = batch()
+    state = {k: v.clone() + 0.1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(RuntimeError, match=r"replaced or tied after the model was made private"):
+        crit(module(x), y).backward()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert len(engine.accountant) == 0
+    torch.manual_seed(0)
+    model = MLP()
+    engine, module, opt, crit = private(model)
+    model.load_state_dict(state)  # in place: the optimizer's parameters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    crit(module(x), y).backward()
+    opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus PR 664 (2024-08): the privacy engine did not pass max_grad_norm to fast
+# gradient clipping, so every run clipped at the default.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1.5, 50.0])
+def test_max_grad_norm_is_the_clipping_bound_used(max_grad_norm: float) -> None:
+    """For C = 0.05 (every sample clipped), 1.5 (some) and 50 (none), the module, the optimizer
+    and the clipped gradient all use the C given to make_private: ``p.grad`` equals the float64
+    oracle ``sum_i min(1, C/||g_i||) g_i``."""
+    torch.manual_seed(0)
+    model = MLP()
+    engine, module, opt, crit = private(model, lr=0.0, max_grad_norm=max_grad_norm)
+    assert opt.max_grad_norm == max_grad_norm
+    x, y = batch()
+    expected, norms = clipped_sum_oracle(model, x, ce_of_sample(x, y), c=max_grad_norm)
+    clipped = sum(n > max_grad_norm for n in norms)
+    assert clipped == {0.05: B, 50.0: 0}.get(max_grad_norm, clipped)
+    crit(module(x), y).backward()
+    assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# huggingface/peft PR 3382 (2026-07): an optimizer wrapper whose step(closure) let the closure
+# recompute the gradients after the wrapper had changed them (there: the preconditioning was
+# silently dropped; for DP the noise and clipping would be, as in meta-pytorch/opacus PR 330).
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_with_a_closure_clips_and_noises_the_closures_gradient() -> None:
+    """``opt.step(closure)``, the closure running zero_grad, forward and the DP backward (as
+    PyTorch Lightning's automatic optimization does): one accounted step whose update is
+    ``-lr * clipped_sum / B`` with the float64 oracle's clipped sum (sigma = 1e-9), the same as
+    without a closure."""
+    torch.manual_seed(0)
+    model = MLP()
+    lr = 0.5
+    engine, module, opt, crit = private(model, lr=lr)
+    x, y = batch()
+    expected, _ = clipped_sum_oracle(model, x, ce_of_sample(x, y))
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+    def closure() -> Any:
+        opt.zero_grad()
+        loss = crit(module(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.detach().double(), before[n] - lr * expected[n] / B, rtol=1e-5, atol=1e-6
+        )
+    assert len(engine.accountant) == 1
