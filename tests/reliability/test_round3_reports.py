@@ -555,3 +555,36 @@ def test_step_with_a_closure_clips_and_noises_the_closures_gradient() -> None:
             p.detach().double(), before[n] - lr * expected[n] / B, rtol=1e-5, atol=1e-6
         )
     assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#673 (2024-09): GradSampleModuleFastGradientClipping silently ignored the
+# strict and force_functorch arguments (the user wanted strict=False for BatchNorm).
+# --------------------------------------------------------------------------------------------
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, H)
+        self.bn = nn.BatchNorm1d(H)
+        self.out = nn.Linear(H, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.lin(x)))
+
+
+@pytest.mark.parametrize("option", ["strict", "force_functorch"])
+def test_strict_and_force_functorch_are_refused_by_name_not_ignored(option: str) -> None:
+    """Passing ``strict=False`` or ``force_functorch=True`` to make_private with randomized
+    clipping raises a TypeError naming the option (never accepted and ignored), before any hook
+    is attached; BatchNorm (which mixes the samples of a batch) stays refused with the default
+    options."""
+    model = NormMLP()
+    hooks = hook_count(model)
+    value = option == "force_functorch"
+    with pytest.raises(TypeError, match=rf"unexpected keyword arguments.*'{option}'"):
+        private(model, **{option: value})
+    assert hook_count(model) == hooks
+    with pytest.raises(Exception, match=r"BatchNorm"):
+        private(WithBatchNorm())
