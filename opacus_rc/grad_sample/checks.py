@@ -3,6 +3,8 @@
 * :func:`check_training_mode`: Opacus' hooks skip eval-mode modules, whose gradients would then
   have no per-sample norm.
 * :func:`check_peft_dora`: PEFT's DoRA layers run their LoRA factors twice per forward.
+* :func:`check_parametrizations`: a parametrized weight (``weight_norm``, ``spectral_norm``) is
+  computed outside the forward of the module that uses it.
 * :func:`check_tied_parameters`: a trainable parameter shared between a norm-sampled module and
   another one cannot be measured per module (except an embedding tied to an LM head, whose
   joint norm :mod:`~opacus_rc.grad_sample.tied` sketches).
@@ -23,6 +25,7 @@ import torch
 from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
+from torch.nn.utils import parametrize
 
 from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
 from opacus_rc.grad_sample.routing import UnsupportedModuleError
@@ -30,6 +33,7 @@ from opacus_rc.grad_sample.routing import UnsupportedModuleError
 __all__ = [
     "ParameterUseCheck",
     "TrainableSetGuard",
+    "check_parametrizations",
     "check_peft_dora",
     "check_tied_parameters",
     "check_training_mode",
@@ -110,6 +114,38 @@ def check_peft_dora(module: nn.Module) -> None:
             "time (on an identity matrix) in every forward, so their per-sample norms cannot "
             "be measured from one forward. Use plain LoRA (LoraConfig(use_dora=False)), or "
             "freeze these layers' adapters."
+        )
+
+
+def check_parametrizations(module: nn.Module) -> None:
+    """Raise if a submodule has a parametrized tensor with trainable originals.
+
+    ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal``) replaces ``layer.weight`` by a property that calls
+    ``layer.parametrizations.weight`` (a ``ParametrizationList`` owning ``original0``...) on
+    every access, with no batch input: its per-sample gradient cannot be taken from that call
+    (the first backward used to fail with a bare ``IndexError``, or the layer was refused for
+    its direct parameters or buffers, without naming the parametrization).
+
+    Raises:
+        UnsupportedModuleError: Naming the parametrized modules and tensors and what to do.
+    """
+    found = [
+        f"{name or '<root>'}.{tensor}"
+        for name, sub in module.named_modules()
+        if parametrize.is_parametrized(sub)
+        for tensor, plist in sub.parametrizations.items()
+        if any(p.requires_grad for p in plist.parameters())
+    ]
+    if found:
+        raise UnsupportedModuleError(
+            f"parametrized tensors (torch.nn.utils.parametrize, e.g. weight_norm, "
+            f"spectral_norm) are not supported by randomized clipping: {found[:3]}. Their "
+            "value is computed from the parametrization's own parameters outside the forward "
+            "of the layer that uses it, with no per-sample input, so no per-sample norm covers "
+            "those parameters. Remove the parametrization before make_private "
+            "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), or freeze "
+            "its parameters."
         )
 
 

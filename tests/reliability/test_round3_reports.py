@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations, parametrize
 from torch.utils.data import DataLoader, TensorDataset
 
+from opacus_rc.grad_sample.routing import UnsupportedModuleError
 from opacus_rc.privacy_engine import PrivacyEngine
 
 D, H, K, B = 5, 6, 3, 4
@@ -67,10 +69,17 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def float64_copy(model: nn.Module) -> nn.Module:
-    ref = type(model)().double()
-    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    for (_, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        r.requires_grad_(p.requires_grad)
+    """A float64 copy of ``model`` without any hook (a hooked model's copy would run the
+    original's hooks)."""
+    ref = copy.deepcopy(model).double()
+    for m in ref.modules():
+        for hooks in (
+            m._forward_hooks,
+            m._forward_pre_hooks,
+            m._backward_hooks,
+            m._backward_pre_hooks,
+        ):
+            hooks.clear()
     return ref
 
 
@@ -182,8 +191,6 @@ def test_peft_dora_is_refused_at_make_private_and_plain_lora_trains() -> None:
     same model with plain LoRA takes an accounted step whose clipped gradient of the adapters
     equals the float64 oracle."""
     peft = pytest.importorskip("peft")
-    from opacus_rc.grad_sample.routing import UnsupportedModuleError
-
     torch.manual_seed(0)
     dora = peft.get_peft_model(MLP(), peft.LoraConfig(r=2, target_modules=["lin1"], use_dora=True))
     hooks = hook_count(dora)
@@ -588,3 +595,50 @@ def test_strict_and_force_functorch_are_refused_by_name_not_ignored(option: str)
     assert hook_count(model) == hooks
     with pytest.raises(Exception, match=r"BatchNorm"):
         private(WithBatchNorm())
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#646 (2024-04): "Spectral normalization in Opacus": a model with
+# spectral_norm (ParametrizedConv2d) was refused as an unsupported layer.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "parametrization, bias",
+    [
+        (parametrizations.weight_norm, False),
+        (parametrizations.weight_norm, True),
+        (parametrizations.spectral_norm, True),
+        (parametrizations.orthogonal, False),
+    ],
+    ids=["weight_norm-no-bias", "weight_norm", "spectral_norm", "orthogonal"],
+)
+def test_parametrized_weights_are_refused_naming_the_parametrization(
+    parametrization: Any, bias: bool
+) -> None:
+    """``torch.nn.utils.parametrizations.weight_norm(nn.Linear(D, H, bias=False))``: before,
+    make_private routed ``lin1.parametrizations.weight`` to functorch and the first backward
+    failed with a bare ``IndexError: list index out of range``; with a bias the layer was
+    refused for owning ``bias`` "directly" (advice: move it into a leaf module), and
+    spectral_norm/orthogonal for the ParametrizationList's buffers; none named the
+    parametrization. Now make_private raises UnsupportedModuleError naming ``lin1.weight`` and
+    ``remove_parametrizations``, leaving no hook; after removing it the model's step equals
+    the float64 oracle."""
+    torch.manual_seed(0)
+    model = MLP()
+    model.lin1 = parametrization(nn.Linear(D, H, bias=bias))
+    hooks = hook_count(model)
+    with pytest.raises(
+        UnsupportedModuleError,
+        match=r"parametrized tensors.*'lin1.weight'.*remove_parametrizations",
+    ):
+        private(model)
+    assert hook_count(model) == hooks
+    parametrize.remove_parametrizations(model.lin1, "weight")
+    x, y = batch()
+    expected, _ = clipped_sum_oracle(model, x, ce_of_sample(x, y))
+    engine, module, opt, crit = private(model, lr=0.0)
+    crit(module(x), y).backward()
+    assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
