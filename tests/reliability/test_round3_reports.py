@@ -70,8 +70,16 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def float64_copy(model: nn.Module) -> nn.Module:
     """A float64 copy of ``model`` without any hook (a hooked model's copy would run the
-    original's hooks)."""
-    ref = copy.deepcopy(model).double()
+    original's hooks): a fresh instance of its class with its state, or a deep copy (for a
+    modified instance) with the hooks removed."""
+    state = {k: v.detach().double() for k, v in model.state_dict().items()}
+    try:
+        ref = type(model)().double()
+        ref.load_state_dict(state)
+    except (TypeError, RuntimeError):
+        ref = copy.deepcopy(model).double()
+    for (_, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        r.requires_grad_(p.requires_grad)
     for m in ref.modules():
         for hooks in (
             m._forward_hooks,
