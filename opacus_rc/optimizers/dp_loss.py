@@ -34,6 +34,11 @@ distributed optimizer all-reduces it once (torch DDP's reducer is off,
    two-pass loss zeroes gradients between its passes; so does book-keeping). It raises
    instead; use Opacus' ``BatchMemoryManager`` (virtual steps) to split a logical batch.
 4. Hooks are re-enabled even if the second pass raises.
+5. **No batch-level term in a per-sample loss.** Opacus' arithmetic (``loss + other``)
+   broadcasts a plain tensor into every sample's loss; one that requires grad and is not one
+   value per sample (a batch-mean loss, a weight penalty) raises a ``TypeError``
+   (:func:`_check_operand`). Targets passed as ``target=`` are bound to their position, so
+   that ``ignore_index`` positions leave each sample's mean (Opacus reads ``args[1]`` only).
 
 In both modes a parameter that received a gradient without a per-sample norm raises (in the
 module's ``get_clipping_coef``), and book-keeping tensors never outlive their step.
