@@ -2,6 +2,9 @@
 
 * :func:`check_training_mode`: Opacus' hooks skip eval-mode modules, whose gradients would then
   have no per-sample norm.
+* :func:`check_peft_dora`: PEFT's DoRA layers run their LoRA factors twice per forward.
+* :func:`check_parametrizations`: a parametrized weight (``weight_norm``, ``spectral_norm``) is
+  computed outside the forward of the module that uses it.
 * :func:`check_tied_parameters`: a trainable parameter shared between a norm-sampled module and
   another one cannot be measured per module (except an embedding tied to an LM head, whose
   joint norm :mod:`~opacus_rc.grad_sample.tied` sketches).
@@ -22,13 +25,17 @@ import torch
 from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
+from torch.nn.utils import parametrize
 
 from opacus_rc._compat.torch import autograd_sequence_nr
 from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
+from opacus_rc.grad_sample.routing import UnsupportedModuleError
 
 __all__ = [
     "ParameterUseCheck",
     "TrainableSetGuard",
+    "check_parametrizations",
+    "check_peft_dora",
     "check_tied_parameters",
     "check_training_mode",
     "strip_grad_sample_hooks",
@@ -78,6 +85,68 @@ def check_training_mode(module: nn.Module) -> None:
         raise ValueError(
             f"submodules with trainable parameters are in eval mode: {in_eval[:5]}; call "
             "model.train() (or freeze their parameters) before make_private"
+        )
+
+
+def check_peft_dora(module: nn.Module) -> None:
+    """Raise if a PEFT LoRA layer with DoRA (``use_dora=True``) has trainable parameters.
+
+    PEFT's DoRA layer (``peft.tuners.lora.dora.DoraLinearLayer`` and its embedding and conv
+    variants) forms its weight norm ``||W + s B A||`` by running ``lora_A`` and ``lora_B`` a
+    second time, on an identity matrix, and receives those modules as arguments of its own
+    forward. Each factor then runs twice per forward, so no per-sample norm of the adapter can
+    be taken from one forward (the first forward used to fail with "ran more than once"). The
+    layers are found by duck typing (PEFT's ``use_dora`` dict), so peft is not imported.
+
+    Raises:
+        UnsupportedModuleError: Naming the first DoRA layers and what to do, before any hook.
+    """
+    dora = [
+        name or "<root>"
+        for name, sub in module.named_modules()
+        if isinstance(getattr(sub, "use_dora", None), dict)
+        and any(sub.use_dora.values())
+        and any(p.requires_grad for p in sub.parameters())
+    ]
+    if dora:
+        raise UnsupportedModuleError(
+            f"PEFT DoRA layers (use_dora=True) are not supported by randomized clipping: "
+            f"{dora[:3]}. DoRA computes its weight norm by running lora_A and lora_B a second "
+            "time (on an identity matrix) in every forward, so their per-sample norms cannot "
+            "be measured from one forward. Use plain LoRA (LoraConfig(use_dora=False)), or "
+            "freeze these layers' adapters."
+        )
+
+
+def check_parametrizations(module: nn.Module) -> None:
+    """Raise if a submodule has a parametrized tensor with trainable originals.
+
+    ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal``) replaces ``layer.weight`` by a property that calls
+    ``layer.parametrizations.weight`` (a ``ParametrizationList`` owning ``original0``...) on
+    every access, with no batch input: its per-sample gradient cannot be taken from that call
+    (the first backward used to fail with a bare ``IndexError``, or the layer was refused for
+    its direct parameters or buffers, without naming the parametrization).
+
+    Raises:
+        UnsupportedModuleError: Naming the parametrized modules and tensors and what to do.
+    """
+    found = [
+        f"{name or '<root>'}.{tensor}"
+        for name, sub in module.named_modules()
+        if parametrize.is_parametrized(sub)
+        for tensor, plist in sub.parametrizations.items()
+        if any(p.requires_grad for p in plist.parameters())
+    ]
+    if found:
+        raise UnsupportedModuleError(
+            f"parametrized tensors (torch.nn.utils.parametrize, e.g. weight_norm, "
+            f"spectral_norm) are not supported by randomized clipping: {found[:3]}. Their "
+            "value is computed from the parametrization's own parameters outside the forward "
+            "of the layer that uses it, with no per-sample input, so no per-sample norm covers "
+            "those parameters. Remove the parametrization before make_private "
+            "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), or freeze "
+            "its parameters."
         )
 
 
@@ -285,10 +354,11 @@ class ParameterUseCheck:
             raise RuntimeError(
                 f"trainable parameter(s) {sorted(outside.values())} are used outside the "
                 "forward of the module that owns them (e.g. F.linear(h, model.fc.weight) "
-                "instead of model.fc(h)). Randomized clipping measures each per-sample norm "
-                "from the owning module's own forward, so that use would get a gradient no "
-                "norm accounts for. Call the module itself, give the other use its own module, "
-                "or freeze the parameter. (Under torch.autocast a weight is cast once per "
+                "instead of model.fc(h), or model.fc.forward(h), which runs the forward "
+                "without the module's hooks). Randomized clipping measures each per-sample "
+                "norm from the owning module's own forward, so that use would get a gradient "
+                "no norm accounts for. Call the module itself (model.fc(h)), give the other use "
+                "its own module, or freeze the parameter. (Under torch.autocast a weight is cast once per "
                 "autocast region, at its first use: enter autocast once per forward pass, and "
                 "not around an earlier use of the weight outside its module.)"
             )

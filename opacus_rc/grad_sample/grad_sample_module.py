@@ -77,6 +77,8 @@ from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_che
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
     TrainableSetGuard,
+    check_parametrizations,
+    check_peft_dora,
     check_tied_parameters,
     check_training_mode,
     strip_grad_sample_hooks,
@@ -215,6 +217,8 @@ class _RandomizedClippingMixin:
             )
         check_training_mode(m)
         check_modules(m)  # e.g. nn.Embedding(max_norm=...), refused before any forward
+        check_peft_dora(m)
+        check_parametrizations(m)  # weight_norm, spectral_norm: computed outside the forward
         names = {id(sub): name for name, sub in m.named_modules()}
         hooked = list(self.iterate_submodules(m))  # type: ignore[attr-defined]
         tied_groups = find_tied_groups(hooked, names=names)  # embedding tied to an LM head

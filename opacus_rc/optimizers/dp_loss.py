@@ -34,6 +34,11 @@ distributed optimizer all-reduces it once (torch DDP's reducer is off,
    two-pass loss zeroes gradients between its passes; so does book-keeping). It raises
    instead; use Opacus' ``BatchMemoryManager`` (virtual steps) to split a logical batch.
 4. Hooks are re-enabled even if the second pass raises.
+5. **No batch-level term in a per-sample loss.** Opacus' arithmetic (``loss + other``)
+   broadcasts a plain tensor into every sample's loss; one that requires grad and is not one
+   value per sample (a batch-mean loss, a weight penalty) raises a ``TypeError``
+   (:func:`_check_operand`). Targets passed as ``target=`` are bound to their position, so
+   that ``ignore_index`` positions leave each sample's mean (Opacus reads ``args[1]`` only).
 
 In both modes a parameter that received a gradient without a per-sample norm raises (in the
 module's ``get_clipping_coef``), and book-keeping tensors never outlive their step.
@@ -263,10 +268,51 @@ def _no_output_hook_warning() -> Iterator[None]:
         yield
 
 
+def _check_operand(loss: DPTensorFastGradientClipping, name: str, other: Any) -> None:
+    """Refuse an operand that would put a batch-level, parameter-dependent term into every
+    sample's loss.
+
+    Opacus' arithmetic broadcasts a plain tensor over ``loss_per_sample``. A tensor that
+    requires grad and is not one value per sample (a batch-mean loss, a penalty of the
+    weights) then appears in every sample's loss: its gradient mixes all samples and is not
+    clipped per sample. Measured with two backward passes: the released gradient was
+    ``sum_i c_i g_i + mean(c) sum_j g'_j``, one sample's ``g'`` scaled by the mean clip
+    factor instead of its own (meta-pytorch/opacus PR 668 gave the DP loss its arithmetic).
+
+    Raises:
+        TypeError: For a tensor operand that requires grad, except a per-sample tensor of
+            ``loss_per_sample``'s shape added or subtracted.
+    """
+    if not isinstance(other, torch.Tensor) or not other.requires_grad:
+        return
+    per_sample = tuple(loss.loss_per_sample.shape)
+    additive = name in ("__add__", "__radd__", "__sub__", "__rsub__")
+    if additive and tuple(other.shape) == per_sample:
+        return
+    raise TypeError(
+        f"DP loss {name}: the other operand is a tensor of shape {tuple(other.shape)} that "
+        f"requires grad, so it would enter every sample's loss (the per-sample losses have "
+        f"shape {per_sample}): its gradient mixes all samples and no per-sample clip factor "
+        "bounds it. Make every term per sample: add losses of the DP criterion "
+        "(criterion(out, y) + criterion(out2, y2)), or add a tensor of shape "
+        f"{per_sample} whose entry i depends on sample i only; multiply or divide only by "
+        "constants (tensors that do not require grad). A penalty on the weights (L2 "
+        "regularization) belongs in the optimizer's weight_decay."
+    )
+
+
 def _keep_class(name: str) -> Any:
     base = getattr(DPTensorFastGradientClipping, name)
 
     def method(self: DPTensorRandomizedClipping, *args: Any) -> DPTensorRandomizedClipping:
+        try:
+            for other in args:
+                _check_operand(self, name, other)
+        except TypeError:
+            # Raised between a forward and its backward: drop the forward's records (nothing
+            # reached a gradient yet), so the next forward starts the step afresh.
+            self.module.discard_recorded()
+            raise
         out = base(self, *args)
         return DPTensorRandomizedClipping(
             out.module, out.optimizer, out.loss_per_sample, out.loss_reduction
@@ -317,6 +363,14 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 UserWarning,
                 stacklevel=2,
             )
+        if shape is not None and "target" in kwargs and len(args) <= 1:
+            # Opacus reads the targets (for ignore_index) from args[1] only: with
+            # ``criterion(logits, target=labels, shape=...)`` it averaged each sample's loss
+            # over all T positions, ignored ones included (meta-pytorch/opacus#792 again).
+            # Pass them by position, as nn.CrossEntropyLoss.forward(input, target) binds them.
+            if not args:
+                args = (kwargs.pop("input"),) if "input" in kwargs else ()
+            args = (*args, kwargs.pop("target"))
         out = super().__call__(*args, shape=shape, **kwargs)
         return DPTensorRandomizedClipping(
             out.module, out.optimizer, out.loss_per_sample, out.loss_reduction
