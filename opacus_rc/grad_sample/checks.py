@@ -358,8 +358,8 @@ class ParameterUseCheck:
                 "without the module's hooks). Randomized clipping measures each per-sample "
                 "norm from the owning module's own forward, so that use would get a gradient "
                 "no norm accounts for. Call the module itself (model.fc(h)), give the other use "
-                "its own module, or freeze the parameter. (Under torch.autocast a weight is cast once per "
-                "autocast region, at its first use: enter autocast once per forward pass, and "
-                "not around an earlier use of the weight outside its module.)"
+                "its own module, or freeze the parameter. (Under torch.autocast a weight is cast "
+                "once per autocast region, at its first use: enter autocast once per forward "
+                "pass, and not around an earlier use of the weight outside its module.)"
             )
         return reentrant
