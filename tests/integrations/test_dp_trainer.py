@@ -278,7 +278,7 @@ def test_gradient_checkpointing_equals_plain(tmp_path: Path, flag: str) -> None:
         **SGD,
     )
     tr.train()
-    assert tr.model.is_gradient_checkpointing
+    assert tr.model.is_activation_checkpointing
     ckpt = th.params(tr.model)
     for name in plain:
         torch.testing.assert_close(plain[name], ckpt[name], rtol=1e-5, atol=1e-6)
