@@ -9,18 +9,22 @@ seed), the same physical batch, sketch, optimizer and noise multiplier, run
   ``clipping="randomized"``, Opacus' ``BatchMemoryManager`` for the physical batches, the
   per-token loss with ``shape=(B, T - 1)``, ``loss.backward()``, ``optimizer.step()``.
 
-The step time is the interval between consecutive optimizer steps (``on_step_end`` of a
-Trainer callback; after ``optimizer.step()`` in the loop), so both include loading and
-collating the batch, every micro-batch's forward and private backward, the noise and the
-accountant's step. The first ``warmup`` steps are dropped. The runs alternate (trainer, loop,
-trainer, loop, ...) so that drift in the machine's speed falls on both; the ratio is that of
-the summed step times of the same steps, per pair of runs, and its median over pairs is
-reported (the issue's floor: <= 1.05). Two clocks: wall time (``time.perf_counter``) and the
-process's CPU time (``time.process_time``; with one torch thread and no loader workers, the
-work this process did). On a machine shared with other jobs the wall time of a step also
-counts the time the process waited for a core, which drifts by tens of percent within a
-minute; the CPU-time ratio is the measure of the work the Trainer path adds, the wall ratio is
-reported beside it. Epsilon is not computed inside the measured steps
+The two are **interleaved step by step in one process**: a Trainer callback, at the end of
+each trainer step, runs one logical step of the hand loop (a generator), so that both see the
+same machine at the same minute; the first ``warmup`` steps of each are dropped, and the ratio
+is that of the summed step times of the same steps. A trainer step is timed from the end of
+the preceding hand-loop step to the trainer's next ``on_step_end`` (so it holds everything the
+Trainer does between two steps: fetching and collating the logical batch, every micro-batch's
+forward and private backward, the noise, the optimizer and accountant step, the scheduler, its
+callbacks and logging checks); a hand-loop step from its ``next`` to its yield after
+``optimizer.step()`` (loading, the micro-batches, the noisy step, the scheduler). The run is
+repeated ``pairs`` times (a fresh trainer and loop each) and the median ratio over the
+repetitions is reported (the issue's floor: <= 1.05). Two clocks: wall time
+(``time.perf_counter``) and the process's CPU time (``time.process_time``; with one torch
+thread and no loader workers, the work this process did). On a machine shared with other jobs
+the wall time also counts the time the process waited for a core; step-by-step interleaving
+puts that wait on both paths alike, and the CPU-time ratio is reported beside it (it is not
+free of the load either: caches and memory bandwidth are shared). Epsilon is not computed inside the measured steps
 (``logging_steps`` beyond the run); one ``get_epsilon`` call is timed separately, since a
 Trainer that logs every ``n`` steps pays it every ``n`` steps.
 
@@ -52,7 +56,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +128,6 @@ def _stamp() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def _intervals(stamps: list[tuple[float, float]], clock: int) -> list[float]:
-    return [b[clock] - a[clock] for a, b in zip(stamps[:-1], stamps[1:])]
-
-
 def make_model(cfg: dict[str, Any]) -> torch.nn.Module:
     import transformers
 
@@ -169,20 +169,43 @@ class CountingCollate:
 
 
 def run_trainer(cfg: dict[str, Any], model: torch.nn.Module, data: list, out: Path) -> dict:
-    """``DPTrainer`` for ``cfg["steps"]`` steps; its step intervals, sigma, epsilon, seed."""
+    """``DPTrainer`` for ``cfg["steps"]`` steps, with one hand-loop step after each of its steps.
+
+    Returns:
+        The trainer's step intervals, sigma, epsilon, seed, history, and under ``"loop"`` the
+        hand loop's (:func:`loop_result`).
+    """
     import transformers
 
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
 
-    stamps: list[tuple[float, float]] = []
+    stamps: list[tuple[tuple[float, float], tuple[float, float]]] = []
+    loop_stamps: list[tuple[tuple[float, float], tuple[float, float]]] = []
     counting = CountingCollate()
+    holder: dict[str, Any] = {}
 
     class Stamp(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(_stamp())
+        """Times each trainer step, then runs one hand-loop step (timed on its own)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
-            stamps.append(_stamp())
+            trainer = holder["trainer"]
+            holder["loop"] = hand_loop(
+                cfg,
+                make_model(cfg),
+                data,
+                sigma=trainer.dp_optimizer.noise_multiplier,
+                seed=trainer._poisson_sampler.seed,
+            )
+            holder["loop_state"] = next(holder["loop"])  # set-up, not timed
+            holder["start"] = _stamp()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = _stamp()
+            stamps.append((holder["start"], end))
+            begin = _stamp()
+            holder["loop_state"] = next(holder["loop"])
+            loop_stamps.append((begin, _stamp()))
+            holder["start"] = _stamp()
 
     args = transformers.TrainingArguments(
         output_dir=str(out / "trainer_overhead_run"),
@@ -215,15 +238,17 @@ def run_trainer(cfg: dict[str, Any], model: torch.nn.Module, data: list, out: Pa
         privacy_args=privacy,
         callbacks=[Stamp()],
     )
+    holder["trainer"] = trainer
     trainer.train()
     t = time.perf_counter()
     trainer._epsilon_cache = None
     epsilon = trainer.get_epsilon()
     epsilon_s = time.perf_counter() - t
     return {
-        "steps": _intervals(stamps, 0),
-        "cpu": _intervals(stamps, 1),
+        "steps": [b[0] - a[0] for a, b in stamps],
+        "cpu": [b[1] - a[1] for a, b in stamps],
         "examples": sum(counting.sizes),
+        "loop": loop_result(cfg, holder["loop_state"], loop_stamps),
         "noise_multiplier": trainer.dp_optimizer.noise_multiplier,
         "sample_rate": trainer.privacy_engine.accountant.history[0][1],
         "epsilon": epsilon,
@@ -234,10 +259,15 @@ def run_trainer(cfg: dict[str, Any], model: torch.nn.Module, data: list, out: Pa
     }
 
 
-def run_loop(
+def hand_loop(
     cfg: dict[str, Any], model: torch.nn.Module, data: list, *, sigma: float, seed: int
-) -> dict:
-    """The README's hand-written loop on the trainer's batches; its step intervals, epsilon."""
+) -> Iterator[dict]:
+    """The README's hand-written loop on the trainer's batches, one logical step per ``next``.
+
+    Everything before the first step (``make_private``, the loader) runs at the first ``next``;
+    each later ``next`` runs one logical step (every micro-batch's forward and private backward,
+    the noisy step, the scheduler) and yields the state: examples collated so far, the engine.
+    """
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
     from opacus_rc import PrivacyEngine
@@ -269,7 +299,8 @@ def run_loop(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer.original_optimizer, lambda s: 1 - s / cfg["steps"]
     )
-    stamps = [_stamp()]
+    state = {"counting": counting, "engine": engine}
+    yield state  # set up
     done = 0
     while done < cfg["steps"]:
         with BatchMemoryManager(
@@ -293,13 +324,18 @@ def run_loop(
                 if not optimizer._is_last_step_skipped:
                     schedule.step()
                     done += 1
-                    stamps.append(_stamp())
+                    yield state
                     if done == cfg["steps"]:
                         break
+
+
+def loop_result(cfg: dict[str, Any], state: dict, stamps: list) -> dict:
+    """The hand loop's step intervals, examples and epsilon."""
+    engine = state["engine"]
     return {
-        "steps": _intervals(stamps, 0),
-        "cpu": _intervals(stamps, 1),
-        "examples": sum(counting.sizes),
+        "steps": [b[0] - a[0] for a, b in stamps],
+        "cpu": [b[1] - a[1] for a, b in stamps],
+        "examples": sum(state["counting"].sizes),
         "epsilon": float(engine.get_epsilon(cfg["delta"])),
         "accountant_steps": len(engine.accountant),
         "history": engine.accountant.history,
@@ -372,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, trainer_runs, loop_runs = [], [], []
     for pair in range(cfg["pairs"]):
         tr = run_trainer(cfg, make_model(cfg), data, out)
-        lp = run_loop(cfg, make_model(cfg), data, sigma=tr["noise_multiplier"], seed=tr["seed"])
+        lp = tr["loop"]
         if tr["examples"] != lp["examples"]:
             raise RuntimeError(
                 f"the trainer collated {tr['examples']} examples, the loop {lp['examples']}: "
