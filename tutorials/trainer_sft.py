@@ -48,22 +48,23 @@
 # set `OPACUS_RC_SMOKE=1` to run everything on a few short passages (what CI does).
 #
 # **What the committed run printed** (`tutorials/outputs/trainer_sft.{json,md}`; one torch
-# thread on the shared 2-core machine, load average 5-6, 742 s for the whole notebook):
+# thread on the 2-core machine, load average 0.8-0.9, 291 s for the whole notebook):
 #
 # | run | held-out loss before | after | perplexity after | epsilon | steps | training |
 # |---|---|---|---|---|---|---|
-# | DP (`DPSFTTrainer`, randomized clipping, sigma = 0.647, q = 1/12) | 4.0522 | 4.0146 | 55.40 | 7.995 | 12 | 286 s |
-# | non-private (`trl.SFTTrainer`) | 4.0522 | 3.3212 | 27.69 | - | 12 | 265 s |
+# | DP (`DPSFTTrainer`, randomized clipping, sigma = 0.647, q = 1/12) | 4.0522 | 3.9966 | 54.41 | 7.995 | 12 | 108 s |
+# | non-private (`trl.SFTTrainer`) | 4.0522 | 3.3212 | 27.69 | - | 12 | 115 s |
 #
 # At epsilon = 8 with 186 records and 12 steps of 16 the noise (sigma C / 16 per coordinate
-# of the mean) swamps most of the signal: the DP run moves the held-out loss by 0.04 nats, the
-# non-private one by 0.73. More records, larger logical batches or more epochs at the same
+# of the mean) swamps most of the signal: the DP run moves the held-out loss by 0.06 nats, the
+# non-private one by 0.73 (the DP noise is drawn from the operating system, so a re-run gives
+# other DP numbers: an earlier run ended at 4.0146). More records, larger logical batches or more epochs at the same
 # epsilon are what close that gap; the DP step itself costs about what the non-private one
-# does (286 s against 265 s of training here).
+# does (108 s against 115 s of training here).
 #
-# Without TRL, the same run works with `opacus_rc.integrations.transformers.DPTrainer`: tokenize
-# the passages yourself and pass `DataCollatorForLanguageModeling(tokenizer, mlm=False)` as
-# the data collator (the README's "With the Hugging Face Trainer" shows it).
+# Without TRL (or with `OPACUS_RC_NO_TRL=1`) the same run goes through
+# `opacus_rc.integrations.transformers.DPTrainer` and `transformers.Trainer`: the passages are
+# tokenized here and padded by a collator of a few lines (`pad_collate` below).
 
 # %%
 import json
@@ -79,7 +80,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import datasets  # noqa: E402
 import peft  # noqa: E402
 import torch  # noqa: E402
-import trl  # noqa: E402
+import transformers  # noqa: E402
+
+try:  # TRL is optional: without it the same run goes through transformers.Trainer
+    import trl
+except ImportError:
+    trl = None
+if os.environ.get("OPACUS_RC_NO_TRL") == "1":  # run the TRL-free path (its smoke test does)
+    trl = None
+USE_TRL = trl is not None
 
 HERE = Path.cwd() if "__file__" not in globals() else Path(__file__).resolve().parent
 if not (HERE / "rc_data.py").exists():
@@ -88,7 +97,10 @@ sys.path.insert(0, str(HERE))
 import rc_data  # noqa: E402
 import rc_models  # noqa: E402
 
-from opacus_rc.integrations.trl import DPSFTTrainer, PrivacyArguments  # noqa: E402
+from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments  # noqa: E402
+
+if USE_TRL:
+    from opacus_rc.integrations.trl import DPSFTTrainer
 
 datasets.disable_progress_bars()  # TRL's dataset preparation, a few lines per map
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -119,7 +131,10 @@ print(SETTINGS)
 # One or two threads (OMP_NUM_THREADS=1 gives one): more threads than free cores slow a shared
 # machine down far more than they help.
 torch.set_num_threads(min(2, torch.get_num_threads()))
-print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), trl {trl.__version__}")
+print(
+    f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+    + (f"trl {trl.__version__}: DPSFTTrainer" if USE_TRL else "no TRL: DPTrainer")
+)
 
 # %% [markdown]
 # ## 1. Data: one passage per speech
@@ -127,7 +142,9 @@ print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), trl {trl
 # The 233 speeches are split by speech (`rc_data.split_records`, seed 0, 20% held out). Each
 # speech gives its first `max_length` tokens as one `{"text": ...}` example, which TRL
 # tokenizes (and ends with the EOS token) as in any SFT script; `SFTConfig(max_length=...)`
-# truncates. Because a speech appears exactly once, the guarantee is per speech.
+# truncates. Without TRL the passages are tokenized here the same way (text, then EOS, cut at
+# `max_length`) and padded by a small collator whose labels are `-100` on padding. Because a
+# speech appears exactly once, the guarantee is per speech.
 
 # %%
 tokenizer = rc_models.load_smollm2_tokenizer()
@@ -141,19 +158,38 @@ if SMOKE:
 def passages(records: list[dict]) -> datasets.Dataset:
     ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
     texts = [tokenizer.decode(x[: SETTINGS["max_length"] - 1]) for x in ids]
-    return datasets.Dataset.from_dict({"text": texts})
+    if USE_TRL:
+        return datasets.Dataset.from_dict({"text": texts})
+    tokens = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return datasets.Dataset.from_dict(
+        {"input_ids": [(x + [eos])[: SETTINGS["max_length"]] for x in tokens]}
+    )
+
+
+def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right padding (TRL-free path); labels are the input ids, -100 on padding."""
+    t = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), t), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 train_set, test_set = passages(train_records), passages(test_records)
 print(f"{len(train_set)} training speeches, {len(test_set)} held-out speeches")
-print("a training passage:", repr(train_set[0]["text"][:160]))
+first = train_set[0]["text"] if USE_TRL else tokenizer.decode(train_set[0]["input_ids"])
+print("a training passage:", repr(first[:160]))
 
 # %% [markdown]
 # ## 2. The model and the shared configuration
 #
 # SmolLM2-135M (`LlamaForCausalLM`, tied embedding and LM head) with LoRA adapters of rank 8
 # on the attention's query and value projections: 0.46 M trainable parameters, everything else
-# frozen. Both runs get a fresh copy and the same `SFTConfig`; only the privacy differs.
+# frozen. Both runs get a fresh copy and the same `SFTConfig` (`TrainingArguments` without
+# TRL); only the privacy differs.
 # `bf16=False` and `gradient_checkpointing=False` replace TRL's defaults because this CPU run
 # is faster without them (both work with the DP trainer). The Trainer's own `max_grad_norm`
 # (clipping of the summed gradient) is 0: the DP trainer clips each speech instead.
@@ -165,7 +201,7 @@ lora = peft.LoraConfig(
 )  # fmt: skip
 
 
-def sft_config(name: str, **overrides) -> trl.SFTConfig:
+def sft_config(name: str, **overrides) -> transformers.TrainingArguments:
     kw = {
         "output_dir": str(SCRATCH / name),
         "per_device_train_batch_size": SETTINGS["physical_batch_size"],
@@ -188,7 +224,24 @@ def sft_config(name: str, **overrides) -> trl.SFTConfig:
         "seed": SETTINGS["seed"],
     }
     kw.update(overrides)
-    return trl.SFTConfig(**kw)
+    if USE_TRL:
+        return trl.SFTConfig(**kw)
+    del kw["max_length"]  # the passages were cut to max_length when tokenized
+    return transformers.TrainingArguments(remove_unused_columns=False, **kw)
+
+
+def make_trainer(args: transformers.TrainingArguments, privacy_args=None):
+    """A fresh SmolLM2 with LoRA in a DPSFTTrainer / SFTTrainer (DPTrainer / Trainer without
+    TRL); private when ``privacy_args`` is given."""
+    model = rc_models.load_smollm2(task="causal_lm")
+    private = {} if privacy_args is None else {"privacy_args": privacy_args}
+    if USE_TRL:
+        cls = trl.SFTTrainer if privacy_args is None else DPSFTTrainer
+        return cls(model=model, args=args, train_dataset=train_set, processing_class=tokenizer,
+                   peft_config=lora, **private)  # fmt: skip
+    cls = transformers.Trainer if privacy_args is None else DPTrainer
+    return cls(model=peft.get_peft_model(model, lora), args=args, train_dataset=train_set,
+               data_collator=pad_collate, **private)  # fmt: skip
 
 
 def held_out_loss(trainer) -> float:
@@ -197,7 +250,7 @@ def held_out_loss(trainer) -> float:
 
 
 # %% [markdown]
-# ## 3. DP fine-tuning with `DPSFTTrainer`
+# ## 3. DP fine-tuning with `DPSFTTrainer` (`DPTrainer` without TRL)
 #
 # `PrivacyArguments` could equally come from the command line
 # (`HfArgumentParser((SFTConfig, PrivacyArguments))`). When training starts, the trainer makes
@@ -214,21 +267,14 @@ privacy = PrivacyArguments(
     sketch_dim=SETTINGS["sketch_dim"],
 )
 t0 = time.perf_counter()
-dp = DPSFTTrainer(
-    model=rc_models.load_smollm2(task="causal_lm"),
-    args=sft_config("dp"),
-    train_dataset=train_set,
-    processing_class=tokenizer,
-    peft_config=lora,
-    privacy_args=privacy,
-)
+dp = make_trainer(sft_config("dp"), privacy_args=privacy)
 dp_before = held_out_loss(dp)
 t_train = time.perf_counter()
 dp_out = dp.train()
 dp_train_time = time.perf_counter() - t_train
 dp_after = held_out_loss(dp)
 dp_result = {
-    "run": "DP (DPSFTTrainer, randomized clipping)",
+    "run": f"DP ({type(dp).__name__}, randomized clipping)",
     "held_out_loss_before": dp_before,
     "held_out_loss_after": dp_after,
     "epsilon": dp.get_epsilon(),
@@ -257,21 +303,17 @@ for entry in [h for h in dp.state.log_history if "loss" in h][-3:]:
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
 
 # %% [markdown]
-# ## 4. The same SFT without privacy (`trl.SFTTrainer`)
+# ## 4. The same SFT without privacy (`trl.SFTTrainer`; `transformers.Trainer` without TRL)
 
 # %%
 t0 = time.perf_counter()
-plain = trl.SFTTrainer(
-    model=rc_models.load_smollm2(task="causal_lm"),
-    args=sft_config(
+plain = make_trainer(
+    sft_config(
         "nonprivate",
         gradient_accumulation_steps=SETTINGS["expected_batch_size"]
         // SETTINGS["physical_batch_size"],
         max_steps=dp_result["steps"],  # the same number of optimizer steps
-    ),
-    train_dataset=train_set,
-    processing_class=tokenizer,
-    peft_config=lora,
+    )
 )
 plain_before = held_out_loss(plain)
 t_train = time.perf_counter()
@@ -279,7 +321,7 @@ plain.train()
 plain_train_time = time.perf_counter() - t_train
 plain_after = held_out_loss(plain)
 plain_result = {
-    "run": "non-private (trl.SFTTrainer)",
+    "run": f"non-private ({type(plain).__module__.split('.')[0]}.{type(plain).__name__})",
     "held_out_loss_before": plain_before,
     "held_out_loss_after": plain_after,
     "epsilon": None,
@@ -312,8 +354,8 @@ for r in rows:
     )
 table = "\n".join(table)
 print(table)
-results = {"settings": SETTINGS, "smoke": SMOKE, "dp": dp_result, "nonprivate": plain_result,
-           "torch_threads": torch.get_num_threads()}  # fmt: skip
+results = {"settings": SETTINGS, "smoke": SMOKE, "trl": USE_TRL, "dp": dp_result,
+           "nonprivate": plain_result, "torch_threads": torch.get_num_threads()}  # fmt: skip
 (OUTPUTS / "trainer_sft.json").write_text(json.dumps(results, indent=2) + "\n")
 (OUTPUTS / "trainer_sft.md").write_text(table + "\n")
 print(f"results: {OUTPUTS / 'trainer_sft.json'}")
