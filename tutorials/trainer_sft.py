@@ -58,9 +58,9 @@
 # At epsilon = 8 with 186 records and 12 steps of 16 the noise (sigma C / 16 per coordinate
 # of the mean) swamps most of the signal: the DP run moves the held-out loss by 0.06 nats, the
 # non-private one by 0.73 (the DP noise is drawn from the operating system, so a re-run gives
-# other DP numbers: an earlier run ended at 4.0146). More records, larger logical batches or more epochs at the same
-# epsilon are what close that gap; the DP step itself costs about what the non-private one
-# does (108 s against 115 s of training here).
+# other DP numbers: an earlier run ended at 4.0146). More records, larger logical batches or
+# more epochs at the same epsilon are what close that gap; the DP step itself costs about what
+# the non-private one does (108 s against 115 s of training here).
 #
 # Without TRL (or with `OPACUS_RC_NO_TRL=1`) the same run goes through
 # `opacus_rc.integrations.transformers.DPTrainer` and `transformers.Trainer`: the passages are
