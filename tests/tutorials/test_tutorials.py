@@ -50,7 +50,7 @@ def test_tutorial_runs_in_smoke_mode(name: str, tmp_path: Path) -> None:
 
 
 # Tutorials committed with an executed notebook (all of them).
-NOTEBOOKS = [*TUTORIALS, "dp_lora_spectral_denoising"]
+NOTEBOOKS = [*TUTORIALS, "dp_lora_spectral_denoising", "trainer_sft"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
