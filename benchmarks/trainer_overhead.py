@@ -1,8 +1,9 @@
 """Issue 22: what ``DPTrainer`` adds to a randomized-clipping step, and its epsilon.
 
 Part 1, **time per logical step**: the same DP-SGD-RC training, on the same model, the same
-Poisson logical batches (one :class:`~opacus_rc.integrations.transformers.PoissonLogicalBatchSampler`
-seed), the same physical batch, sketch, optimizer and noise multiplier, run
+Poisson logical batches (one
+:class:`~opacus_rc.integrations.transformers.PoissonLogicalBatchSampler` seed), the same
+physical batch, sketch, optimizer and noise multiplier, run
 
 * by ``DPTrainer`` (``transformers.Trainer``): its loop, callbacks, scheduler and accounting;
 * by a hand-written loop as the README writes it: ``PrivacyEngine.make_private`` with
@@ -24,7 +25,8 @@ repetitions is reported (the issue's floor: <= 1.05). Two clocks: wall time
 thread and no loader workers, the work this process did). On a machine shared with other jobs
 the wall time also counts the time the process waited for a core; step-by-step interleaving
 puts that wait on both paths alike, and the CPU-time ratio is reported beside it (it is not
-free of the load either: caches and memory bandwidth are shared). Epsilon is not computed inside the measured steps
+free of the load either: caches and memory bandwidth are shared). Epsilon is not computed
+inside the measured steps
 (``logging_steps`` beyond the run); one ``get_epsilon`` call is timed separately, since a
 Trainer that logs every ``n`` steps pays it every ``n`` steps.
 

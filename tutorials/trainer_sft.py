@@ -52,7 +52,7 @@
 #
 # | run | held-out loss before | after | perplexity after | epsilon | steps | training |
 # |---|---|---|---|---|---|---|
-# | DP (`DPSFTTrainer`, randomized clipping, sigma = 0.647, q = 1/12) | 4.0522 | 3.9966 | 54.41 | 7.995 | 12 | 108 s |
+# | DP (`DPSFTTrainer`, sigma = 0.647, q = 1/12) | 4.0522 | 3.9966 | 54.41 | 7.995 | 12 | 108 s |
 # | non-private (`trl.SFTTrainer`) | 4.0522 | 3.3212 | 27.69 | - | 12 | 115 s |
 #
 # At epsilon = 8 with 186 records and 12 steps of 16 the noise (sigma C / 16 per coordinate
