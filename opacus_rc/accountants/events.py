@@ -70,7 +70,7 @@ class RandomizedClipDpEvent:
 
     Attributes:
         noise_multiplier: ``sigma``, noise standard deviation in units of the clipping bound
-            (finite, > 0).
+            (finite, > 0; or 0 for a step without noise, whose epsilon is infinite).
         sample_rate: ``q``, Poisson sampling probability, in ``(0, 1]``.
         sketch_spec: The sketch that produced the clip factors (a
             :class:`~opacus_rc.sketching.SketchSpec`; its ``to_dict()`` form is converted), or
@@ -91,7 +91,8 @@ class RandomizedClipDpEvent:
     threat_model: str = "hidden"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", check_sigma(self.noise_multiplier))
+        sigma = check_sigma(self.noise_multiplier, allow_zero=True)
+        object.__setattr__(self, "noise_multiplier", sigma)
         object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
         spec = sketch_spec_from(self.sketch_spec)
         object.__setattr__(self, "sketch_spec", spec)

@@ -26,6 +26,7 @@ RDP and GDP are never used: the RDP of randomized clipping is infinite (docs/pri
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -104,6 +105,7 @@ class RCAccountant(IAccountant):
         self.threat_model = threat_model
         self.eps_error = float(eps_error)
         self._warned_revealed = False
+        self._warned_noiseless = False
 
     def mark_revealed_warning_given(self) -> None:
         """Skip the one-time log warning of :meth:`step` for a sketch that is not secret.
@@ -146,14 +148,20 @@ class RCAccountant(IAccountant):
         the threat model this accountant uses for ``sketch_spec`` (``"revealed"`` for a sketch
         shared across samples or not secret, with a warning the first time) and composes it.
 
+        A step without noise (``noise_multiplier = 0``, a debugging run that separates the
+        clipping's effect from the noise's) is recorded, with a ``UserWarning`` the first time:
+        from then on :meth:`get_epsilon` is ``inf``, as Opacus' accountants report it.
+
         Args:
-            noise_multiplier: Noise std in units of the clipping bound (> 0).
+            noise_multiplier: Noise std in units of the clipping bound (> 0, or 0 for a step
+                without noise).
             sample_rate: Poisson sampling probability of the step, in ``(0, 1]``.
             sketch_spec: The sketch that produced the step's clip factors; ``None`` for exact
                 clipping (e.g. a plain Opacus optimizer).
 
         Raises:
-            ValueError: on ``noise_multiplier <= 0`` or ``sample_rate`` outside ``(0, 1]``.
+            ValueError: on ``noise_multiplier < 0`` (or not finite) or ``sample_rate``
+                outside ``(0, 1]``.
         """
         spec = sketch_spec_from(sketch_spec)
         event = RandomizedClipDpEvent(
@@ -162,6 +170,14 @@ class RCAccountant(IAccountant):
             sketch_spec=spec,
             threat_model=self._mode_for(spec, warn=True),
         )
+        if event.noise_multiplier == 0.0 and not getattr(self, "_warned_noiseless", False):
+            warnings.warn(
+                "RCAccountant recorded a step without noise (noise_multiplier=0): the run is "
+                "not differentially private, and get_epsilon() is inf from now on",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._warned_noiseless = True
         self.compose(event)
 
     def supports(self, event: Any) -> bool:

@@ -389,7 +389,7 @@ def test_noise_search_argument_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"noise_multiplier": 0.0, "sample_rate": Q}, "noise_multiplier must be a finite"),
+        ({"noise_multiplier": math.nan, "sample_rate": Q}, "noise_multiplier must be a finite"),
         ({"noise_multiplier": -0.5, "sample_rate": Q}, "noise_multiplier must be a finite"),
         ({"noise_multiplier": 1.0, "sample_rate": 0.0}, r"sample_rate must be in \(0, 1\]"),
         ({"noise_multiplier": 1.0, "sample_rate": 1.01}, r"sample_rate must be in \(0, 1\]"),
