@@ -25,6 +25,7 @@ steps)``, becomes an event, and :func:`history_entry` the inverse.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ def event_from_history_entry(
     if (
         isinstance(steps, bool)
         or not isinstance(steps, numbers.Real)
-        or not steps >= 0
+        or not 0 <= steps < math.inf
         or int(steps) != steps
     ):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import fft, special
 
-from opacus_rc.accountants import EpsilonOutOfRangeError, RCAccountant
+from opacus_rc.accountants import EpsilonOutOfRangeError, RCAccountant, get_noise_multiplier
 from opacus_rc.accountants.analysis.epsilon import Segment, compute_epsilon
 from opacus_rc.sketching import SketchSpec
 
@@ -127,3 +127,71 @@ def test_steps_without_noise_are_recorded_at_infinite_epsilon() -> None:
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0"):
             acc.step(noise_multiplier=bad, sample_rate=0.01)
+
+
+# ----------------------------------------------------------------------------- item 4
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": math.inf}, r"steps must be a finite integer >= 1, got inf"),
+        ({"steps": math.nan}, r"steps must be a finite integer >= 1, got nan"),
+        ({"steps": 0}, r"steps must be a finite integer >= 1, got 0"),
+        ({"epochs": math.inf}, r"epochs must be a finite number > 0, got inf"),
+        ({"epochs": 0.001}, r"gives int\(epochs / sample_rate\) = 0 steps"),
+        (
+            {"steps": 100, "target_epsilon": math.inf},
+            r"target_epsilon must be a finite number > 0, got inf",
+        ),
+        ({"steps": 100, "epsilon_tolerance": math.nan}, r"epsilon_tolerance must be a finite"),
+    ],
+)
+def test_noise_search_names_the_argument_and_its_range(kwargs: dict, match: str) -> None:
+    """Issue 24, item 4: steps = inf, epochs = inf and target_epsilon = inf raised a bare
+    ``OverflowError: cannot convert float infinity to integer`` (or, for the target, a
+    NumericalLimitError about sigma = 0.0078 whose advice did not apply), steps = nan
+    ``cannot convert float NaN to integer``. Each is now a ValueError naming the argument and
+    its valid range, raised before any accounting."""
+    args = {"target_epsilon": 1.0, "target_delta": 1e-5, "sample_rate": 0.01, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        get_noise_multiplier(**args)
+
+
+def test_history_with_infinite_steps_names_the_entry() -> None:
+    """A history entry with steps = inf (OverflowError before) is a ValueError naming it."""
+    acc = RCAccountant()
+    acc.history = [(1.0, 0.01, math.inf)]
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 0, got inf in \(1.0"):
+        acc.get_epsilon(1e-5)
+
+
+def test_noise_search_reaches_a_large_target_epsilon() -> None:
+    """Issue 24, item 1 through the search: target epsilon 1e3 (q = 0.5, 100 steps) raised
+    ``OverflowError: math range error`` inside the accountant. Now it returns a sigma whose
+    epsilon, recomputed by the accountant, is within the tolerance below the target; for
+    sigma / 1.01 it is above (so the answer is not a needlessly large sigma). The search
+    stops at MIN_SIGMA, the smallest positive sigma the accountant computes."""
+    from opacus_rc.accountants.noise_search import MIN_SIGMA
+
+    sigma = get_noise_multiplier(target_epsilon=1e3, target_delta=1e-5, sample_rate=0.5, steps=100)
+    assert MIN_SIGMA == 0.01 and sigma > MIN_SIGMA
+
+    def eps(s: float) -> float:
+        acc = RCAccountant()
+        acc.history = [(s, 0.5, 100)]
+        return acc.get_epsilon(1e-5)
+
+    assert 1e3 - 0.01 <= eps(sigma) <= 1e3
+    assert eps(sigma / 1.01) > 1e3
+
+
+def test_out_of_range_error_says_which_epsilon() -> None:
+    """Issue 24, item 4: EpsilonOutOfRangeError said "epsilon exceeds every value this
+    accountant certifies at this delta" without saying which. Now it names the direction,
+    the number of steps, the delta and the cap of the per-step loss (k = 1, sigma = 0.5,
+    q = 0.01, 1000 steps: the revealing tail of the envelope exceeds delta)."""
+    with pytest.raises(EpsilonOutOfRangeError) as info:
+        compute_epsilon([Segment(0.5, 0.01, 1000, 1)], delta=1e-5)
+    msg = str(info.value)
+    assert msg.startswith("remove direction (docs/privacy/adjacency.md), 1000 steps: epsilon")
+    assert "at delta=1e-05 is not finite for this analysis" in msg
+    assert "per step at most 200 nats" in msg and "Increase noise_multiplier" in msg
