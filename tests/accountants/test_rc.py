@@ -376,7 +376,7 @@ def test_noise_search_argument_errors() -> None:
         get_noise_multiplier(**kw, steps=10, epochs=1)
     with pytest.raises(ValueError, match="exactly one of steps and epochs"):
         get_noise_multiplier(**kw)
-    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+    with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
         get_noise_multiplier(target_epsilon=0.0, target_delta=DELTA, sample_rate=Q, steps=10)
     with pytest.raises(TypeError, match="must be an RCAccountant"):
         get_noise_multiplier(**kw, steps=10, accountant=PRVAccountant())
