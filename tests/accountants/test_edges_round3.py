@@ -9,13 +9,20 @@ upper (lower) end, which bounds the true epsilon from above (below), and closed 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
 import pytest
 from scipy import fft, special
 
-from opacus_rc.accountants import EpsilonOutOfRangeError, RCAccountant, get_noise_multiplier
+from opacus_rc.accountants import (
+    EpsilonOutOfRangeError,
+    NumericalLimitError,
+    RCAccountant,
+    get_noise_multiplier,
+)
+from opacus_rc.accountants.analysis import discrete
 from opacus_rc.accountants.analysis.epsilon import Segment, compute_epsilon
 from opacus_rc.sketching import SketchSpec
 
@@ -195,3 +202,47 @@ def test_out_of_range_error_says_which_epsilon() -> None:
     assert msg.startswith("remove direction (docs/privacy/adjacency.md), 1000 steps: epsilon")
     assert "at delta=1e-05 is not finite for this analysis" in msg
     assert "per step at most 200 nats" in msg and "Increase noise_multiplier" in msg
+
+
+# ----------------------------------------------------------------------------- item 3
+def _follow_the_advice(acc: RCAccountant, delta: float) -> tuple[str, float, float]:
+    """``(message, advised eps_error, epsilon)``: get_epsilon refuses at the accountant's
+    eps_error; the eps_error its message names is used once."""
+    with pytest.raises(NumericalLimitError) as info:
+        acc.get_epsilon(delta)
+    msg = str(info.value)
+    found = re.search(r"use eps_error=([0-9.]+) \(or larger\)", msg)
+    assert found, msg
+    advised = float(found.group(1))
+    return msg, advised, acc.get_epsilon(delta, eps_error=advised)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps", "k"),
+    [(1.0, 0.01, 1000, 8), (1.0, 0.01, 10_000, 8), (0.8, 0.05, 10_000, None)],
+)
+def test_the_advice_of_a_numerical_limit_works_when_followed(
+    monkeypatch: pytest.MonkeyPatch, sigma: float, q: float, steps: int, k: int | None
+) -> None:
+    """Issue 24, item 3: the advice "increase eps_error (about 2.5 times)" rounded the factor
+    down (2.54 -> "2.5") and then refused again. The message now names an eps_error (the
+    factor times a margin, rounded up); followed once, it gives an epsilon. On small inputs
+    with the FFT limit lowered to 2^18 points (the same code path as the full limit): randomized
+    clipping with a heavy tail (k = 8) and exact clipping."""
+    monkeypatch.setattr(discrete, "MAX_FFT_POINTS", 2**18)
+    acc = RCAccountant(sketch_dim=k)
+    acc.history = [(sigma, q, steps)]
+    msg, advised, eps = _follow_the_advice(acc, 1e-5)
+    assert advised > acc.eps_error and math.isfinite(eps) and eps > 0.0
+    assert "about" not in msg.split(";")[-1]  # no rounded-down factor any more
+
+
+@pytest.mark.slow
+def test_the_advice_at_k8_and_1e5_steps_works_when_followed() -> None:
+    """Issue 24, item 3, the reported case at the real FFT limit: k = 8, sigma = 1, q = 0.01,
+    10^5 steps, delta = 1e-5 advised "about 2.5 times" (0.025 refused again, "about 1 times").
+    Now it advises eps_error = 0.03, which succeeds (about 70 s on one core)."""
+    acc = RCAccountant(sketch_dim=8)
+    acc.history = [(1.0, 0.01, 10**5)]
+    _, advised, eps = _follow_the_advice(acc, 1e-5)
+    assert advised == 0.03 and 88.9 < eps < 89.1

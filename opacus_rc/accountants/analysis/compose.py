@@ -423,8 +423,9 @@ def compose_prvs(
     if points > discrete.MAX_FFT_POINTS:
         raise NumericalLimitError(
             f"composing {sum(counts)} steps at eps_error={eps_error:g} needs FFTs of about "
-            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); increase eps_error (about "
-            f"{points / discrete.MAX_FFT_POINTS:.2g} times) or reduce the number of steps"
+            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); "
+            f"{advice(eps_error, points / discrete.MAX_FFT_POINTS)}",
+            factor=points / discrete.MAX_FFT_POINTS,
         )
     plans = {0.0: plan}
 
@@ -453,11 +454,20 @@ def compose_prvs(
     for _ in range(4):
         tried.append(lam)
         plan = plan_for(lam)
-        pieces = [
-            discretise(p, plan.mesh0, lam, j, len(prvs), lower_tail) for j, p in enumerate(prvs)
-        ]
-        mgfs = [m for _, m in pieces]
-        final = _compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
+        try:
+            pieces = [
+                discretise(p, plan.mesh0, lam, j, len(prvs), lower_tail) for j, p in enumerate(prvs)
+            ]
+            mgfs = [m for _, m in pieces]
+            final = _compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
+        except NumericalLimitError as err:
+            if err.factor is None:
+                raise
+            raise NumericalLimitError(
+                f"composing {sum(counts)} steps at eps_error={eps_error:g}: {err}; "
+                f"{advice(eps_error, err.factor)}",
+                factor=err.factor,
+            ) from err
         eta_eps = math.sqrt(final.nu2 * log_beta / 2.0)
         finite_part, grid, lo_eps = _solver(final, _tilt_reference(mgfs, counts, lam))
         moved = 2.0 * final.misplaced + _moved(final.ops, final.v.size, 0)
@@ -519,6 +529,30 @@ def _mass_at_infinity(masses: Sequence[float], counts: Sequence[int]) -> float:
     if any(m >= 1.0 for m in masses):
         return 1.0
     return -math.expm1(sum(n * math.log1p(-m) for m, n in zip(masses, counts)))
+
+
+#: Margin of :func:`advice` over the factor by which the vector that hit the limit is too long
+#: (the windows of the products are only estimated by the plan).
+ADVICE_MARGIN = 1.15
+
+
+def advice(eps_error: float, factor: float) -> str:
+    """The advice of a :class:`NumericalLimitError`: an ``eps_error`` at which the vector that
+    hit the limit fits, ``eps_error * factor * ADVICE_MARGIN`` rounded *up* to two significant
+    digits (every mesh is proportional to ``eps_error``, so every vector shrinks by the
+    factor); or, if that is not below 1 (the largest ``eps_error`` the accountant accepts),
+    that no budget fits."""
+    need = eps_error * max(factor, 1.0) * ADVICE_MARGIN
+    unit = 10.0 ** (math.floor(math.log10(need)) - 1)
+    value = math.ceil(need / unit - 1e-9) * unit
+    if value >= 1.0:
+        return (
+            f"no eps_error below 1 fits (it would need about {need:.3g}): reduce the number "
+            "of steps"
+        )
+    return (
+        f"increase eps_error: use eps_error={value:.2g} (or larger), or reduce the number of steps"
+    )
 
 
 def _constant(value: float):
