@@ -62,7 +62,8 @@ class RCAccountant(IAccountant):
     **Adjacency**: the epsilon of :meth:`get_epsilon` holds for *add/remove* adjacency only
     (neighbouring datasets differ by the presence of one record), as in Opacus. Under
     *replace-one* adjacency (one record's value changed) it does not hold: use
-    :meth:`get_epsilon_replace_one` (docs/privacy/adjacency.md). Heterogeneous histories (changing noise,
+    :meth:`get_epsilon_replace_one` (docs/privacy/adjacency.md). Heterogeneous histories
+    (changing noise,
     sample rate or sketch) compose; long horizons are composed in blocks
     (:mod:`~opacus_rc.accountants.analysis.compose`).
 
