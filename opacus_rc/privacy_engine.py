@@ -189,6 +189,12 @@ def _sample_rate(data_loader: DataLoader) -> float:
 class PrivacyEngine(PrivacyEngineSeams):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
+    Adjacency: :meth:`get_epsilon` (and the target of ``make_private_with_epsilon``) is the
+    epsilon for *add/remove* adjacency only (neighbouring datasets differ by the presence of
+    one record), as in Opacus; under *replace-one* adjacency it does not hold. With the RC
+    accountant, ``engine.accountant.get_epsilon_replace_one(delta)`` gives a valid
+    replace-one bound (docs/privacy/adjacency.md#adjacency-replace-one).
+
     Args:
         accountant: Name of an accountant in Opacus' registry. The default ``"rc"`` (registered
             by ``import opacus_rc``, and by this constructor) accounts for both randomized and

@@ -55,7 +55,7 @@ def test_heavy_tails_are_reported_out_of_range(capsys: pytest.CaptureFixture) ->
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        ("epsilon -s 0 -q 0.01 --steps 10", "noise_multiplier must be a finite number > 0"),
+        ("epsilon -s 0.005 -q 0.01 --steps 10", r"noise_multiplier must be >= 0.01 \(or 0"),
         ("epsilon -s 1 -q 1.5 --steps 10", r"sample_rate must be in \(0, 1\]"),
         ("epsilon -s 1 -q 0.01 --steps 10 --delta 1", r"delta must be in \(0, 1\)"),
         ("epsilon -s 1 -q 0.01 --steps -5", "--steps must be >= 0"),

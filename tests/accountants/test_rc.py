@@ -388,7 +388,7 @@ def test_noise_search_argument_errors() -> None:
         get_noise_multiplier(**kw, steps=10, epochs=1)
     with pytest.raises(ValueError, match="exactly one of steps and epochs"):
         get_noise_multiplier(**kw)
-    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+    with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
         get_noise_multiplier(target_epsilon=0.0, target_delta=DELTA, sample_rate=Q, steps=10)
     with pytest.raises(TypeError, match="must be an RCAccountant"):
         get_noise_multiplier(**kw, steps=10, accountant=PRVAccountant())
@@ -401,7 +401,7 @@ def test_noise_search_argument_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"noise_multiplier": 0.0, "sample_rate": Q}, "noise_multiplier must be a finite"),
+        ({"noise_multiplier": math.nan, "sample_rate": Q}, "noise_multiplier must be a finite"),
         ({"noise_multiplier": -0.5, "sample_rate": Q}, "noise_multiplier must be a finite"),
         ({"noise_multiplier": 1.0, "sample_rate": 0.0}, r"sample_rate must be in \(0, 1\]"),
         ({"noise_multiplier": 1.0, "sample_rate": 1.01}, r"sample_rate must be in \(0, 1\]"),

@@ -213,7 +213,7 @@ def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
     parameters by far more than the clipped one could."""
     torch.manual_seed(0)
     model = SeqMLP()
-    engine, module, opt, crit, _ = private(model, noise_multiplier=1e-6)
+    engine, module, opt, crit, _ = private(model, noise_multiplier=0.0)
     x, y = batch()
     if mistake == "plain_loss":
         (nn.CrossEntropyLoss()(module(x), y) * 1000).backward()
@@ -887,15 +887,13 @@ def test_zero_noise_refused_up_front_when_the_accountant_cannot_account_it(
     assert engine.dataset is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="accountant: RCAccountant.step must record sigma = 0 and get_epsilon return inf",
-)
 def test_zero_noise_with_the_rc_accountant_runs_with_infinite_epsilon() -> None:
-    """Issue 14, item 6 with the real RC accountant: a sigma = 0 debugging run steps, every
-    step is accounted, epsilon is infinite. Today RCAccountant refuses sigma = 0, so the engine
-    refuses the run up front (previous test)."""
+    """Issue 14, item 6 and issue 20, item 9 with the real RC accountant: a sigma = 0
+    debugging run with randomized clipping steps, every step is accounted (with its sketch
+    spec), epsilon is infinite. Before, RCAccountant refused sigma = 0, so the engine refused
+    the run up front and advised "an accountant that records sigma = 0", while every other
+    accountant is refused for randomized clipping. The accountant warns once, at its first
+    noiseless step (the engine's warning at make_private is the only one there)."""
     model = FlatMLP()
     engine = PrivacyEngine()
     (module, opt, crit, _), messages = _make_private_recording_warnings(
@@ -908,10 +906,19 @@ def test_zero_noise_with_the_rc_accountant_runs_with_infinite_epsilon() -> None:
         clipping="randomized",
     )
     assert messages == [_ZERO_NOISE_WARNING]
-    x, y = batch(seq=False)
-    crit(module(x), y).backward()
-    opt.step()
-    assert len(engine.accountant) == 1 and engine.get_epsilon(1e-5) == float("inf")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            x, y = batch(seq=False, seed=seed)
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    noiseless = [str(w.message) for w in record if "without noise" in str(w.message)]
+    assert len(noiseless) == 1 and "get_epsilon() is inf" in noiseless[0]
+    assert len(engine.accountant) == 2 and engine.get_epsilon(1e-5) == float("inf")
+    ((event, steps),) = engine.accountant.ledger
+    assert steps == 2 and event.noise_multiplier == 0.0
+    assert event.sketch_spec == module.sketch_spec and event.sketch_spec is not None
 
 
 def test_make_private_with_epsilon_accepts_rand_on_empty() -> None:

@@ -3,7 +3,7 @@
 Each test reproduces one report (its repository#number is in the test's comment and in
 CATALOGUE.md, section "Round 3 (reports)") as a small input: tiny models on the CPU, checked
 against a float64 oracle that computes one sample at a time with plain autograd (no hooks),
-with the noise made negligible (sigma = 1e-9) and clipping active, or against an independent
+with no noise (sigma = 0) and clipping active, or against an independent
 reference for accounting. Where the right answer is an error, the test checks the error and
 its advice, and that the step after it works.
 """
@@ -25,7 +25,7 @@ from opacus_rc.privacy_engine import PrivacyEngine
 
 D, H, K, B = 5, 6, 3, 4
 C = 0.5  # max_grad_norm: below every per-sample norm of these inputs, so clipping is active
-SIGMA = 1e-9  # the released gradient equals the clipped sum to float32 rounding
+SIGMA = 0.0  # no noise: the released gradient is the clipped sum (epsilon is infinite)
 
 
 class MLP(nn.Module):
@@ -548,7 +548,7 @@ def test_max_grad_norm_is_the_clipping_bound_used(max_grad_norm: float) -> None:
 def test_step_with_a_closure_clips_and_noises_the_closures_gradient() -> None:
     """``opt.step(closure)``, the closure running zero_grad, forward and the DP backward (as
     PyTorch Lightning's automatic optimization does): one accounted step whose update is
-    ``-lr * clipped_sum / B`` with the float64 oracle's clipped sum (sigma = 1e-9), the same as
+    ``-lr * clipped_sum / B`` with the float64 oracle's clipped sum (sigma = 0), the same as
     without a closure."""
     torch.manual_seed(0)
     model = MLP()

@@ -7,16 +7,20 @@ import math
 __all__ = ["check_choice", "check_delta", "check_q", "check_sigma"]
 
 
-def check_sigma(noise_multiplier: float) -> float:
-    """``noise_multiplier`` as a float; a finite number > 0 (noise std / clipping bound)."""
+def check_sigma(noise_multiplier: float, *, allow_zero: bool = False) -> float:
+    """``noise_multiplier`` as a float: finite and > 0 (noise std / clipping bound), or exactly
+    0 where ``allow_zero`` (a step without noise, whose epsilon is infinite)."""
     try:
         sigma = float(noise_multiplier)
     except (TypeError, ValueError):
         raise TypeError(f"noise_multiplier must be a number, got {noise_multiplier!r}") from None
+    if allow_zero and sigma == 0.0:
+        return 0.0
     if not (sigma > 0.0 and math.isfinite(sigma)):
+        zero = " or 0 (a step without noise)" if allow_zero else ""
         raise ValueError(
-            f"noise_multiplier must be a finite number > 0 (noise std / clipping bound), got "
-            f"{noise_multiplier!r}"
+            f"noise_multiplier must be a finite number > 0{zero} (noise std / clipping "
+            f"bound), got {noise_multiplier!r}"
         )
     return sigma
 

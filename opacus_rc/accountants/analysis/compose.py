@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import signal
 
 from opacus_rc.accountants.analysis import discrete
 from opacus_rc.accountants.analysis._checks import check_delta
@@ -171,24 +172,33 @@ def _solver(pmf: TiltedPmf, reference: float):
     ``delta_hat(eps) = p_inf + sum_{t_k >= eps} p_k (1 - e^{eps - t_k})`` with ``p_k`` from the
     tilted vector (negative round-off clipped to 0, which can only raise it), evaluated on
     ``eps >= lo_eps`` where the untilting factors stay below ``e^600``.
+
+    No factor can overflow at any ``eps``: with ``a_k = p_k e^{-log_scale}`` and ``i`` the
+    first grid point ``>= eps``, the sum is ``e^{log_scale} (A_i - e^{eps - t_i} B_i)``, where
+    ``A_i = sum_{k >= i} a_k`` and ``B_i = sum_{k >= i} a_k e^{-(t_k - t_i)}`` (the reverse
+    recursion ``B_i = a_i + e^{-mesh} B_{i+1}``, every term in ``[0, A_i]``), and
+    ``e^{eps - t_i} <= 1``; the product with ``e^{log_scale}`` is formed as a sum of
+    logarithms. A large epsilon (far above the tilted mean ``reference``) is therefore as
+    exact as a small one.
     """
     lam = pmf.lam
     t = pmf.offset + pmf.mesh * np.arange(pmf.v.size)
     v = np.maximum(pmf.v, 0.0)
-    reach = 0.5 * _EXP_MAX / max(lam, 1.0)  # both factors below e^300
+    reach = 0.5 * _EXP_MAX / max(lam, 1.0)  # the untilting factor below e^300
     first = int(np.searchsorted(t, reference - reach))
     t, v = t[first:], v[first:]
-    a = v * np.exp(-lam * (t - reference))
-    b = a * np.exp(-(t - reference))
+    with np.errstate(under="ignore"):
+        a = v * np.exp(-lam * (t - reference))
     s1 = np.cumsum(a[::-1])[::-1]
-    s2 = np.cumsum(b[::-1])[::-1]
+    # B_i = a_i + r B_{i+1}, r = e^{-mesh}: an exact first-order recursion, run backwards
+    s2 = signal.lfilter([1.0], [1.0, -math.exp(-pmf.mesh)], a[::-1])[::-1]
     log_scale = pmf.log_mgf - lam * reference
 
     def finite_part(eps: float) -> float:
         i = int(np.searchsorted(t, eps, side="left"))
         if i >= t.size:
             return 0.0
-        val = s1[i] - math.exp(eps - reference) * s2[i]
+        val = s1[i] - math.exp(min(eps - float(t[i]), 0.0)) * s2[i]
         return math.exp(min(log_scale + math.log(val), 700.0)) if val > 0.0 else 0.0
 
     lo_eps = float(t[0]) if first > 0 else -math.inf
@@ -389,13 +399,16 @@ def compose_prvs(
     counts = [int(n) for n in steps]
     if len(counts) != len(prvs) or not prvs or min(counts) < 1:
         raise ValueError("compose needs one positive step count per PRV")
-    p_inf = -math.expm1(sum(n * math.log1p(-p.pm_inf) for p, n in zip(prvs, counts)))
+    p_inf = _mass_at_infinity([p.pm_inf for p in prvs], counts)
     if p_inf >= delta - beta:
+        caps = sorted({p.t_cap for p in prvs if p.t_cap is not None})
+        cap = f" (per step at most {caps[-1]:g} nats)" if caps else ""
         raise EpsilonOutOfRangeError(
-            f"the mass at infinity of the composed privacy loss ({p_inf:.3g}: the revealing "
-            f"tail of the envelope and the loss above the cap) is not below delta - "
-            f"delta_error ({delta - beta:.3g}): epsilon exceeds every value this accountant "
-            "certifies at this delta. Increase noise_multiplier, sketch_dim or delta."
+            f"epsilon at delta={delta:g} is not finite for this analysis: the mass at infinity "
+            f"of the composed privacy loss ({p_inf:.3g}: the revealing tail of the envelope "
+            f"and the loss above the cap{cap}) is not below delta - delta_error "
+            f"({delta - beta:.3g}), so no finite epsilon is certified at this delta. Increase "
+            "noise_multiplier, sketch_dim or delta."
         )
     log_beta = math.log(1.0 / beta)
     log_tail = -math.log(WINDOW_TAIL)
@@ -410,9 +423,9 @@ def compose_prvs(
     if points > discrete.MAX_FFT_POINTS:
         raise NumericalLimitError(
             f"composing {sum(counts)} steps at eps_error={eps_error:g} needs FFTs of about "
-            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); increase eps_error "
-            "(about "
-            f"{points / discrete.MAX_FFT_POINTS:.2g} times) or reduce the number of steps"
+            f"{points:.3g} points (the limit is {discrete.MAX_FFT_POINTS}); "
+            f"{advice(eps_error, points / discrete.MAX_FFT_POINTS)}",
+            factor=points / discrete.MAX_FFT_POINTS,
         )
     plans = {0.0: plan}
 
@@ -441,11 +454,20 @@ def compose_prvs(
     for _ in range(4):
         tried.append(lam)
         plan = plan_for(lam)
-        pieces = [
-            discretise(p, plan.mesh0, lam, j, len(prvs), lower_tail) for j, p in enumerate(prvs)
-        ]
-        mgfs = [m for _, m in pieces]
-        final = _compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
+        try:
+            pieces = [
+                discretise(p, plan.mesh0, lam, j, len(prvs), lower_tail) for j, p in enumerate(prvs)
+            ]
+            mgfs = [m for _, m in pieces]
+            final = _compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
+        except NumericalLimitError as err:
+            if err.factor is None:
+                raise
+            raise NumericalLimitError(
+                f"composing {sum(counts)} steps at eps_error={eps_error:g}: {err}; "
+                f"{advice(eps_error, err.factor)}",
+                factor=err.factor,
+            ) from err
         eta_eps = math.sqrt(final.nu2 * log_beta / 2.0)
         finite_part, grid, lo_eps = _solver(final, _tilt_reference(mgfs, counts, lam))
         moved = 2.0 * final.misplaced + _moved(final.ops, final.v.size, 0)
@@ -498,6 +520,38 @@ def compose_prvs(
     raise NumericalLimitError(
         "the tail of the composed privacy loss could not be resolved to the precision this "
         f"delta needs (delta={delta:g}); increase delta or eps_error"
+    )
+
+
+def _mass_at_infinity(masses: Sequence[float], counts: Sequence[int]) -> float:
+    """``1 - prod_j (1 - masses[j])^counts[j]``: the composition's mass at ``+inf`` (1 if any
+    step puts all its mass there)."""
+    if any(m >= 1.0 for m in masses):
+        return 1.0
+    return -math.expm1(sum(n * math.log1p(-m) for m, n in zip(masses, counts)))
+
+
+#: Margin of :func:`advice` over the factor by which the vector that hit the limit is too long
+#: (the windows of the products are only estimated by the plan).
+ADVICE_MARGIN = 1.15
+
+
+def advice(eps_error: float, factor: float) -> str:
+    """The advice of a :class:`NumericalLimitError`: an ``eps_error`` at which the vector that
+    hit the limit fits, ``eps_error * factor * ADVICE_MARGIN`` rounded *up* to two significant
+    digits (every mesh is proportional to ``eps_error``, so every vector shrinks by the
+    factor); or, if that is not below 1 (the largest ``eps_error`` the accountant accepts),
+    that no budget fits."""
+    need = eps_error * max(factor, 1.0) * ADVICE_MARGIN
+    unit = 10.0 ** (math.floor(math.log10(need)) - 1)
+    value = math.ceil(need / unit - 1e-9) * unit
+    if value >= 1.0:
+        return (
+            f"no eps_error below 1 fits (it would need about {need:.3g}): reduce the number "
+            "of steps"
+        )
+    return (
+        f"increase eps_error: use eps_error={value:.2g} (or larger), or reduce the number of steps"
     )
 
 

@@ -256,8 +256,9 @@ def discretise(
     if limit and n > MAX_FFT_POINTS:
         raise NumericalLimitError(
             f"one step's privacy loss spans [{a:.4g}, {b:.4g}], which needs {n} cells at mesh "
-            f"{mesh:.3g} (more than {MAX_FFT_POINTS}); increase eps_error (about "
-            f"{n / MAX_FFT_POINTS:.2g} times) or the sketch dimension (a lighter tail)"
+            f"{mesh:.3g} (more than {MAX_FFT_POINTS}); increase eps_error (at least "
+            f"{n / MAX_FFT_POINTS:.3g} times) or the sketch dimension (a lighter tail)",
+            factor=n / MAX_FFT_POINTS,
         )
     mass = np.empty(n)
     if n == 1:
@@ -341,7 +342,8 @@ def product(
         raise NumericalLimitError(
             f"composing {sum(n for _, n in factors)} copies needs a window of "
             f"{max(width, longest)} points at mesh {mesh:.3g} (more than {MAX_FFT_POINTS}); "
-            "increase eps_error"
+            f"increase eps_error (at least {max(width, longest) / MAX_FFT_POINTS:.3g} times)",
+            factor=max(width, longest) / MAX_FFT_POINTS,
         )
     size = sp_fft.next_fast_len(max(width, longest, 2), real=True)
     spec = np.ones(size // 2 + 1, dtype=complex)

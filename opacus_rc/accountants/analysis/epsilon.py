@@ -28,7 +28,7 @@ from opacus_rc.accountants.analysis._checks import (
 )
 from opacus_rc.accountants.analysis.compose import compose_prvs
 from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
-from opacus_rc.accountants.analysis.errors import NumericalLimitError
+from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
 from opacus_rc.accountants.analysis.prv import DIRECTIONS, RandomizedClippingPRV, choose_t_cap
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 
@@ -58,7 +58,8 @@ class Segment:
     ``k``.
 
     Attributes:
-        noise_multiplier: ``sigma`` (noise std / clipping bound), > 0.
+        noise_multiplier: ``sigma`` (noise std / clipping bound), > 0, or 0 for steps without
+            noise (epsilon infinite).
         sample_rate: ``q`` in ``(0, 1]``.
         steps: Number of steps, >= 0.
         sketch_dim: ``k`` of the envelope, or ``None`` for exact clipping.
@@ -72,7 +73,8 @@ class Segment:
     threat_model: str = "hidden"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", check_sigma(self.noise_multiplier))
+        sigma = check_sigma(self.noise_multiplier, allow_zero=True)
+        object.__setattr__(self, "noise_multiplier", sigma)
         object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
         if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
             raise ValueError(f"steps must be an integer >= 0, got {self.steps!r}")
@@ -150,8 +152,12 @@ def compute_epsilon(
         EpsilonOutOfRangeError: if epsilon exceeds every value this analysis certifies
             (a privacy answer).
         NumericalLimitError: if the composition exceeds the numerical limits at this
-            ``eps_error`` (not a statement about epsilon), or a step's noise multiplier is below
-            :data:`MIN_NOISE_MULTIPLIER`.
+            ``eps_error`` (not a statement about epsilon).
+        ValueError: if a step's noise multiplier is in ``(0, MIN_NOISE_MULTIPLIER)``
+            (:data:`MIN_NOISE_MULTIPLIER`; 0 is accepted, see below).
+
+    Steps with ``noise_multiplier = 0`` (debugging runs without noise) make every epsilon
+    infinite, as in Opacus: :func:`_noiseless_report`.
     """
     delta = check_delta(delta)
     check_choice("envelope", envelope, ENVELOPES)
@@ -162,16 +168,20 @@ def compute_epsilon(
     if not grouped:
         zero = (0.0, 0.0, 0.0)
         return EpsilonReport(remove=zero, add=zero, delta=delta)
-    tiny = [sigma for sigma, *_ in grouped if sigma < MIN_NOISE_MULTIPLIER]
+    tiny = [sigma for sigma, *_ in grouped if 0.0 < sigma < MIN_NOISE_MULTIPLIER]
     if tiny:
         # Below this the per-step loss tables span thousands of nats and take minutes and
-        # gigabytes to build, for an epsilon far beyond any useful budget.
-        raise NumericalLimitError(
-            f"noise_multiplier {min(tiny):.3g} is below {MIN_NOISE_MULTIPLIER}: the accountant "
-            "does not compute epsilon for such steps (it would be far beyond any useful "
-            "budget). Use a larger noise multiplier; a run without noise has no privacy "
-            "guarantee to account."
+        # gigabytes to build, for an epsilon far beyond any useful budget. Not a numerical
+        # limit of the composition (a larger eps_error does not help): outside the domain.
+        raise ValueError(
+            f"noise_multiplier={min(tiny):.3g} is outside the range the accountant computes "
+            f"epsilon for: noise_multiplier must be >= {MIN_NOISE_MULTIPLIER} (or 0, a step "
+            "without noise, accounted at epsilon = inf). Below it epsilon is far beyond any "
+            "useful budget; use a larger noise multiplier."
         )
+    noiseless = {q: n for (sigma, q, *_), n in grouped.items() if sigma == 0.0}
+    if noiseless:
+        return _noiseless_report(noiseless, delta)
     total = sum(grouped.values())
     eta = choose_eta(steps=total, delta=delta)
     prvs: dict[str, list[RandomizedClippingPRV]] = {d: [] for d in DIRECTIONS}
@@ -187,14 +197,36 @@ def compute_epsilon(
                 eta=eta,
             )
             prvs[direction].append(prv.with_cap(choose_t_cap(prv, steps=total, delta=delta)))
-    out = {
-        direction: compose_prvs(
-            prvs[direction],
-            list(grouped.values()),
-            delta=delta,
-            eps_error=eps_error,
-            delta_error=delta_error,
-        ).as_tuple()
-        for direction in DIRECTIONS
-    }
+    out = {}
+    for direction in DIRECTIONS:
+        try:
+            out[direction] = compose_prvs(
+                prvs[direction],
+                list(grouped.values()),
+                delta=delta,
+                eps_error=eps_error,
+                delta_error=delta_error,
+            ).as_tuple()
+        except EpsilonOutOfRangeError as err:
+            raise EpsilonOutOfRangeError(
+                f"{direction} direction (docs/privacy/adjacency.md), {total} steps: {err}"
+            ) from err
     return EpsilonReport(remove=out["remove"], add=out["add"], delta=delta)
+
+
+def _noiseless_report(noiseless: dict[float, int], delta: float) -> EpsilonReport:
+    """The report of a history with steps without noise (``noise_multiplier = 0``).
+
+    Such a step releases the sum of the clipped gradients of its batch exactly. For a record
+    with a gradient that the others' cannot produce (e.g. all other gradients zero), the
+    output with and without it differ whenever it is sampled in at least one of these steps,
+    which happens with probability ``p0 = 1 - prod_j (1 - q_j)^{n_j}``; the hockey-stick
+    divergence is then at least ``p0`` at every epsilon, in both directions. So the upper
+    bound and the estimate are ``inf`` (as Opacus reports), and the lower bound is ``inf`` for
+    ``delta < p0`` and the trivial 0 otherwise.
+    """
+    log_keep = sum(n * math.log1p(-q) if q < 1.0 else -math.inf for q, n in noiseless.items())
+    p0 = -math.expm1(log_keep)
+    lower = math.inf if delta < p0 else 0.0
+    row = (lower, math.inf, math.inf)
+    return EpsilonReport(remove=row, add=row, delta=delta)

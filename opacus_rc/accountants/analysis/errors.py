@@ -35,6 +35,15 @@ class NumericalLimitError(AccountingError):
     """The accountant cannot compute epsilon at the requested ``eps_error`` (a numerical limit).
 
     Not a statement about epsilon: the FFT the composition needs is longer than the limit, or
-    the tail cannot be resolved. Increase ``eps_error``; the message says by how much when it
-    can.
+    the tail cannot be resolved. Increase ``eps_error``; the message names an ``eps_error``
+    that fits when it can.
+
+    Args:
+        message: The explanation.
+        factor: If known, the factor by which the mesh (hence ``eps_error``, to which every
+            mesh is proportional) must at least grow for the vector that hit the limit to fit.
     """
+
+    def __init__(self, message: str, *, factor: float | None = None) -> None:
+        super().__init__(message)
+        self.factor = factor
