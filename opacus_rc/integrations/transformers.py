@@ -42,8 +42,22 @@ differently:
   Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
   overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
   needs no loss scaler), ``compute_loss_func``, ``model_init`` (hyperparameter search spends
-  privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers, several
-  processes, DeepSpeed and FSDP (one process only for now), iterable datasets.
+  privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
+  DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
+  (several devices in one process), ``denoise`` with several processes, iterable datasets.
+* **Several processes** (``torchrun --nproc-per-node N script.py``, or ``accelerate launch``
+  with a multi-CPU / multi-GPU config) run as the engine's DDP path (docs/distributed.md):
+  every rank draws the same Poisson mask over the whole dataset (rank 0's seed) and trains on
+  its shard of it (examples ``i`` with ``i % N == rank``), so the ranks' shares partition the
+  logical batch one process would draw with that seed; each rank clips its own examples, in as
+  many micro-batches as its share needs (an empty share is a noise-only share), the clipped
+  sums are all-reduced once per logical batch, rank 0 adds the noise once, and the sum is
+  divided by the expected global batch size. Every rank's accountant counts the same steps at
+  the global rate, so epsilon is the single-process run's, and the weights stay identical on
+  every rank. The model the Trainer wraps in ``DistributedDataParallel`` is run past that
+  wrapper (its reducer would all-reduce unclipped gradients). Checkpoints are written by rank 0
+  and hold every rank's sketch-generator state (a seeded sketch); resume with the same number
+  of processes.
 * **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
@@ -80,9 +94,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import transformers
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from opacus_rc._compat.transformers import (
@@ -258,7 +275,7 @@ def _seeded_generator(seed: int, *key: int, device: Any = "cpu") -> torch.Genera
 
 class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
     """Opacus' Poisson sampler whose masks in epoch ``e`` come from a generator seeded by
-    ``(seed, e)``.
+    ``(seed, e)``, optionally restricted to one rank's shard.
 
     Each of the ``steps`` batches of an epoch holds every index of ``range(num_samples)``
     independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
@@ -267,17 +284,41 @@ class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
     on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
     epoch (the Trainer calls it); each iteration otherwise moves to the next epoch.
 
+    With ``world_size > 1`` every rank draws the same global mask (same ``seed``) and keeps the
+    sampled indices of its shard, ``i % world_size == rank`` (the shard of Opacus'
+    distributed sampler without shuffling): the ranks' batches partition one Poisson batch
+    of the whole dataset, the batch that one process with the same seed draws, so every
+    example is still in a step independently with probability ``sample_rate``.
+
     Args:
-        num_samples: ``N``.
+        num_samples: ``N``, the whole dataset (not the shard).
         sample_rate: ``q`` in ``(0, 1]``.
         steps: Batches per epoch.
-        seed: The seed (keep it secret: it determines every batch).
+        seed: The seed (keep it secret: it determines every batch); the same on every rank.
+        rank: This process' rank, in ``[0, world_size)``.
+        world_size: Number of data-parallel processes.
+
+    Raises:
+        ValueError: If ``rank`` is not in ``[0, world_size)``.
     """
 
-    def __init__(self, *, num_samples: int, sample_rate: float, steps: int, seed: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        sample_rate: float,
+        steps: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         super().__init__(num_samples=num_samples, sample_rate=sample_rate, steps=steps)
+        if not 0 <= int(rank) < int(world_size):
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.seed = int(seed)
         self.epoch = 0
+        self.rank = int(rank)
+        self.world_size = int(world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Draw the next iteration's batches from epoch ``epoch``'s generator."""
@@ -286,7 +327,11 @@ class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
     def __iter__(self) -> Iterator[list[int]]:
         self.generator = _seeded_generator(self.seed, self.epoch)
         self.epoch += 1
-        return super().__iter__()
+        if self.world_size == 1:
+            return super().__iter__()
+        return (
+            [i for i in batch if i % self.world_size == self.rank] for batch in super().__iter__()
+        )
 
 
 @dataclass
@@ -484,7 +529,8 @@ class DPTrainerMixin(TrainerSeams):
 
     Raises:
         ValueError: A refused configuration (module docstring), with what to do.
-        NotImplementedError: Several processes, DeepSpeed or FSDP.
+        NotImplementedError: DeepSpeed, FSDP or tensor parallelism through the Trainer,
+            ``torch.nn.DataParallel``, or a multi-process launch other than DDP.
         TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
     """
 
@@ -501,6 +547,7 @@ class DPTrainerMixin(TrainerSeams):
         self._epsilon_cache: tuple[int, float] | None = None
         self._dp_trained = False
         self._warned_no_epsilon = False
+        self._rank, self._world_size = 0, 1
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -524,6 +571,13 @@ class DPTrainerMixin(TrainerSeams):
         else:
             self._sampler_seed = secrets.randbits(63)
             self._noise_seed = secrets.randbits(63)
+        if self._world_size > 1:
+            # One Poisson batch of the whole dataset per step, split by shard: every rank draws
+            # the same mask, from rank 0's seed (each rank drew its own above). The noise seed
+            # is rank 0's too (only rank 0 adds noise), so a checkpoint's noise state is its.
+            seeds = [self._sampler_seed, self._noise_seed]
+            dist.broadcast_object_list(seeds, src=0)
+            self._sampler_seed, self._noise_seed = (int(x) for x in seeds)
         max_grad_norm = getattr(self.args, "max_grad_norm", None)
         if max_grad_norm:
             warnings.warn(
@@ -672,21 +726,77 @@ class DPTrainerMixin(TrainerSeams):
                 f"optim={args.optim!r} updates the weights inside the backward pass, before "
                 "clipping and noise; use an optimizer that steps after backward (adamw_torch, sgd)"
             )
-        if args.world_size > 1 or args.n_gpu > 1:
-            raise NotImplementedError(
-                f"a DP trainer runs in one process on one device for now (world_size="
-                f"{args.world_size}, n_gpu={args.n_gpu}); launch one process and make one device "
-                "visible (CUDA_VISIBLE_DEVICES), or use PrivacyEngine's distributed path in a "
-                "hand-written loop (docs/distributed.md)"
-            )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise NotImplementedError(
-                "DeepSpeed and FSDP through the Trainer are not supported by a DP trainer; train "
-                "in one process, or use PrivacyEngine with FSDP2 in a hand-written loop "
-                "(docs/distributed.md)"
-            )
+        self._refuse_unsupported_parallelism()
         if self.train_dataset is not None:
             self._check_train_dataset(self.train_dataset)
+
+    def _refuse_unsupported_parallelism(self) -> None:
+        """Accept one process, or data parallelism over processes (DDP); refuse the rest.
+
+        Sets ``self._rank`` and ``self._world_size``.
+
+        Raises:
+            NotImplementedError: Several devices in one process (``torch.nn.DataParallel``),
+                DeepSpeed, FSDP, tensor parallelism, or a multi-process launch that is not
+                accelerate's plain data parallelism.
+        """
+        args = self.args
+        if args.n_gpu > 1:
+            raise NotImplementedError(
+                f"n_gpu={args.n_gpu}: the Trainer would use torch.nn.DataParallel in one "
+                "process, which replicates the model per device and so splits every "
+                "per-example norm hook; launch one process per device instead (torchrun "
+                "--nproc-per-node N your_script.py), which a DP trainer runs as DDP"
+            )
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "DeepSpeed through the Trainer is not supported by a DP trainer: its engine "
+                "reduces and partitions the gradients itself, before per-example clipping could "
+                "see them. Launch without DeepSpeed (torchrun --nproc-per-node N runs a DP "
+                "trainer as DDP), or use PrivacyEngine with FSDP2 in a hand-written loop "
+                "(docs/distributed.md)"
+            )
+        if self.is_fsdp_enabled or getattr(args, "fsdp", None):
+            raise NotImplementedError(
+                "FSDP through the Trainer (TrainingArguments.fsdp, or an accelerate FSDP "
+                "config) is not supported by a DP trainer: accelerate shards the model after "
+                "the optimizer is made private, and randomized clipping under FSDP2 needs every "
+                "trainable module sharded on its own, untied embeddings and a grad sampler for "
+                "every trainable module (docs/distributed.md). Launch without FSDP (torchrun "
+                "--nproc-per-node N runs a DP trainer as DDP, the model replicated on each "
+                "rank), or use PrivacyEngine with FSDP2 in a hand-written loop "
+                "(tutorials/distributed_training.py --parallel fsdp)"
+            )
+        if getattr(self, "is_distributed_loading_by_transformers", False):
+            raise NotImplementedError(
+                "tensor parallelism (a model loaded with tp_plan / device_mesh) is not supported "
+                "by a DP trainer: each rank holds a slice of a layer, so no rank can form a "
+                "per-example norm alone. Load the whole model on each rank and launch with "
+                "torchrun --nproc-per-node N (DDP)"
+            )
+        if args.world_size <= 1:
+            return
+        kind = getattr(self.accelerator.distributed_type, "name", "")
+        if not kind.startswith("MULTI_") or not (dist.is_available() and dist.is_initialized()):
+            raise NotImplementedError(
+                f"world_size={args.world_size} with accelerate's distributed type {kind!r}: a "
+                "DP trainer runs several processes as data parallelism only (DDP: torchrun "
+                "--nproc-per-node N, or accelerate launch with a multi-CPU / multi-GPU config; "
+                "docs/distributed.md)"
+            )
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        if self._world_size != args.world_size:
+            raise NotImplementedError(
+                f"the process group has {self._world_size} ranks but the Trainer counts "
+                f"world_size={args.world_size} (model or pipeline parallelism?); a DP trainer "
+                "runs several processes as data parallelism only (DDP)"
+            )
+        if self.privacy_args.denoise is not None:
+            raise NotImplementedError(
+                f"denoise={self.privacy_args.denoise!r} does not support several processes: "
+                "the denoiser must see the whole noisy gradient; train in one process, or "
+                "without denoise"
+            )
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
@@ -728,6 +838,8 @@ class DPTrainerMixin(TrainerSeams):
                 sample_rate=rate_loader.sample_rate,
                 steps=len(rate_loader),
                 seed=self._sampler_seed,
+                rank=self._rank,
+                world_size=self._world_size,
             )
         return _LogicalBatchLoader(
             dataset,
@@ -791,7 +903,14 @@ class DPTrainerMixin(TrainerSeams):
         engine = PrivacyEngine(accountant="rc")
         sketch_generator = None
         if pa.sketch_seed is not None:
-            sketch_generator = torch.Generator().manual_seed(int(pa.sketch_seed))
+            sketch_seed = int(pa.sketch_seed)
+            if self._world_size > 1:  # each rank its own probes, as the DDP path's sketches
+                sketch_seed = int(
+                    np.random.SeedSequence(sketch_seed, spawn_key=(self._rank,)).generate_state(
+                        1, np.uint64
+                    )[0]
+                )
+            sketch_generator = torch.Generator().manual_seed(sketch_seed)
         noise_generator = _seeded_generator(self._noise_seed, device=self.args.device)
         planned = None
         if pa.target_epsilon is not None:
@@ -826,7 +945,16 @@ class DPTrainerMixin(TrainerSeams):
             if sketch_generator is not None:
                 warnings.filterwarnings("ignore", message="a sketch_generator was passed")
             module, dp_optimizer, dp_criterion, dp_loader = engine.make_private(
-                module=model,
+                # Several processes: the engine's DDP path (each rank clips its own examples,
+                # rank 0 adds the noise, the optimizer all-reduces the noisy clipped sum). The
+                # engine takes the path for a data-parallel model; Opacus' DPDDP wrapper (which
+                # broadcasts rank 0's parameters and adds no gradient hook) is that model here,
+                # for this call only: the hooks go on the model's own modules, and the
+                # Trainer keeps the plain model (accelerate wraps it in DDP afterwards, and
+                # training_step runs the forward past that wrapper, see there).
+                module=model
+                if self._world_size == 1
+                else DifferentiallyPrivateDistributedDataParallel(model),
                 optimizer=optimizer,
                 criterion=criterion,
                 # Only its length and batch size matter (the rate); the batches are the trainer's.
@@ -950,6 +1078,16 @@ class DPTrainerMixin(TrainerSeams):
         and accounts one step. An empty Poisson batch runs nothing and makes that step a
         noise-only step.
 
+        Under DDP (several processes) each rank runs its own share of the logical batch, in as
+        many micro-batches as it needs, and the forward goes to the model inside accelerate's
+        ``DistributedDataParallel`` wrapper: DDP's reducer would all-reduce every micro-batch's
+        unclipped first-pass gradients (and its forward broadcasts buffers), collectives that
+        ranks with different numbers of micro-batches would not reach alike. The only
+        collectives of a step are the DP optimizer's, one per logical batch on every rank: the
+        agreement that every rank's backward succeeded (issued by the last micro-batch's
+        backward, or here for a rank whose share is empty), then in ``optimizer.step()`` the
+        step check and the all-reduce of the clipped sums, noised once on rank 0.
+
         Args:
             model: The model (prepared by the accelerator).
             inputs: A :class:`LogicalBatch`.
@@ -981,6 +1119,8 @@ class DPTrainerMixin(TrainerSeams):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         optimizer = private.optimizer
+        if isinstance(model, DistributedDataParallel):
+            model = model.module  # see the docstring: DDP's reducer is not used
         # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
         optimizer.zero_grad()
         if inputs.num_examples == 0:
@@ -988,6 +1128,13 @@ class DPTrainerMixin(TrainerSeams):
             # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
             private.module.step_state.mark_empty_batch()
             optimizer.discard_gradients()
+            # Under DDP: this rank's part of the agreement the other ranks' last backward
+            # issues (in one process, no collective).
+            if not optimizer.all_ranks_ok(True):
+                raise RuntimeError(
+                    "the randomized-clipping backward failed on another rank; no rank takes "
+                    "this step"
+                )
             fill = math.nan if self.args.logging_nan_inf_filter else 0.0
             return torch.tensor(fill, device=self.args.device)
         total = torch.zeros((), device=self.args.device, dtype=torch.float64)
@@ -1000,10 +1147,13 @@ class DPTrainerMixin(TrainerSeams):
                 micro = prepare_inputs(self, micro)
                 with self.compute_loss_context_manager():
                     loss = self.compute_private_loss(model, micro)
+                if i < last:
+                    # Said before the backward, so that under DDP only the last micro-batch's
+                    # backward issues the ranks' agreement (the ranks' counts differ).
+                    optimizer.signal_skip_step(do_skip=True)
                 loss.backward()
                 total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
                 if i < last:
-                    optimizer.signal_skip_step(do_skip=True)
                     optimizer.step()  # accumulates the clipped sum only
                     optimizer.zero_grad()
         return (total / inputs.num_examples).float().detach()
@@ -1102,7 +1252,10 @@ class DPTrainerMixin(TrainerSeams):
     def save_checkpoint_seam(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring)."""
         super().save_checkpoint_seam(model, trial)
-        if self._private is None or not self.args.should_save:
+        if self._private is None:
+            return
+        state = self._privacy_state()  # under DDP a collective: every rank calls it
+        if not self.args.should_save:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -1110,10 +1263,18 @@ class DPTrainerMixin(TrainerSeams):
             output_dir(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
         os.makedirs(folder, exist_ok=True)
-        torch.save(self._privacy_state(), os.path.join(folder, PRIVACY_STATE_NAME))
+        torch.save(state, os.path.join(folder, PRIVACY_STATE_NAME))
 
     def _privacy_state(self) -> dict[str, Any]:
+        """The privacy state; under DDP the sketch generators' states of every rank are
+        gathered (each rank draws its own probes), so every rank must call it."""
         private = self._require_private()
+        sketch_states = None
+        if private.sketch_generator is not None:
+            sketch_states = [private.sketch_generator.get_state()]
+            if self._world_size > 1:
+                sketch_states = [None] * self._world_size
+                dist.all_gather_object(sketch_states, private.sketch_generator.get_state())
         return {
             "version": _STATE_VERSION,
             "accountant": private.engine.accountant.state_dict(),
@@ -1123,11 +1284,12 @@ class DPTrainerMixin(TrainerSeams):
             "max_grad_norm": float(private.optimizer.max_grad_norm),
             "sketch_spec": repr(private.module.sketch_spec),
             "planned_steps": private.planned_steps,
+            "world_size": self._world_size,
             "sampler_seed": int(self._poisson_sampler.seed),
+            # Under DDP only rank 0 draws noise; this is its generator (rank 0 saves).
             "noise_generator": private.noise_generator.get_state(),
-            "sketch_generator": None
-            if private.sketch_generator is None
-            else private.sketch_generator.get_state(),
+            "sketch_generator": None if sketch_states is None else sketch_states[0],
+            "sketch_generators_by_rank": sketch_states,
         }
 
     def load_optimizer_and_scheduler_seam(self, checkpoint: str | None) -> None:
@@ -1162,24 +1324,27 @@ class DPTrainerMixin(TrainerSeams):
             "max_grad_norm": float(private.optimizer.max_grad_norm),
             "sketch_spec": repr(private.module.sketch_spec),
             "planned_steps": private.planned_steps,
+            "world_size": self._world_size,
         }
-        differ = {k: (state[k], v) for k, v in mine.items() if state[k] != v}
+        # A checkpoint written before DDP support has no world size: one process.
+        differ = {k: (state.get(k, 1), v) for k, v in mine.items() if state.get(k, 1) != v}
         if differ:
             details = ", ".join(
                 f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
             )
             raise ValueError(
                 "the checkpoint was trained with other privacy settings than this run "
-                f"({details}); resume with the same PrivacyArguments, dataset size and "
-                "num_train_epochs / max_steps"
+                f"({details}); resume with the same PrivacyArguments, dataset size, "
+                "num_train_epochs / max_steps and number of processes"
             )
         private.engine.accountant.load_state_dict(state["accountant"])
         self._epsilon_cache = None
         self._poisson_sampler.seed = int(state["sampler_seed"])
         self._sampler_seed = int(state["sampler_seed"])
         private.noise_generator.set_state(state["noise_generator"])
-        if private.sketch_generator is not None and state["sketch_generator"] is not None:
-            private.sketch_generator.set_state(state["sketch_generator"])
+        by_rank = state.get("sketch_generators_by_rank") or [state["sketch_generator"]]
+        if private.sketch_generator is not None and by_rank[self._rank] is not None:
+            private.sketch_generator.set_state(by_rank[self._rank])
 
 
 class _IndexDataset(Dataset):
