@@ -927,7 +927,10 @@ class DPTrainerMixin(TrainerSeams):
             noise_multiplier = get_noise_multiplier(
                 target_epsilon=pa.target_epsilon,
                 target_delta=pa.target_delta,
-                sample_rate=sampler.sample_rate,
+                # The rate the accountant records: Opacus' 1 / len(loader), where len is
+                # int(1 / q), one step short of 1 / q for some q (q = 1/93: 92 steps, 1/92
+                # recorded). Searched at the sampling rate q, the run would pass the target.
+                sample_rate=1 / sampler.steps,
                 steps=planned,
                 sketch_spec=spec,
                 accountant=engine.accountant,

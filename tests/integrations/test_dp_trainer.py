@@ -466,3 +466,21 @@ def test_refused_privacy_arguments() -> None:
 def test_trainer_max_grad_norm_is_said_to_be_replaced(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="max_grad_norm=1.0.*not applied"):
         make(tmp_path, max_grad_norm=1.0)
+
+
+def test_target_epsilon_holds_when_opacus_rounds_the_epoch_down(tmp_path: Path) -> None:
+    """N = 93, expected batch 1: q = 1/93, but Opacus' loader has int(1 / q) = 92 batches and
+    its accountant hook records 1/92. The noise must be searched at the recorded rate: searched
+    at 1/93 (main before this test), epsilon after the 2 steps was 4.0234 > 4."""
+    tr = make(
+        tmp_path,
+        model=th.tiny_gpt2_exact(),
+        data=th.token_examples(93),
+        privacy={"expected_batch_size": 1},
+        max_steps=2,
+    )
+    tr.train()
+    assert tr._poisson_sampler.sample_rate == 1 / 93 and tr._poisson_sampler.steps == 92
+    [(_, q, steps, _)] = tr.privacy_engine.accountant.history
+    assert (q, steps) == (1 / 92, 2)
+    assert 4.0 - 0.01 <= tr.get_epsilon() <= 4.0
