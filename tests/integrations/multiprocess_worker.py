@@ -3,7 +3,8 @@
 Run by ``test_dp_trainer_ddp.py``. Each rank trains the runs of :data:`RUNS` (the Trainer maps
 the launch to DDP) and writes ``OUT_DIR/rank{RANK}.pt``: for each run, the trained
 parameters, the examples per step and micro-batches per step of this rank's share, the noise
-multiplier, epsilon, the accountant's history and the world size the Trainer saw; and the error
+multiplier, epsilon, the accountant's history and the world size the Trainer saw; a run saved
+and resumed from a checkpoint beside the same run uninterrupted; and the error
 that building a DP trainer with FSDP through the Trainer raised.
 """
 
@@ -87,11 +88,39 @@ def train(name: str, out: Path) -> tuple[RecordingTrainer, dict[str, Any]]:
 
 def main() -> None:
     warnings.filterwarnings("ignore", message="PrivacyArguments.seed")
+    warnings.filterwarnings("ignore", message="PrivacyArguments.sketch_seed")
     out = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     records: dict[str, Any] = {name: train(name, out / f"r{rank}" / name)[1] for name in RUNS}
+    records["resume"] = resume(out / "resume")  # one folder for both ranks, as in real use
     records["fsdp"] = fsdp_refusal(out / f"r{rank}" / "fsdp")
     torch.save(records, out / f"rank{rank}.pt")
+
+
+def resume(out: Path) -> dict[str, Any]:
+    """The ``budget`` run with a seeded sketch, saved at step 2 and run to the end, then
+    resumed from that checkpoint by a new trainer: both runs' records."""
+    run = RUNS["budget"]
+    privacy = {"target_delta": DELTA, "seed": SEED, "sketch_seed": 11, **run["privacy"]}
+    records = []
+    for checkpoint in (None, str(out / "out" / "checkpoint-2")):  # training_args: out/out
+        trainer = DPTrainer(
+            model=th.tiny_gpt2_exact(),
+            args=th.training_args(out, save_strategy="steps", save_steps=2, **run["args"]),
+            train_dataset=th.token_examples(N),
+            data_collator=th.pad_collate,
+            privacy_args=PrivacyArguments(**privacy),
+        )
+        trainer.train(resume_from_checkpoint=checkpoint)
+        records.append(
+            {
+                "params": th.params(trainer.model),
+                "epsilon": trainer.get_epsilon(),
+                "history": list(trainer.privacy_engine.accountant.history),
+                "sketch_state": trainer.dp_module.sketch_generator.get_state(),
+            }
+        )
+    return {"uninterrupted": records[0], "resumed": records[1]}
 
 
 def fsdp_refusal(out: Path) -> dict[str, Any]:

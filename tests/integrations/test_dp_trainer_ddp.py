@@ -20,7 +20,9 @@ seed the ranks' shares partition the single process' Poisson batches, so:
   ``PrivacyEngine``'s RC accountant gives for the recorded schedule (sigma, q, steps);
 * (c) the trained weights are identical (bitwise) across ranks.
 
-FSDP through the Trainer is refused on every rank with a message that says what to use.
+A checkpoint written at step 2 (by rank 0, with every rank's sketch-generator state) resumes
+on both ranks to the uninterrupted run's epsilon and weights. FSDP through the Trainer is
+refused on every rank with a message that says what to use.
 """
 
 from __future__ import annotations
@@ -139,3 +141,18 @@ def test_rank_shares_partition_the_single_process_batches() -> None:
             assert sorted(s0 + s1) == sorted(full)
     with pytest.raises(ValueError, match="rank"):
         PoissonLogicalBatchSampler(**kw, rank=2, world_size=2)
+
+
+@pytest.mark.slow
+def test_ddp_resume_equals_uninterrupted(launch: list) -> None:
+    """Saved at step 2 by rank 0 (seeded sketch: every rank's sketch state in the checkpoint),
+    resumed on both ranks: epsilon, history, weights and each rank's sketch state equal the
+    uninterrupted run's."""
+    for r in launch:
+        a, b = r["resume"]["uninterrupted"], r["resume"]["resumed"]
+        assert b["epsilon"] == a["epsilon"] and b["history"] == a["history"]
+        assert torch.equal(b["sketch_state"], a["sketch_state"])
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], rtol=1e-6, atol=1e-7)
+    states = [r["resume"]["resumed"]["sketch_state"] for r in launch]
+    assert not torch.equal(*states)  # each rank draws its own probes
