@@ -229,18 +229,20 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         super().add_param_group(param_group)
         if getattr(self, "_grad_sample_module", None) is None:
             return  # called while Opacus builds the optimizer
-        outside = self._outside_parameters()
+        outside = self._outside_parameters(groups=[len(self.param_groups) - 1])
         if outside:
             self.param_groups.pop()
             raise ValueError(_outside_message(outside))
 
-    def _outside_parameters(self) -> list[str]:
-        """The optimizer's parameters that are not the private model's, described by position."""
+    def _outside_parameters(self, *, groups: list[int] | None = None) -> list[str]:
+        """The optimizer's parameters (of ``groups``, default all) that are not the private
+        model's, described by position."""
         inside = {id(p) for p in self._grad_sample_module._module.parameters()}
+        indices = range(len(self.param_groups)) if groups is None else groups
         return [
             f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
-            for g, group in enumerate(self.param_groups)
-            for i, p in enumerate(group["params"])
+            for g in indices
+            for i, p in enumerate(self.param_groups[g]["params"])
             if id(p) not in inside
         ]
 
@@ -287,11 +289,12 @@ def _outside_message(outside: list[str]) -> str:
     """The error for optimizer parameters that are not the private model's."""
     return (
         f"the optimizer's parameters {outside[:5]} are not parameters of the private model "
-        "(added with add_param_group after make_private, e.g. a learnable temperature?): no "
-        "per-sample norm or clip factor covers them, so their gradient would be dropped or "
-        "released unclipped, and nothing is noised or accounted for them. Make it a parameter "
-        "of the model used in its forward (e.g. a submodule that divides the logits by it), "
-        "then call make_private on the model with an optimizer over model.parameters()"
+        "(added with add_param_group after make_private, e.g. a learnable temperature, or "
+        "left in the optimizer when their module was replaced or tied?): no per-sample norm "
+        "or clip factor covers them, so their gradient would be dropped or released "
+        "unclipped. No step is taken and nothing is accounted. Make it a parameter of the "
+        "model used in its forward (e.g. a submodule that divides the logits by it), then "
+        "call make_private on the model with an optimizer over model.parameters()"
     )
 
 
