@@ -29,7 +29,19 @@ from opacus_rc.accountants import (
     get_noise_multiplier,
 )
 from opacus_rc.sketching import SketchSpec
-from opacus_rc_cli import EXAMPLES, arg_parser, main
+
+try:
+    from opacus_rc_cli import EXAMPLES, arg_parser, main
+except ModuleNotFoundError as err:
+    if err.name != "opacus_rc_cli":
+        raise
+    # An editable install made before the launcher existed maps the package only.
+    raise ModuleNotFoundError(
+        "opacus_rc.cli needs the top-level module opacus_rc_cli (the opacus-rc command line, "
+        "installed beside the package), which this installation does not provide: reinstall "
+        "opacus_rc (in a checkout: pip install -e .)",
+        name="opacus_rc_cli",
+    ) from err
 
 __all__ = ["EXAMPLES", "arg_parser", "main", "run"]
 

@@ -210,3 +210,23 @@ def test_a_numerical_limit_is_reported_as_such(capsys: pytest.CaptureFixture) ->
     out = capsys.readouterr().out
     assert _row(out, "epsilon (upper)") == ["numerical", "limit", "numerical", "limit"]
     assert "increase eps_error" in out
+
+
+def test_an_install_without_the_launcher_says_to_reinstall() -> None:
+    """An editable install made before ``opacus_rc_cli`` existed maps only the package: then
+    ``import opacus_rc.cli`` (``python -m opacus_rc.cli``, an old ``opacus-rc`` script) must
+    say to reinstall instead of a bare ``No module named 'opacus_rc_cli'``."""
+    probe = (
+        "import sys\n"
+        "sys.modules['opacus_rc_cli'] = None  # not importable, as in such an install\n"
+        "try:\n"
+        "    import opacus_rc.cli\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print(err.name, '|', err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    name, _, message = done.stdout.strip().splitlines()[-1].partition(" | ")
+    assert name == "opacus_rc_cli"
+    assert "reinstall opacus_rc (in a checkout: pip install -e .)" in message
