@@ -89,6 +89,7 @@ API_PACKAGES = (
     "opacus_rc.sketching",
     "opacus_rc.data_loader",
     "opacus_rc.lora",
+    "opacus_rc.checkpoints",
     "opacus_rc.auditing",
 )
 
