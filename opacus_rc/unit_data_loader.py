@@ -32,6 +32,7 @@ import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
@@ -89,6 +90,16 @@ class UnitPoissonSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
             yield [i for u in self.sample_units().tolist() for i in self.members[u]]
+
+
+def _unit_generator(seed: int, unit_id: int) -> torch.Generator:
+    """A generator that depends on ``(seed, unit_id)`` only: the random selection of one unit's
+    sequences is the same whichever other units the dataset holds (add/remove adjacency)."""
+    words = [abs(int(seed)), abs(int(unit_id)), int(unit_id) < 0]
+    state = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator()
+    gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+    return gen
 
 
 class _Tagged(Dataset):
@@ -187,7 +198,9 @@ class UnitDataLoader(DataLoader):
         selection: ``"first"`` (the first ones in dataset order) or ``"random"`` (uniformly
             without replacement, drawn once from ``selection_seed``), when a unit has more than
             ``max_sequences_per_unit``.
-        selection_seed: Seed of the ``"random"`` selection (None: one from the OS).
+        selection_seed: Seed of the ``"random"`` selection (None: one from the OS). Unit
+            ``u``'s choice depends on ``(selection_seed, its id)`` only, never on the other
+            units or on any content.
         generator: Source of the per-step inclusion masks (None: seeded from the OS).
         steps: Steps per epoch (default ``int(1 / sample_rate)``).
         collate_fn: Collates a list of dataset items (default ``default_collate``).
@@ -247,16 +260,15 @@ class UnitDataLoader(DataLoader):
         members: list[list[int]] = [[] for _ in unit_ids]
         for i, uid in enumerate(ids):
             members[index_of[uid]].append(i)
-        select_gen = torch.Generator()
-        select_gen.manual_seed(secrets.randbits(63) if selection_seed is None else selection_seed)
+        seed = secrets.randbits(63) if selection_seed is None else int(selection_seed)
         m = max_sequences_per_unit
         for u, seqs in enumerate(members):
             if m is not None and len(seqs) > m:
                 if selection == "first":
                     members[u] = seqs[:m]
                 else:
-                    pick = torch.randperm(len(seqs), generator=select_gen)[:m].sort().values
-                    members[u] = [seqs[j] for j in pick.tolist()]
+                    pick = torch.randperm(len(seqs), generator=_unit_generator(seed, unit_ids[u]))
+                    members[u] = [seqs[j] for j in pick[:m].sort().values.tolist()]
         unit_of_index = [-1] * n
         for u, seqs in enumerate(members):
             for i in seqs:

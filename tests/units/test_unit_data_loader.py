@@ -75,27 +75,28 @@ def test_batches_hold_whole_units_with_their_labels() -> None:
 
 
 def test_random_selection_is_fixed_per_unit_and_seeded() -> None:
-    unit_of = torch.zeros(40, dtype=torch.long)
-    a = UnitDataLoader(
-        dataset(),
-        unit_of=unit_of,
-        sample_rate=1.0,
-        max_sequences_per_unit=5,
-        selection="random",
-        selection_seed=3,
-    )
-    b = UnitDataLoader(
-        dataset(),
-        unit_of=unit_of,
-        sample_rate=1.0,
-        max_sequences_per_unit=5,
-        selection="random",
-        selection_seed=3,
-    )
+    """Seeded, content-blind, and per unit: a unit's selection does not change when another
+    unit is added to the dataset (add/remove adjacency, docs/privacy/units.md)."""
+
+    def loader(n: int, unit_of: torch.Tensor) -> UnitDataLoader:
+        return UnitDataLoader(
+            dataset(n),
+            unit_of=unit_of,
+            sample_rate=1.0,
+            max_sequences_per_unit=5,
+            selection="random",
+            selection_seed=3,
+        )
+
+    a = loader(40, torch.full((40,), 9))
+    b = loader(40, torch.full((40,), 9))
     assert a.selected == b.selected and a.selected[0] != list(range(5))
     assert len(a.selected[0]) == 5
     ((x, index, units),) = list(a)
     assert index.tolist() == a.selected[0] and units.tolist() == [0] * 5
+    # Unit 3 (12 sequences) added before unit 9 in the dataset and in the unit order.
+    c = loader(52, torch.cat([torch.full((12,), 3), torch.full((40,), 9)]))
+    assert c.selected[1] == [i + 12 for i in a.selected[0]]
 
 
 def test_empty_step_yields_an_empty_batch() -> None:
