@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["UnitDataLoader", "UnitPoissonSampler"]
+__all__ = ["UnitDataLoader", "UnitPoissonSampler", "prepare_unit_data_loader"]
 
 _SELECTIONS = ("first", "random")
 
