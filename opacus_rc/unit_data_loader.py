@@ -21,8 +21,8 @@ analysis in docs/privacy/units.md is over these records). The selection is repor
 batches (Opacus' ``BatchMemoryManager`` splits a logical batch at arbitrary positions) is
 refused when the physical batch is collated (a ``ValueError``): its clip factor needs the
 norm of the sum over all of its sequences, and clipping the parts separately would give the
-unit a sensitivity of ``C`` per part. Use a physical batch that holds the logical batch, or
-fewer sequences per unit.
+unit a sensitivity of ``C`` per part. :class:`UnitBatchMemoryManager` splits logical batches
+at unit boundaries instead (virtual steps of whole units).
 """
 
 from __future__ import annotations
@@ -34,10 +34,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["UnitDataLoader", "UnitPoissonSampler", "prepare_unit_data_loader"]
+__all__ = [
+    "UnitBatchMemoryManager",
+    "UnitBatchSplittingSampler",
+    "UnitDataLoader",
+    "UnitPoissonSampler",
+    "prepare_unit_data_loader",
+]
 
 _SELECTIONS = ("first", "random")
 
@@ -214,7 +221,6 @@ class UnitDataLoader(DataLoader):
         num_units: The number of units.
         selected: ``selected[u]``: the dataset indices of unit ``u``'s sequences in use.
         unit_ids: ``unit_ids[u]``: the id (from ``unit_of``) of unit ``u``.
-        expected_batch_units: ``q * num_units``.
 
     Raises:
         ValueError: A ``unit_of`` of the wrong length, an empty dataset, invalid ``sample_rate``,
@@ -342,3 +348,111 @@ def prepare_unit_data_loader(
     if engine.secure_mode:
         loader.batch_sampler.generator = engine.secure_rng
     return loader
+
+
+class UnitBatchSplittingSampler(BatchSplittingSampler):
+    """Opacus' ``BatchSplittingSampler``, splitting a logical batch at unit boundaries only.
+
+    Whole units are packed greedily, in order, into physical batches of at most
+    ``max_batch_size`` sequences; a unit with more sequences than that forms a physical batch
+    of its own (a unit is never split: its clip factor needs all of its sequences in one
+    backward pass). The optimizer is told, as by Opacus, which physical batches end a logical
+    one (``signal_skip_step``), so each logical batch is one noised, accounted step.
+
+    Args:
+        sampler: The :class:`UnitPoissonSampler` (a ``UnitDataLoader``'s ``batch_sampler``).
+        unit_of: ``unit_of[i]``: the unit index of dataset sequence ``i``.
+        max_batch_size: The largest physical batch (sequences), unless one unit is larger.
+        optimizer: The DP optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        sampler: UnitPoissonSampler,
+        unit_of: Sequence[int],
+        max_batch_size: int,
+        optimizer: Any,
+    ) -> None:
+        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+        self.unit_of = unit_of
+
+    def split(self, indices: list[int]) -> list[list[int]]:
+        """The physical batches of one logical batch (consecutive whole units)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        start = 0
+        while start < len(indices):
+            end = start
+            while end < len(indices) and self.unit_of[indices[end]] == self.unit_of[indices[start]]:
+                end += 1
+            unit = indices[start:end]
+            if current and len(current) + len(unit) > self.max_batch_size:
+                chunks.append(current)
+                current = []
+            current = current + unit
+            start = end
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.sampler:
+            chunks = self.split(list(indices)) or [[]]
+            for chunk in chunks[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield chunk
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield chunks[-1]
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # logical batches; the physical count is random
+
+
+class UnitBatchMemoryManager(BatchMemoryManager):
+    """Opacus' ``BatchMemoryManager`` for a :class:`UnitDataLoader`: physical batches of whole
+    units (:class:`UnitBatchSplittingSampler`), so that large logical batches of units run as
+    virtual steps without splitting a unit.
+
+    Args:
+        data_loader: The :class:`UnitDataLoader` returned by ``make_private``.
+        max_physical_batch_size: The largest physical batch, in sequences (a unit with more
+            sequences forms a physical batch of its own).
+        optimizer: The DP optimizer.
+
+    Raises:
+        TypeError: If ``data_loader`` is not a :class:`UnitDataLoader`.
+    """
+
+    def __init__(
+        self, *, data_loader: UnitDataLoader, max_physical_batch_size: int, optimizer: Any
+    ) -> None:
+        if not isinstance(data_loader, UnitDataLoader):
+            raise TypeError(
+                f"UnitBatchMemoryManager needs a UnitDataLoader, got {type(data_loader).__name__}"
+            )
+        super().__init__(
+            data_loader=data_loader,
+            max_physical_batch_size=max_physical_batch_size,
+            optimizer=optimizer,
+        )
+
+    def __enter__(self) -> DataLoader:
+        loader = self.data_loader
+        return DataLoader(
+            dataset=loader.dataset,
+            batch_sampler=UnitBatchSplittingSampler(
+                sampler=loader.batch_sampler,
+                unit_of=loader.dataset.unit_of,
+                max_batch_size=self.max_physical_batch_size,
+                optimizer=self.optimizer,
+            ),
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )

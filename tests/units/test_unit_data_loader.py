@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from opacus_rc import PrivacyEngine, UnitDataLoader
-from opacus_rc.unit_data_loader import UnitPoissonSampler
+from opacus_rc.unit_data_loader import UnitBatchMemoryManager, UnitPoissonSampler
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:noise_multiplier=0"),
@@ -198,3 +198,59 @@ def test_unit_loader_needs_randomized_clipping() -> None:
             noise_multiplier=1.0,
             max_grad_norm=1.0,
         )
+
+
+def test_virtual_steps_of_whole_units_give_the_same_update() -> None:
+    """UnitBatchMemoryManager: a logical batch of units run as several physical batches of
+    whole units (each at most 5 sequences, unless one unit is larger) gives the same noiseless
+    update and the same accounting as the logical batch at once. The model's norms are all
+    exact (embedding, layer norm), so the probes' order cannot matter."""
+    unit_of = torch.tensor([u for u in range(12) for _ in range(1 + u % 4)])  # sizes 1..4
+    n = len(unit_of)
+    results = []
+    for physical in (None, 5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(V, C), nn.LayerNorm(C))
+        loader = UnitDataLoader(
+            dataset(n),
+            unit_of=unit_of,
+            sample_rate=0.5,
+            generator=torch.Generator().manual_seed(4),
+        )
+        engine = PrivacyEngine(accountant="rc")
+        m, opt, crit, dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=0.05,
+            clipping="randomized",
+            criterion=nn.CrossEntropyLoss(),
+        )
+        sizes = []
+        if physical is None:
+            train(engine, m, opt, crit, dl)
+        else:
+            with UnitBatchMemoryManager(
+                data_loader=dl, max_physical_batch_size=physical, optimizer=opt
+            ) as mem:
+                for x, index, units in mem:
+                    sizes.append(len(x))
+                    out = m(x)
+                    y = (index[:, None] + torch.arange(T)) % C
+                    crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=units).backward()
+                    opt.step()
+                    opt.zero_grad()
+            assert max(sizes) <= 5 and len(sizes) > len(dl)  # really split, never a unit
+        results.append(
+            (
+                torch.cat([p.detach().flatten() for p in model.parameters()]),
+                engine.accountant.history,
+            )
+        )
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert results[0][1] == results[1][1]
+    torch.manual_seed(0)
+    init = torch.cat([p.detach().flatten() for p in nn.Sequential(nn.Embedding(V, C)).parameters()])
+    moved = (results[0][0][: init.numel()] - init).abs().max()
+    assert moved > 1e-3  # the steps did move the parameters
