@@ -18,7 +18,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from opacus_rc import PrivacyEngine, UnitDataLoader
-from opacus_rc.unit_data_loader import UnitBatchMemoryManager, UnitPoissonSampler
+from opacus_rc.unit_data_loader import (
+    UnitBatchMemoryManager,
+    UnitPoissonSampler,
+    prepare_unit_data_loader,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:noise_multiplier=0"),
@@ -254,3 +258,9 @@ def test_virtual_steps_of_whole_units_give_the_same_update() -> None:
     init = torch.cat([p.detach().flatten() for p in nn.Sequential(nn.Embedding(V, C)).parameters()])
     moved = (results[0][0][: init.numel()] - init).abs().max()
     assert moved > 1e-3  # the steps did move the parameters
+
+
+def test_distributed_unit_loader_is_refused() -> None:
+    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    with pytest.raises(NotImplementedError, match="distributed"):
+        prepare_unit_data_loader(loader, engine=PrivacyEngine(), distributed=True, randomized=True)
