@@ -264,3 +264,20 @@ def test_distributed_unit_loader_is_refused() -> None:
     loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
     with pytest.raises(NotImplementedError, match="distributed"):
         prepare_unit_data_loader(loader, engine=PrivacyEngine(), distributed=True, randomized=True)
+
+
+def test_an_empty_step_is_noised_and_accounted() -> None:
+    """No unit sampled: a B = 0 forward and backward with units of shape (0,) is a noise-only
+    step, accounted like any other (docs/privacy/mechanism.md)."""
+    loader = UnitDataLoader(
+        dataset(8),
+        unit_of=torch.arange(8) // 2,
+        sample_rate=1e-9,
+        steps=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    engine, m, opt, crit, dl = make_private(loader)
+    before = [p.detach().clone() for p in m.parameters()]
+    assert train(engine, m, opt, crit, dl) == 2
+    assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))  # noised
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.5, 2)]
