@@ -91,6 +91,7 @@ API_PACKAGES = (
     "opacus_rc.unit_data_loader",
     "opacus_rc.grad_sample.units",
     "opacus_rc.lora",
+    "opacus_rc.checkpoints",
     "opacus_rc.auditing",
 )
 

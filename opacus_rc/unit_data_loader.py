@@ -27,7 +27,6 @@ at unit boundaries instead (virtual steps of whole units).
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -194,7 +193,8 @@ class UnitDataLoader(DataLoader):
     (not re-sampled), the accountant takes ``q = 1 / len(loader)`` (``= sample_rate`` when
     ``1 / sample_rate`` is an integer, else slightly larger: conservative) and the expected
     batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the expected
-    number of units, ``round(q N_units)``.
+    number of units at that rate, ``int(N_units / len(loader))`` (``N_units`` replaced by
+    ``make_private``'s ``dataset_size`` if given: the public number of units).
 
     Args:
         dataset: The sequences (map-style).
@@ -299,16 +299,6 @@ class UnitDataLoader(DataLoader):
     def expected_batch_units(self) -> float:
         """``q * num_units``, the expected number of units per step."""
         return self.sample_rate * self.num_units
-
-    @property
-    def accounted_sample_rate(self) -> float:
-        """The rate the engine accounts each step at, ``1 / len(self)`` (``>= q``)."""
-        return 1 / len(self)
-
-    def expected_batch_size_for_accounting(self) -> int:
-        """The divisor of the noisy sum under ``loss_reduction="mean"``: the expected number of
-        units at the accounted rate, ``max(1, round(num_units / len(self)))``."""
-        return max(1, math.floor(self.num_units / len(self) + 0.5))
 
 
 def prepare_unit_data_loader(

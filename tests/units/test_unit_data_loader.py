@@ -166,7 +166,7 @@ def test_engine_accounts_the_unit_rate_and_divides_by_expected_units() -> None:
     )
     engine, m, opt, crit, dl = make_private(loader)
     assert dl is loader  # used as is, not re-sampled per sequence
-    assert opt.expected_batch_size == round(14 * 0.25)  # units, not 40 * 0.25 sequences
+    assert opt.expected_batch_size == int(14 * 0.25)  # units, not 40 * 0.25 sequences
     steps = train(engine, m, opt, crit, dl, epochs=2)
     assert steps == 8
     ((sigma, q, n, spec),) = [tuple(h) for h in engine.accountant.history]
