@@ -92,6 +92,7 @@ from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.post_processing import attach_post_processing_hook
 from opacus_rc.optimizers.registry import get_optimizer_class
+from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
 
 __all__ = ["PrivacyEngine"]
 
@@ -232,7 +233,7 @@ def _check_data_loader(data_loader: Any, *, poisson_sampling: bool) -> None:
             "sampling and the sampling rate q need a map-style dataset of known size "
             "(define __len__)"
         ) from err
-    if not poisson_sampling or isinstance(data_loader, DPDataLoader):
+    if not poisson_sampling or isinstance(data_loader, (DPDataLoader, UnitDataLoader)):
         return
     batch_sampler = data_loader.batch_sampler
     if not isinstance(batch_sampler, _KNOWN_BATCH_SAMPLERS):
@@ -283,7 +284,9 @@ def _public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> _Publ
       given, else ``len(dataset)`` (Opacus' rate);
     * a loader without one (an Opacus ``DPDataLoader``, a custom ``batch_sampler``):
       ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``, ``1 / int(1 / its sample_rate)``)
-      and the divisor ``int(N' q)``, as Opacus.
+      and the divisor ``int(N' q)``, as Opacus. For a
+      :class:`~opacus_rc.unit_data_loader.UnitDataLoader` the records are the units:
+      ``N'`` is ``dataset_size`` if given, else the number of units.
 
     Args:
         data_loader: The user's (map-style) data loader.
@@ -319,7 +322,12 @@ def _public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> _Publ
     sample_rate = 1 / n_batches
     if batch_size is not None:
         return _PublicSizes(sample_rate, batch_size)
-    size = len(data_loader.dataset) if dataset_size is None else dataset_size  # type: ignore[arg-type]
+    if dataset_size is not None:
+        size = dataset_size
+    elif isinstance(data_loader, UnitDataLoader):
+        size = data_loader.num_units  # unit-level DP: the records are the units
+    else:
+        size = len(data_loader.dataset)  # type: ignore[arg-type]
     return _PublicSizes(sample_rate, int(size * sample_rate))
 
 
@@ -665,8 +673,16 @@ class PrivacyEngine(PrivacyEngineSeams):
         distributed randomized run gets :class:`DistributedDPDataLoader`: Opacus' distributed
         Poisson sampler drops a rank's empty batch, so that rank runs one step less (its
         all-reduces misalign, its accountant counts fewer steps);
-        :class:`DistributedDPDataLoader` yields it as a noise-only step.
+        :class:`DistributedDPDataLoader` yields it as a noise-only step. A
+        :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
         """
+        if isinstance(data_loader, UnitDataLoader):
+            return prepare_unit_data_loader(
+                data_loader,
+                engine=self,
+                distributed=distributed,
+                randomized=self._build is not None,
+            )
         sizes = self._sizes
         own_rate = (
             poisson_sampling and sizes is not None and sizes.sample_rate != 1 / len(data_loader)
@@ -827,7 +843,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
         if not opacus_options["poisson_sampling"] and not isinstance(
-            opacus_options.get("data_loader"), DPDataLoader
+            opacus_options.get("data_loader"), (DPDataLoader, UnitDataLoader)
         ):
             # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
             # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.
