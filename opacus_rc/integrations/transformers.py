@@ -24,6 +24,13 @@ differently:
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
   one row, are refused where they can be seen).
+* **Privacy unit.** With ``PrivacyArguments.privacy_unit`` (a column naming each row's
+  document or user) the records are the units: the ``U`` units are Poisson-sampled at ``q = 1 /
+  ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
+  all of its rows (at most ``max_sequences_per_unit``, its first), micro-batches hold whole
+  units, the criterion gets ``units=`` and clips each unit's summed gradient once
+  (docs/privacy/units.md). A unit larger than ``per_device_train_batch_size`` and several
+  processes are refused.
 * **Privacy budget.** With ``target_epsilon`` the noise multiplier is searched (with
   :func:`opacus_rc.accountants.get_noise_multiplier`, the engine's own search) for the
   Trainer's number of optimizer steps (``max_steps``, or ``num_train_epochs`` epochs), so that
