@@ -22,11 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_helpers as th  # noqa: E402
 
 from opacus_rc.integrations.logical_batches import UNITS_KEY  # noqa: E402
-from opacus_rc.integrations.transformers import (  # noqa: E402
-    DPTrainer,
-    LogicalBatch,
-    PrivacyArguments,
-)
+from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments  # noqa: E402
 
 DELTA = 1e-3
 SGD = {"optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant", "weight_decay": 0.0}
@@ -37,16 +33,7 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message="PrivacyArguments.seed")
 
 
-class RecordingTrainer(DPTrainer):
-    """Records every logical batch the Trainer hands to ``training_step``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.batches: list[LogicalBatch] = []
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.batches.append(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+RecordingTrainer = th.recording_trainer()
 
 
 def unit_rows(sizes: list[int], *, seed: int = 0) -> list[dict]:
