@@ -49,6 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import integrate, special
 
+from opacus_rc.registry import Registry
+from opacus_rc.validation import validate_sketch_dim
+
 __all__ = [
     "ENVELOPES",
     "EnvelopeQuadrature",
@@ -58,21 +61,6 @@ __all__ = [
 
 #: Default capped tail mass of the quadrature (``docs/privacy/prv.md#prv-quadrature``).
 DEFAULT_ETA = 1e-15
-
-
-def _validate_sketch_dim(sketch_dim: int | None) -> None:
-    if sketch_dim is None:
-        return
-    if isinstance(sketch_dim, bool) or not isinstance(sketch_dim, (int, np.integer)):
-        raise TypeError(
-            f"sketch_dim must be an int >= 1 or None (exact clipping), got "
-            f"{type(sketch_dim).__name__}"
-        )
-    if sketch_dim < 1:
-        raise ValueError(
-            f"sketch_dim must be >= 1 (number of Gaussian sketch columns), got {sketch_dim}; "
-            "use sketch_dim=None for exact clipping"
-        )
 
 
 # =============================================================================================
@@ -386,7 +374,9 @@ class _SchurLaw(_Law):
 
 
 #: Registry of envelope laws, by the name accepted wherever an ``envelope`` argument appears.
-_LAWS: dict[str, type] = {"chi2": _Chi2Law, "schur": _SchurLaw, "chernoff": _ChernoffLaw}
+_LAWS: Registry[type] = Registry("envelope")
+for _name, _cls in (("chi2", _Chi2Law), ("schur", _SchurLaw), ("chernoff", _ChernoffLaw)):
+    _LAWS.register(_name, _cls)
 
 #: Envelope names accepted everywhere an ``envelope`` argument appears.
 ENVELOPES = tuple(_LAWS)
@@ -431,7 +421,7 @@ def envelope_cdf(y: float | np.ndarray, *, sketch_dim: int, envelope: str = "chi
         ValueError: if ``sketch_dim < 1`` or ``envelope`` is unknown.
     """
     _validate_envelope(envelope)
-    _validate_sketch_dim(sketch_dim)
+    validate_sketch_dim(sketch_dim, allow_none=True)
     if sketch_dim is None:
         raise ValueError("envelope_cdf needs a sketch_dim; exact clipping has W = 1")
     _warn_if_unproved(sketch_dim, envelope)
@@ -491,7 +481,7 @@ class SensitivityEnvelope:
     envelope: str = "chi2"
 
     def __post_init__(self) -> None:
-        _validate_sketch_dim(self.sketch_dim)
+        validate_sketch_dim(self.sketch_dim, allow_none=True)
         _validate_envelope(self.envelope)
         if self.sketch_dim is not None:
             object.__setattr__(self, "sketch_dim", int(self.sketch_dim))
