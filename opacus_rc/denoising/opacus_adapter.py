@@ -23,15 +23,10 @@ import torch
 from torch import Tensor
 
 from opacus_rc._compat.opacus import adjusted_noise_multiplier
-from opacus_rc.denoising.denoiser import (
-    DEFAULT_KAPPA,
-    DEFAULT_MIN_DIM,
-    DenoiseReport,
-    _check_kappa,
-    _classify,
-    _denoise_gradients_,
-    _PendingReport,
-)
+from opacus_rc.denoising.checks import _check_kappa
+from opacus_rc.denoising.denoiser import DEFAULT_KAPPA, DEFAULT_MIN_DIM
+from opacus_rc.denoising.gradients import _classify, _denoise_gradients_
+from opacus_rc.denoising.records import DenoiseReport, _PendingReport
 from opacus_rc.denoising.registry import register_denoiser
 from opacus_rc.denoising.shrinkage import _check_noise_std, _check_positive_int
 from opacus_rc.denoising.svd import (
