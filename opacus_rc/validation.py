@@ -103,9 +103,9 @@ def validate_noise_multiplier(value: Any, *, allow_zero: bool = True) -> float:
     if allow_zero and sigma == 0.0:
         return 0.0
     if not (sigma > 0.0 and math.isfinite(sigma)):
-        rule = ">= 0 (0: a step without noise)" if allow_zero else "> 0"
+        zero = ", or 0 for a step without noise" if allow_zero else ""
         raise ValueError(
-            f"noise_multiplier must be a finite number {rule} (noise std / clipping bound), "
+            f"noise_multiplier must be a finite number > 0{zero} (noise std / clipping bound), "
             f"got {value!r}"
         )
     return sigma

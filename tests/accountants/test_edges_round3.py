@@ -133,7 +133,7 @@ def test_steps_without_noise_are_recorded_at_infinite_epsilon() -> None:
     assert acc.get_epsilon_report(0.9 * p0).remove == (math.inf, math.inf, math.inf)
     assert acc.get_epsilon_report(1.1 * p0).add == (0.0, math.inf, math.inf)
     for bad in (-1.0, math.nan, math.inf):
-        with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
+        with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0"):
             acc.step(noise_multiplier=bad, sample_rate=0.01)
 
 
