@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from opacus_rc.denoising.checks import _compute_dtype
+from opacus_rc.denoising.options import DenoiseOptions
 from opacus_rc.denoising.shrinkage import shrink_singular_values
 from opacus_rc.denoising.svd import SVD_BACKENDS
 
@@ -34,46 +35,41 @@ def _denoise_batch(
     G: Tensor,
     *,
     noise_std: float,
-    kappa: float | None,
-    norm_correction: bool,
-    svd: str,
-    rank: int,
-    oversampling: int,
-    tol: float,
-    max_iterations: int,
-    generator: torch.Generator | None,
+    options: DenoiseOptions,
+    threshold: bool = True,
 ) -> _BatchResult:
     """Core of :func:`denoise_matrix` on a ``(b, rows, cols)`` tensor in compute dtype.
 
-    ``kappa=None`` means "no threshold rule" (pure shrinkage, :func:`optimal_shrinkage`). No host
-    synchronisation with the exact SVD: the threshold rule is a ``torch.where``.
+    ``threshold=False`` means "no threshold rule" (pure shrinkage, :func:`optimal_shrinkage`;
+    ``options.kappa`` is then unused). No host synchronisation with the exact SVD: the threshold
+    rule is a ``torch.where``.
     """
     transposed = G.shape[-2] > G.shape[-1]
     M = G.transpose(-2, -1) if transposed else G
     m, n = M.shape[-2], M.shape[-1]
     edge = noise_std * (math.sqrt(m) + math.sqrt(n))
-    U, S, Vh, svd_rank = SVD_BACKENDS[svd](
+    U, S, Vh, svd_rank = SVD_BACKENDS[options.svd](
         M,
         edge=edge,
-        rank=rank,
-        oversampling=oversampling,
-        tol=tol,
-        max_iterations=max_iterations,
-        generator=generator,
+        rank=options.rank,
+        oversampling=options.oversampling,
+        tol=options.tol,
+        max_iterations=options.max_iterations,
+        generator=options.generator,
     )
     shat = shrink_singular_values(S, noise_std=noise_std, m=m, n=n)
     D = (U * shat.unsqueeze(-2)) @ Vh
     top = S[..., 0]
     kept_rank = (shat > 0).sum(-1)
-    # kappa=None: pure shrinkage (optimal_shrinkage), no threshold rule. Otherwise apply only if
+    # threshold=False: pure shrinkage (optimal_shrinkage), no threshold rule. Else apply only if
     # s_1 > kappa * edge (docs/denoising.md#denoising-algorithm); with kappa >= 1 that keeps s_1,
     # but if rounding zeroes it anyway the matrix is left as it is, as below the threshold (never a
     # zero gradient).
-    if kappa is None:
+    if not threshold:
         applied = torch.ones_like(top, dtype=torch.bool)
     else:
-        applied = (top > kappa * edge) & (kept_rank > 0)
-    if norm_correction:
+        applied = (top > options.kappa * edge) & (kept_rank > 0)
+    if options.norm_correction:
         d_norm = torch.linalg.matrix_norm(D)
         # Rows that are not applied keep the input; guard their (possibly zero) norm.
         safe = torch.where(applied & (d_norm > 0), d_norm, torch.ones_like(d_norm))
@@ -88,29 +84,12 @@ def _run_on_stack(
     matrix: Tensor,
     *,
     noise_std: float,
-    kappa: float | None,
-    norm_correction: bool,
-    svd: str,
-    rank: int,
-    oversampling: int,
-    tol: float,
-    max_iterations: int,
-    generator: torch.Generator | None,
+    options: DenoiseOptions,
+    threshold: bool = True,
 ) -> Tensor:
     if matrix.shape[-1] == 0 or matrix.shape[-2] == 0 or matrix.numel() == 0:
         return matrix.clone()
     batch_shape = matrix.shape[:-2]
     G = matrix.to(_compute_dtype(matrix.dtype)).reshape(-1, *matrix.shape[-2:])
-    result = _denoise_batch(
-        G,
-        noise_std=noise_std,
-        kappa=kappa,
-        norm_correction=norm_correction,
-        svd=svd,
-        rank=rank,
-        oversampling=oversampling,
-        tol=tol,
-        max_iterations=max_iterations,
-        generator=generator,
-    )
+    result = _denoise_batch(G, noise_std=noise_std, options=options, threshold=threshold)
     return result.out.reshape(*batch_shape, *matrix.shape[-2:]).to(matrix.dtype)

@@ -45,16 +45,15 @@ import torch
 from torch import Tensor
 
 from opacus_rc.denoising.batch import _run_on_stack
-from opacus_rc.denoising.checks import _check_kappa, _check_matrix
+from opacus_rc.denoising.checks import _check_matrix
+from opacus_rc.denoising.options import DEFAULT_KAPPA, DEFAULT_MIN_DIM, DenoiseOptions
 from opacus_rc.denoising.records import DenoiseRecord, DenoiseReport
-from opacus_rc.denoising.shrinkage import _check_noise_std, _check_positive_int
+from opacus_rc.denoising.shrinkage import _check_noise_std
 from opacus_rc.denoising.svd import (
     DEFAULT_MAX_ITERATIONS,
     DEFAULT_OVERSAMPLING,
     DEFAULT_RANK,
     DEFAULT_TOL,
-    _check_svd,
-    _check_tol,
 )
 
 __all__ = [
@@ -65,19 +64,6 @@ __all__ = [
     "denoise_matrix",
     "optimal_shrinkage",
 ]
-
-#: Default threshold factor kappa. Source: docs/denoising.md#denoising-oracle, whose pure-noise
-#: control uses kappa = 1.05. Why not kappa = 1 [num, checked here with torch.randn, 2000 draws per
-#: shape]: for pure Gaussian noise s_1 / (sigma_e (sqrt(m) + sqrt(n))) exceeds 1 in 5-16% of draws
-#: at shapes (2..768, 256..1024) (finite-size Tracy-Widom fluctuations above the bulk edge), but
-#: never exceeded 1.05 (maximum 1.046) once the larger dimension is >= 256. At a larger dimension of
-#: 64 or less, 1.6-5% of pure-noise draws still pass 1.05 (raise kappa or min_dim there).
-DEFAULT_KAPPA = 1.05
-
-#: Default smallest dimension of a matrix the denoiser touches. Source: with norm correction, a
-#: matrix with one row or column (one singular value) is mapped to itself, so ``min_dim = 2`` is
-#: the smallest size at which the operation is not the identity; skipping smaller matrices is exact.
-DEFAULT_MIN_DIM = 2
 
 
 def optimal_shrinkage(matrix: Tensor, *, noise_std: float) -> Tensor:
@@ -106,18 +92,8 @@ def optimal_shrinkage(matrix: Tensor, *, noise_std: float) -> Tensor:
     """
     _check_matrix(matrix)
     sigma = _check_noise_std(noise_std)
-    return _run_on_stack(
-        matrix,
-        noise_std=sigma,
-        kappa=None,
-        norm_correction=False,
-        svd="exact",
-        rank=DEFAULT_RANK,
-        oversampling=DEFAULT_OVERSAMPLING,
-        tol=DEFAULT_TOL,
-        max_iterations=DEFAULT_MAX_ITERATIONS,
-        generator=None,
-    )
+    options = DenoiseOptions(norm_correction=False)  # exact SVD; threshold rule off below
+    return _run_on_stack(matrix, noise_std=sigma, options=options, threshold=False)
 
 
 def denoise_matrix(
@@ -189,17 +165,9 @@ def denoise_matrix(
     """
     _check_matrix(matrix)
     sigma = _check_noise_std(noise_std)
-    kappa = _check_kappa(kappa)
-    _check_svd(svd)
-    _check_positive_int(rank, "rank")
-    _check_positive_int(oversampling, "oversampling", minimum=0)
-    tol = _check_tol(tol)
-    _check_positive_int(max_iterations, "max_iterations", minimum=0)
-    return _run_on_stack(
-        matrix,
-        noise_std=sigma,
+    options = DenoiseOptions(
         kappa=kappa,
-        norm_correction=bool(norm_correction),
+        norm_correction=norm_correction,
         svd=svd,
         rank=rank,
         oversampling=oversampling,
@@ -207,3 +175,4 @@ def denoise_matrix(
         max_iterations=max_iterations,
         generator=generator,
     )
+    return _run_on_stack(matrix, noise_std=sigma, options=options)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from opacus_rc.denoising.batch import _denoise_batch
 from opacus_rc.denoising.checks import _compute_dtype
+from opacus_rc.denoising.options import DenoiseOptions
 from opacus_rc.denoising.records import DenoiseRecord, _PendingReport
 
 __all__: list[str] = []
@@ -39,14 +40,7 @@ def _denoise_gradients_(
     statuses: Sequence[str | None],
     *,
     noise_std: float,
-    kappa: float,
-    norm_correction: bool,
-    svd: str,
-    rank: int,
-    oversampling: int,
-    tol: float,
-    max_iterations: int,
-    generator: torch.Generator | None,
+    options: DenoiseOptions,
 ) -> _PendingReport:
     """Denoise ``p.grad`` in place for every ``p`` whose status (:func:`_classify`) is ``None``.
 
@@ -79,21 +73,12 @@ def _denoise_gradients_(
         grads = [params[i].grad for i in indices]
         stack = torch.stack(grads)
         result = _denoise_batch(
-            stack.to(_compute_dtype(stack.dtype)),
-            noise_std=noise_std,
-            kappa=kappa,
-            norm_correction=norm_correction,
-            svd=svd,
-            rank=rank,
-            oversampling=oversampling,
-            tol=tol,
-            max_iterations=max_iterations,
-            generator=generator,
+            stack.to(_compute_dtype(stack.dtype)), noise_std=noise_std, options=options
         )
         out = result.out.to(stack.dtype)
         for j, grad in enumerate(grads):
             grad.copy_(out[j])
-        threshold = kappa * noise_std * (math.sqrt(shape[0]) + math.sqrt(shape[1]))
+        threshold = options.kappa * noise_std * (math.sqrt(shape[0]) + math.sqrt(shape[1]))
         for i in indices:
             records[i] = DenoiseRecord(
                 index=i, shape=shape, status="", threshold=threshold, svd_rank=result.svd_rank
