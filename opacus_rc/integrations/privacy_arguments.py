@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from opacus_rc.validation import validate_delta, validate_max_grad_norm, validate_noise_multiplier
+
 __all__ = ["PrivacyArguments"]
 
 #: ``bookkeeping`` strings of :class:`PrivacyArguments` and the engine's values for them.
@@ -131,16 +133,10 @@ class PrivacyArguments:
             raise ValueError(
                 f"target_epsilon must be a finite number > 0, got {self.target_epsilon}"
             )
-        if self.noise_multiplier is not None and not (
-            math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0
-        ):
-            raise ValueError(
-                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}"
-            )
-        if not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm}")
+        if self.noise_multiplier is not None:
+            validate_noise_multiplier(self.noise_multiplier)
+        validate_delta(self.target_delta, "target_delta")
+        validate_max_grad_norm(self.max_grad_norm)
         if self.expected_batch_size is None or int(self.expected_batch_size) < 1:
             raise ValueError(
                 "PrivacyArguments.expected_batch_size (the logical batch, Poisson-sampled) must "
