@@ -350,6 +350,9 @@ class LMMethod:
             ignored).
         cfg: Settings (``k``, ``seed``).
         checkpointing: One of :data:`CHECKPOINTING`.
+        units: Optional ``(B,)`` integer tensor mapping each sequence to its privacy unit
+            ``0..U-1``, passed to the private criterion as ``units=`` (unit-level DP-SGD,
+            ``benchmarks/unit_cost.py``); ``None``: one unit per sequence.
 
     Raises:
         ValueError: Unknown method or checkpointing mode; errors of the libraries' wrapping.
@@ -362,12 +365,15 @@ class LMMethod:
         input_ids: torch.Tensor,
         cfg: dict[str, Any],
         checkpointing: str = "off",
+        *,
+        units: torch.Tensor | None = None,
     ) -> None:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; allowed: {', '.join(METHODS)}")
         if checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
         self.name = name
+        self.units = units
         B, T = input_ids.shape
         device = input_ids.device
         self.input_ids = input_ids
@@ -447,7 +453,9 @@ class LMMethod:
         phase("forward")
         logits = self.model(input_ids=self.input_ids, position_ids=self.position_ids).logits
         flat = logits.view(-1, logits.shape[-1])
-        if self.dp_loss:
+        if self.dp_loss and self.units is not None:
+            loss = self.criterion(flat, self.labels, shape=self.shape, units=self.units)
+        elif self.dp_loss:
             loss = self.criterion(flat, self.labels, shape=self.shape)
         else:
             loss = self.criterion(flat, self.labels)
@@ -497,6 +505,48 @@ def first_line(err: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def measure_step(
+    method: LMMethod, device: torch.device, *, between: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """FLOPs and peak memory of one training step of ``method`` (on meta by default).
+
+    Memory and FLOPs come from two separate steps: ``FlopCounterMode``'s module tracker keeps
+    an autograd hook, and with it the graph, of every module forward it sees until it exits,
+    including the forwards that activation checkpointing recomputes inside the backward, so
+    memory measured under it would count recomputed activations that real training frees
+    (module docstring). ``between()`` runs after the memory step.
+
+    Returns:
+        ``status="ok"``, ``step_flops``, ``step_extra_bytes`` (bytes), ``persistent_bytes``
+        (parameters and buffers), ``peak_bytes`` (their sum) and ``scalar_reads`` (reads the
+        oracle answered; ``None`` off meta).
+
+    Raises:
+        MetaScalarReadError: If the step reads a meta scalar the oracle cannot infer; any
+            error of the step itself.
+    """
+    oracle = BenignScalarReads()
+
+    def step() -> None:
+        with meta_autocast(), oracle:
+            method.step()
+
+    extra, _ = common.peak_extra_bytes(step, device)
+    reads = sum(oracle.answered.values()) if device.type == "meta" else None
+    if between is not None:
+        between()
+    _, flops = common.count_flops(step)
+    persistent = method.persistent_bytes()
+    return {
+        "status": "ok",
+        "step_flops": flops,
+        "step_extra_bytes": extra,
+        "persistent_bytes": persistent,
+        "peak_bytes": extra + persistent,
+        "scalar_reads": reads,
+    }
+
+
 def measure_meta(
     cfg: dict[str, Any],
     checkpointing: str,
@@ -529,29 +579,14 @@ def measure_meta(
         try:
             model, ids = build_base(cfg, T, B, meta)
             method = LMMethod(name, model, ids, cfg, checkpointing)
-            oracle = BenignScalarReads()
+            seen: list[Counter[str]] = []
 
-            def step(method: LMMethod = method, oracle: BenignScalarReads = oracle) -> None:
-                with meta_autocast(), oracle:
-                    method.step()
+            def between(method: LMMethod = method, seen: list = seen) -> None:
+                if method.mixed is not None:
+                    seen.append(Counter(method.mixed.ghost_layers))
 
-            # Memory and FLOPs from two separate steps: FlopCounterMode's module tracker keeps
-            # an autograd hook, and with it the graph, of every module forward it sees until it
-            # exits, including the forwards that activation checkpointing recomputes inside the
-            # backward, so memory measured under it would count recomputed activations that
-            # real training frees (module docstring).
-            extra, _ = common.peak_extra_bytes(step, meta)
-            reads = sum(oracle.answered.values()) if meta.type == "meta" else None
-            layers = Counter(method.mixed.ghost_layers) if method.mixed is not None else None
-            _, flops = common.count_flops(step)
-            row.update(
-                status="ok",
-                step_flops=flops,
-                step_extra_bytes=extra,
-                persistent_bytes=method.persistent_bytes(),
-                scalar_reads=reads,
-            )
-            row["peak_bytes"] = row["step_extra_bytes"] + row["persistent_bytes"]
+            row.update(measure_step(method, meta, between=between))
+            layers = seen[0] if seen else None
             if layers is not None:  # of the first step (the counts add up over steps)
                 row["ghost_layers"] = "{ghost}/{total}".format(
                     ghost=layers["ghost"], total=sum(layers.values())
