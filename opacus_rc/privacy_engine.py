@@ -81,6 +81,7 @@ from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.post_processing import attach_post_processing_hook
 from opacus_rc.optimizers.registry import get_optimizer_class
+from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
 
 __all__ = ["PrivacyEngine"]
 
@@ -158,10 +159,13 @@ class _RandomizedBuild:
     Attributes:
         config: The configuration of this call.
         module: The grad-sample module once ``prepare_model_seam`` has built it.
+        unit_loader: The :class:`~opacus_rc.unit_data_loader.UnitDataLoader` passed, if any
+            (unit-level DP: the optimizer's divisor is its expected number of units).
     """
 
     config: RandomizedClippingConfig
     module: Any = None
+    unit_loader: Any = None
 
 
 def _shared_options(call_locals: dict[str, Any]) -> dict[str, Any]:
@@ -477,8 +481,18 @@ class PrivacyEngine(PrivacyEngineSeams):
 
         Opacus' distributed Poisson sampler drops a rank's empty batch, so that rank runs one
         step less (its all-reduces misalign, its accountant counts fewer steps);
-        :class:`DistributedDPDataLoader` yields it as a noise-only step.
+        :class:`DistributedDPDataLoader` yields it as a noise-only step. A
+        :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
         """
+        if isinstance(data_loader, UnitDataLoader):
+            if self._build is not None:
+                self._build.unit_loader = data_loader
+            return prepare_unit_data_loader(
+                data_loader,
+                engine=self,
+                distributed=distributed,
+                randomized=self._build is not None,
+            )
         if self._build is None or not (distributed and poisson_sampling):
             loader = super().prepare_data_loader_seam(
                 data_loader,
@@ -544,6 +558,8 @@ class PrivacyEngine(PrivacyEngineSeams):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
+        if build.unit_loader is not None:  # the divisor counts units, not sequences
+            expected_batch_size = build.unit_loader.expected_batch_size_for_accounting()
         sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
         optimizer_class = get_optimizer_class(
             clipping, distributed="fsdp" if sharded else distributed
@@ -609,7 +625,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
         if not opacus_options["poisson_sampling"] and not isinstance(
-            opacus_options.get("data_loader"), DPDataLoader
+            opacus_options.get("data_loader"), (DPDataLoader, UnitDataLoader)
         ):
             # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
             # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.

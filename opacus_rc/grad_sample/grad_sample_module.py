@@ -105,6 +105,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.grad_sample.tied import TiedSketches
+from opacus_rc.grad_sample.units import pack_for_units
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -911,6 +912,10 @@ class _RandomizedClippingMixin:
             loss_reduction=loss_reduction,
             batch_first=batch_first,
         )
+        if self.step_state.units is not None:  # units= (docs/privacy/units.md): per unit
+            activations, backprops = pack_for_units(
+                self.step_state.units, module, activations, backprops, loss_reduction=loss_reduction
+            )
         self._norms.compute(
             module,
             route,
