@@ -195,7 +195,7 @@ def time_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
             for name in order:
                 fn = fns[name]
                 t = common.time_one(
-                    lambda fn=fn: fn(layer, A, G, k=k, generator=gen), torch.device("cpu")
+                    lambda fn=fn, A=A, G=G: fn(layer, A, G, k=k, generator=gen), torch.device("cpu")
                 )
                 if r >= cfg["warmup"]:
                     times[name].append(t)
@@ -220,7 +220,6 @@ def time_rows(cfg: dict[str, Any], log: Any = print) -> list[dict[str, Any]]:
                 }
             )
             log(f"time m={m:>3} {name:>16}: {common.fmt_seconds(med)} ({med / base:.3g}x rc_unit)")
-        del A, G
     return rows
 
 
@@ -347,9 +346,7 @@ def time_table(rows: list[dict[str, Any]]) -> str:
         line: dict[str, Any] = {"windows": m}
         for r in (x for x in timed if x["windows"] == m):
             line["tokens"] = r["tokens"]
-            line[r["method"]] = (
-                f"{common.fmt_seconds(r['time_median_s'])} ({r['time_ratio']:.3g}x)"
-            )
+            line[r["method"]] = f"{common.fmt_seconds(r['time_median_s'])} ({r['time_ratio']:.3g}x)"
             line["load"] = r["load_average"]
         table.append(line)
     return common.markdown_table(table, ["windows", "tokens", *UNIT_METHODS, "load"])
