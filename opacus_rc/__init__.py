@@ -8,6 +8,7 @@ accountant itself.) Nothing else global is changed at import.
 """
 
 from opacus_rc.accountants import RCAccountant, get_noise_multiplier, register
+from opacus_rc.checkpoints import unwrap_state_dict
 from opacus_rc.denoising import SpectralDenoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
@@ -36,4 +37,5 @@ __all__ = [
     "get_noise_multiplier",
     "register",
     "register_sketched_norm_sampler",
+    "unwrap_state_dict",
 ]

@@ -21,22 +21,29 @@ analysis in docs/privacy/units.md is over these records). The selection is repor
 batches (Opacus' ``BatchMemoryManager`` splits a logical batch at arbitrary positions) is
 refused when the physical batch is collated (a ``ValueError``): its clip factor needs the
 norm of the sum over all of its sequences, and clipping the parts separately would give the
-unit a sensitivity of ``C`` per part. Use a physical batch that holds the logical batch, or
-fewer sequences per unit.
+unit a sensitivity of ``C`` per part. :class:`UnitBatchMemoryManager` splits logical batches
+at unit boundaries instead (virtual steps of whole units).
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["UnitDataLoader", "UnitPoissonSampler"]
+__all__ = [
+    "UnitBatchMemoryManager",
+    "UnitBatchSplittingSampler",
+    "UnitDataLoader",
+    "UnitPoissonSampler",
+    "prepare_unit_data_loader",
+]
 
 _SELECTIONS = ("first", "random")
 
@@ -89,6 +96,16 @@ class UnitPoissonSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
             yield [i for u in self.sample_units().tolist() for i in self.members[u]]
+
+
+def _unit_generator(seed: int, unit_id: int) -> torch.Generator:
+    """A generator that depends on ``(seed, unit_id)`` only: the random selection of one unit's
+    sequences is the same whichever other units the dataset holds (add/remove adjacency)."""
+    words = [abs(int(seed)), abs(int(unit_id)), int(unit_id) < 0]
+    state = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator()
+    gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+    return gen
 
 
 class _Tagged(Dataset):
@@ -176,7 +193,8 @@ class UnitDataLoader(DataLoader):
     (not re-sampled), the accountant takes ``q = 1 / len(loader)`` (``= sample_rate`` when
     ``1 / sample_rate`` is an integer, else slightly larger: conservative) and the expected
     batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the expected
-    number of units, ``round(q N_units)``.
+    number of units at that rate, ``int(N_units / len(loader))`` (``N_units`` replaced by
+    ``make_private``'s ``dataset_size`` if given: the public number of units).
 
     Args:
         dataset: The sequences (map-style).
@@ -187,7 +205,9 @@ class UnitDataLoader(DataLoader):
         selection: ``"first"`` (the first ones in dataset order) or ``"random"`` (uniformly
             without replacement, drawn once from ``selection_seed``), when a unit has more than
             ``max_sequences_per_unit``.
-        selection_seed: Seed of the ``"random"`` selection (None: one from the OS).
+        selection_seed: Seed of the ``"random"`` selection (None: one from the OS). Unit
+            ``u``'s choice depends on ``(selection_seed, its id)`` only, never on the other
+            units or on any content.
         generator: Source of the per-step inclusion masks (None: seeded from the OS).
         steps: Steps per epoch (default ``int(1 / sample_rate)``).
         collate_fn: Collates a list of dataset items (default ``default_collate``).
@@ -201,7 +221,6 @@ class UnitDataLoader(DataLoader):
         num_units: The number of units.
         selected: ``selected[u]``: the dataset indices of unit ``u``'s sequences in use.
         unit_ids: ``unit_ids[u]``: the id (from ``unit_of``) of unit ``u``.
-        expected_batch_units: ``q * num_units``.
 
     Raises:
         ValueError: A ``unit_of`` of the wrong length, an empty dataset, invalid ``sample_rate``,
@@ -247,16 +266,15 @@ class UnitDataLoader(DataLoader):
         members: list[list[int]] = [[] for _ in unit_ids]
         for i, uid in enumerate(ids):
             members[index_of[uid]].append(i)
-        select_gen = torch.Generator()
-        select_gen.manual_seed(secrets.randbits(63) if selection_seed is None else selection_seed)
+        seed = secrets.randbits(63) if selection_seed is None else int(selection_seed)
         m = max_sequences_per_unit
         for u, seqs in enumerate(members):
             if m is not None and len(seqs) > m:
                 if selection == "first":
                     members[u] = seqs[:m]
                 else:
-                    pick = torch.randperm(len(seqs), generator=select_gen)[:m].sort().values
-                    members[u] = [seqs[j] for j in pick.tolist()]
+                    pick = torch.randperm(len(seqs), generator=_unit_generator(seed, unit_ids[u]))
+                    members[u] = [seqs[j] for j in pick[:m].sort().values.tolist()]
         unit_of_index = [-1] * n
         for u, seqs in enumerate(members):
             for i in seqs:
@@ -281,16 +299,6 @@ class UnitDataLoader(DataLoader):
     def expected_batch_units(self) -> float:
         """``q * num_units``, the expected number of units per step."""
         return self.sample_rate * self.num_units
-
-    @property
-    def accounted_sample_rate(self) -> float:
-        """The rate the engine accounts each step at, ``1 / len(self)`` (``>= q``)."""
-        return 1 / len(self)
-
-    def expected_batch_size_for_accounting(self) -> int:
-        """The divisor of the noisy sum under ``loss_reduction="mean"``: the expected number of
-        units at the accounted rate, ``max(1, round(num_units / len(self)))``."""
-        return max(1, math.floor(self.num_units / len(self) + 0.5))
 
 
 def prepare_unit_data_loader(
@@ -330,3 +338,111 @@ def prepare_unit_data_loader(
     if engine.secure_mode:
         loader.batch_sampler.generator = engine.secure_rng
     return loader
+
+
+class UnitBatchSplittingSampler(BatchSplittingSampler):
+    """Opacus' ``BatchSplittingSampler``, splitting a logical batch at unit boundaries only.
+
+    Whole units are packed greedily, in order, into physical batches of at most
+    ``max_batch_size`` sequences; a unit with more sequences than that forms a physical batch
+    of its own (a unit is never split: its clip factor needs all of its sequences in one
+    backward pass). The optimizer is told, as by Opacus, which physical batches end a logical
+    one (``signal_skip_step``), so each logical batch is one noised, accounted step.
+
+    Args:
+        sampler: The :class:`UnitPoissonSampler` (a ``UnitDataLoader``'s ``batch_sampler``).
+        unit_of: ``unit_of[i]``: the unit index of dataset sequence ``i``.
+        max_batch_size: The largest physical batch (sequences), unless one unit is larger.
+        optimizer: The DP optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        sampler: UnitPoissonSampler,
+        unit_of: Sequence[int],
+        max_batch_size: int,
+        optimizer: Any,
+    ) -> None:
+        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+        self.unit_of = unit_of
+
+    def split(self, indices: list[int]) -> list[list[int]]:
+        """The physical batches of one logical batch (consecutive whole units)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        start = 0
+        while start < len(indices):
+            end = start
+            while end < len(indices) and self.unit_of[indices[end]] == self.unit_of[indices[start]]:
+                end += 1
+            unit = indices[start:end]
+            if current and len(current) + len(unit) > self.max_batch_size:
+                chunks.append(current)
+                current = []
+            current = current + unit
+            start = end
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.sampler:
+            chunks = self.split(list(indices)) or [[]]
+            for chunk in chunks[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield chunk
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield chunks[-1]
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # logical batches; the physical count is random
+
+
+class UnitBatchMemoryManager(BatchMemoryManager):
+    """Opacus' ``BatchMemoryManager`` for a :class:`UnitDataLoader`: physical batches of whole
+    units (:class:`UnitBatchSplittingSampler`), so that large logical batches of units run as
+    virtual steps without splitting a unit.
+
+    Args:
+        data_loader: The :class:`UnitDataLoader` returned by ``make_private``.
+        max_physical_batch_size: The largest physical batch, in sequences (a unit with more
+            sequences forms a physical batch of its own).
+        optimizer: The DP optimizer.
+
+    Raises:
+        TypeError: If ``data_loader`` is not a :class:`UnitDataLoader`.
+    """
+
+    def __init__(
+        self, *, data_loader: UnitDataLoader, max_physical_batch_size: int, optimizer: Any
+    ) -> None:
+        if not isinstance(data_loader, UnitDataLoader):
+            raise TypeError(
+                f"UnitBatchMemoryManager needs a UnitDataLoader, got {type(data_loader).__name__}"
+            )
+        super().__init__(
+            data_loader=data_loader,
+            max_physical_batch_size=max_physical_batch_size,
+            optimizer=optimizer,
+        )
+
+    def __enter__(self) -> DataLoader:
+        loader = self.data_loader
+        return DataLoader(
+            dataset=loader.dataset,
+            batch_sampler=UnitBatchSplittingSampler(
+                sampler=loader.batch_sampler,
+                unit_of=loader.dataset.unit_of,
+                max_batch_size=self.max_physical_batch_size,
+                optimizer=self.optimizer,
+            ),
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )

@@ -68,22 +68,25 @@ def data(B: int = 6, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def seq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-sequence losses (B,): the mean over tokens, as the DP criterion with shape=."""
+def seq_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Per-sequence losses (B,): the mean (sum) over tokens, as the DP criterion with shape=
+    under loss_reduction="mean" ("sum")."""
     per_token = nn.functional.cross_entropy(
         out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none"
-    )
-    return per_token.view(y.shape).mean(dim=1)
+    ).view(y.shape)
+    return per_token.mean(dim=1) if reduction == "mean" else per_token.sum(dim=1)
 
 
-def unit_grads(model: nn.Module, x: Any, y: torch.Tensor, units: torch.Tensor, forward) -> Any:
+def unit_grads(
+    model: nn.Module, x: Any, y: torch.Tensor, units: torch.Tensor, forward, reduction="mean"
+) -> Any:
     """``(U, P)`` float64 summed gradient of each unit: one autograd call per unit."""
     ref = copy.deepcopy(model).double()
     params = [p for p in ref.parameters() if p.requires_grad]
     rows = []
     for u in range(int(units.max()) + 1):
         idx = torch.nonzero(units == u).flatten()
-        loss = seq_loss(forward(ref, x[idx]), y[idx]).sum()
+        loss = seq_loss(forward(ref, x[idx]), y[idx], reduction).sum()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         rows.append(
             torch.cat(
@@ -105,11 +108,18 @@ def plain_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def private(
-    model: nn.Module, *, bookkeeping: bool = True, seed: int = 0, k: int = K, c: float = 1e6
+    model: nn.Module,
+    *,
+    bookkeeping: bool = True,
+    seed: int = 0,
+    k: int = K,
+    c: float = 1e6,
+    reduction: str = "mean",
 ) -> tuple[Any, Any, Any]:
     m = GradSampleModuleRandomizedClipping(
         model,
         max_grad_norm=c,
+        loss_reduction=reduction,
         sketch_dim=k,
         sketch_generator=torch.Generator().manual_seed(seed),
         bookkeeping=bookkeeping,
@@ -120,7 +130,7 @@ def private(
         noise_multiplier=0.0,
         expected_batch_size=3,
     )
-    crit = DPLossRandomizedClipping(m, opt, nn.CrossEntropyLoss(), "mean")
+    crit = DPLossRandomizedClipping(m, opt, nn.CrossEntropyLoss(reduction=reduction), reduction)
     return m, opt, crit
 
 
@@ -138,18 +148,20 @@ def unit_step(m, crit, x, y, units, forward=plain_forward) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bookkeeping", [True, False])
-def test_per_unit_norms_and_clipped_sum_match_the_oracle(bookkeeping: bool) -> None:
+@pytest.mark.parametrize(
+    ("bookkeeping", "reduction"), [(True, "mean"), (False, "mean"), (True, "sum")]
+)
+def test_per_unit_norms_and_clipped_sum_match_the_oracle(bookkeeping: bool, reduction: str) -> None:
     """Units of sizes 3, 2, 1 interleaved: norms within RTOL of the oracle's summed gradient
     (and not the per-sequence norm), and the clipped sum equal to ``sum_u c_u g_u`` with the
     module's own factors (exact up to float32)."""
     model = TokenModel()
     x, y = data()
-    G = unit_grads(model, x, y, UNITS, plain_forward)
+    G = unit_grads(model, x, y, UNITS, plain_forward, reduction)
     oracle = G.norm(dim=1)
     naive = seq_grad_norms(model, x, y, UNITS, plain_forward)
     assert ((naive - oracle).abs() / oracle)[:2].min() > RTOL  # units of >1 sequence differ
-    m, _opt, crit = private(model, bookkeeping=bookkeeping, c=0.5)
+    m, _opt, crit = private(model, bookkeeping=bookkeeping, c=0.5, reduction=reduction)
     got = unit_step(m, crit, x, y, UNITS)
     norms = m.per_sample_gradient_norms
     assert norms.shape == (3,)
@@ -254,3 +266,29 @@ def test_layout_packs_without_copy_when_contiguous() -> None:
     lay2 = UnitLayout(torch.tensor([1, 0, 1]))
     packed = lay2.pack(torch.tensor([[1.0], [2.0], [3.0]]))
     torch.testing.assert_close(packed, torch.tensor([[[2.0], [0.0]], [[1.0], [3.0]]]))
+
+
+def test_hutchpp_per_unit_norms_match_the_oracle() -> None:
+    """Hutch++ runs on the packed tensors too (head and tail per unit). Its estimate is an
+    exact head share plus a k-column Hutchinson tail on the residual, so its relative variance
+    is again <= 2 / k and RTOL holds (module docstring)."""
+    model = TokenModel()
+    x, y = data()
+    oracle = unit_grads(model, x, y, UNITS, plain_forward).norm(dim=1)
+    m = GradSampleModuleRandomizedClipping(
+        model,
+        max_grad_norm=1e6,
+        sketch="hutch++",
+        sketch_dim=K,
+        sketch_head_dim=4,
+        sketch_generator=torch.Generator().manual_seed(0),
+    )
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        grad_sample_module=m,
+        noise_multiplier=0.0,
+        expected_batch_size=3,
+    )
+    crit = DPLossRandomizedClipping(m, opt, nn.CrossEntropyLoss(), "mean")
+    unit_step(m, crit, x, y, UNITS)
+    torch.testing.assert_close(m.per_sample_gradient_norms, oracle, rtol=RTOL, atol=0)
