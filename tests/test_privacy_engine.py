@@ -366,7 +366,8 @@ def test_make_private_with_epsilon_searches_with_the_modules_spec(
     assert call["sketch_spec"] == SketchSpec("hutch++", 24, 8, per_sample=True, secret=True)
     assert call["accountant"] is fake_engine.accountant
     assert call["sample_rate"] == pytest.approx(0.25)
-    assert (call["epochs"], call["steps"], call["epsilon_tolerance"]) == (2, None, 0.01)
+    # Two epochs of int(1 / 0.25) = 4 steps, searched as steps (the schedule the run has).
+    assert (call["epochs"], call["steps"], call["epsilon_tolerance"]) == (None, 8, 0.01)
     assert (call["target_epsilon"], call["target_delta"]) == (3.0, 1e-5)
     assert optimizer.noise_multiplier == 1.234
 
