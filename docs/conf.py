@@ -88,7 +88,10 @@ API_PACKAGES = (
     "opacus_rc.denoising",
     "opacus_rc.sketching",
     "opacus_rc.data_loader",
+    "opacus_rc.unit_data_loader",
+    "opacus_rc.grad_sample.units",
     "opacus_rc.lora",
+    "opacus_rc.checkpoints",
     "opacus_rc.auditing",
 )
 

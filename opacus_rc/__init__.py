@@ -8,6 +8,7 @@ accountant itself.) Nothing else global is changed at import.
 """
 
 from opacus_rc.accountants import RCAccountant, get_noise_multiplier, register
+from opacus_rc.checkpoints import unwrap_state_dict
 from opacus_rc.denoising import SpectralDenoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
@@ -17,6 +18,7 @@ from opacus_rc.grad_sample import (
 from opacus_rc.optimizers import RandomizedClipOptimizer, attach_post_processing_hook
 from opacus_rc.privacy_engine import PrivacyEngine
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.unit_data_loader import UnitDataLoader
 from opacus_rc.version import __version__
 
 register()
@@ -29,9 +31,11 @@ __all__ = [
     "RandomizedClipOptimizer",
     "SketchSpec",
     "SpectralDenoiser",
+    "UnitDataLoader",
     "__version__",
     "attach_post_processing_hook",
     "get_noise_multiplier",
     "register",
     "register_sketched_norm_sampler",
+    "unwrap_state_dict",
 ]

@@ -10,6 +10,10 @@ Examples::
 Every figure is an upper bound on epsilon (the maximum over the remove and add adjacency
 directions) from :class:`opacus_rc.accountants.RCAccountant`; the first column is always exact
 clipping (plain DP-SGD), the others randomized clipping with ``k`` sketch columns.
+
+The command line itself (:func:`arg_parser`, :func:`main`, :data:`EXAMPLES`) lives in the
+top-level module ``opacus_rc_cli``, which the console script runs: it answers ``--help`` and
+``--version`` without importing this package. This module computes the figures (:func:`run`).
 """
 
 from __future__ import annotations
@@ -18,163 +22,28 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from opacus_rc._compat.stdlib import subcommand_parser
 from opacus_rc.accountants import (
     EpsilonOutOfRangeError,
     NumericalLimitError,
     RCAccountant,
     get_noise_multiplier,
 )
-from opacus_rc.accountants.analysis.envelope import ENVELOPES
-from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
-from opacus_rc.version import __version__
 
-__all__ = ["EXAMPLES", "arg_parser", "main"]
+try:
+    from opacus_rc_cli import EXAMPLES, arg_parser, main
+except ModuleNotFoundError as err:
+    if err.name != "opacus_rc_cli":
+        raise
+    # An editable install made before the launcher existed maps the package only.
+    raise ModuleNotFoundError(
+        "opacus_rc.cli needs the top-level module opacus_rc_cli (the opacus-rc command line, "
+        "installed beside the package), which this installation does not provide: reinstall "
+        "opacus_rc (in a checkout: pip install -e .)",
+        name="opacus_rc_cli",
+    ) from err
 
-#: A complete command line per subcommand (shown in --help and in missing-option errors).
-EXAMPLES = {
-    "epsilon": "opacus-rc epsilon --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 "
-    "--delta 1e-5 --sketch-dim 32",
-    "noise-multiplier": "opacus-rc noise-multiplier --target-epsilon 3 --sample-rate 0.01 "
-    "--epochs 10 --delta 1e-5 --sketch-dim 16 32 64",
-}
-#: Options each subcommand needs, as (destination(s), how the error names them).
-_REQUIRED = {
-    "epsilon": ((("noise_multiplier",), "--noise-multiplier (-s)"),),
-    "noise-multiplier": ((("target_epsilon",), "--target-epsilon (-e)"),),
-}
-_COMMON_REQUIRED = (
-    (("sample_rate",), "--sample-rate (-q)"),
-    (("steps", "epochs"), "one of --steps or --epochs"),
-)
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--sample-rate",
-        "-q",
-        type=float,
-        help="Poisson sampling probability q of each step, in (0, 1] (expected batch size / "
-        "dataset size); required.",
-    )
-    length = p.add_mutually_exclusive_group()
-    length.add_argument(
-        "--steps", type=int, help="number of optimizer steps (>= 0); this or --epochs is required."
-    )
-    length.add_argument(
-        "--epochs",
-        type=_positive_float,
-        help="number of epochs (> 0); steps = int(epochs / sample_rate), as in Opacus.",
-    )
-    p.add_argument(
-        "--delta",
-        type=float,
-        default=1e-5,
-        help="target delta of (epsilon, delta)-DP, in (0, 1) (default: 1e-5).",
-    )
-    p.add_argument(
-        "--sketch-dim",
-        "-k",
-        type=_positive_int,
-        nargs="+",
-        default=[32],
-        metavar="K",
-        help="sketch columns k of randomized clipping, one column of output per value "
-        "(default: 32). For Hutch++ give the tail columns "
-        "(docs/privacy/hutchpp.md#hutchpp-privacy).",
-    )
-    p.add_argument(
-        "--threat-model",
-        choices=THREAT_MODELS,
-        default="hidden",
-        help="'hidden' (default): per-sample secret sketches; 'revealed': the paper's analysis, "
-        "valid for any sketch sharing.",
-    )
-    p.add_argument(
-        "--envelope",
-        choices=ENVELOPES,
-        default="chi2",
-        help="law of the worst-case sensitivity: 'chi2' (default, the paper's), 'schur' "
-        "(proved: Schur-convexity region plus a convex-order bound) or 'chernoff' (proved, "
-        "the most conservative).",
-    )
-    p.add_argument(
-        "--eps-error",
-        type=_positive_float,
-        default=0.01,
-        help="discretisation error of the PRV accountant, in units of epsilon (default: 0.01).",
-    )
-
-
-def arg_parser() -> argparse.ArgumentParser:
-    """The ``opacus-rc`` argument parser (subcommands ``epsilon`` and ``noise-multiplier``)."""
-    parser = argparse.ArgumentParser(
-        prog="opacus-rc",
-        description="Privacy accounting for DP-SGD with randomized clipping (opacus_rc): "
-        "epsilon or noise multiplier for exact clipping and for sketched norms, side by side.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    eps = sub.add_parser(
-        "epsilon",
-        help="epsilon spent by a training run",
-        epilog=f"example: {EXAMPLES['epsilon']}",
-        description="Upper bound on epsilon at the given delta, max over the remove and add "
-        "directions, for exact clipping and for randomized clipping with each sketch dimension.",
-    )
-    eps.add_argument(
-        "--noise-multiplier",
-        "-s",
-        type=float,
-        help="noise multiplier sigma: noise standard deviation divided by the clipping bound "
-        "(> 0); required.",
-    )
-    _add_common(eps)
-    nm = sub.add_parser(
-        "noise-multiplier",
-        help="noise multiplier needed for a target epsilon",
-        epilog=f"example: {EXAMPLES['noise-multiplier']}",
-        description="Smallest noise multiplier (noise std / clipping bound) whose epsilon "
-        "upper bound is at most the target, for exact clipping and randomized clipping.",
-    )
-    nm.add_argument(
-        "--target-epsilon",
-        "-e",
-        type=_positive_float,
-        help="target epsilon (> 0) at the given delta; required.",
-    )
-    nm.add_argument(
-        "--epsilon-tolerance",
-        type=_positive_float,
-        default=0.01,
-        help="accepted shortfall of epsilon below the target (default: 0.01).",
-    )
-    _add_common(nm)
-    return parser
-
-
-def _missing(args: argparse.Namespace) -> list[str]:
-    """The required options absent from ``args``, named as the user types them."""
-    out = []
-    for dests, name in (*_REQUIRED[args.command], *_COMMON_REQUIRED):
-        if all(getattr(args, d) is None for d in dests):
-            out.append(name)
-    return out
+__all__ = ["EXAMPLES", "arg_parser", "main", "run"]
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -260,23 +129,15 @@ def _run_noise(args: argparse.Namespace) -> str:
     return title + "\n" + _table(header, [sigmas, ratios])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``opacus-rc`` console script; returns the exit status.
+def run(args: argparse.Namespace) -> int:
+    """Compute and print the figures of a parsed ``opacus-rc`` command line.
 
     Args:
-        argv: Arguments without the program name; default ``sys.argv[1:]``.
+        args: What :func:`arg_parser` parsed (every required option present).
 
     Returns:
-        0 on success, 2 on invalid input (argparse's convention; a missing option is named
-        with a complete example command), 1 if a figure cannot be computed.
+        0 on success, 2 on an invalid value, 1 if a figure cannot be computed.
     """
-    parser = arg_parser()
-    args = parser.parse_args(argv)
-    missing = _missing(args)
-    if missing:
-        subcommand_parser(parser, args.command).error(
-            f"missing {', '.join(missing)}; a complete command is: {EXAMPLES[args.command]}"
-        )
     try:
         out = _run_epsilon(args) if args.command == "epsilon" else _run_noise(args)
     except (ValueError, TypeError) as err:

@@ -51,10 +51,21 @@ from opacus.data_loader import DPDataLoader
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
+from opacus.utils.uniform_sampler import (
+    DistributedUniformWithReplacementSampler,
+    UniformWithReplacementSampler,
+)
 from torch import nn, optim
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from opacus_rc._compat.opacus import PrivacyEngineSeams, wrapped_module_if_built
 from opacus_rc.config import (
@@ -81,6 +92,7 @@ from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.post_processing import attach_post_processing_hook
 from opacus_rc.optimizers.registry import get_optimizer_class
+from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
 
 __all__ = ["PrivacyEngine"]
 
@@ -138,12 +150,14 @@ class _Request:
         kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
         config: The randomized-clipping configuration, or None for Opacus' own clipping.
         post: The post-processing to attach.
+        sizes: The sampling rate and divisor, from public inputs.
     """
 
     opacus_options: dict[str, Any]
     kwargs: dict[str, Any]
     config: RandomizedClippingConfig | None
     post: _PostProcessing
+    sizes: _PublicSizes
 
 
 @dataclass
@@ -174,16 +188,181 @@ def _shared_options(call_locals: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in call_locals.items() if name not in _NOT_SHARED}
 
 
-def _sample_rate(data_loader: DataLoader) -> float:
-    """Opacus' sample rate ``1 / len(data_loader)``.
+#: Samplers that draw every record uniformly: Opacus' Poisson sampler replaces them without a
+#: change of what the loader's weighting means (a ``DistributedSampler`` shards uniformly too).
+_UNIFORM_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+#: Batch samplers Opacus replaces by Poisson sampling as the loader's own (``BatchSampler``) or
+#: keeps as Poisson samplers already.
+_KNOWN_BATCH_SAMPLERS = (
+    BatchSampler,
+    UniformWithReplacementSampler,
+    DistributedUniformWithReplacementSampler,
+)
+
+
+def _check_data_loader(data_loader: Any, *, poisson_sampling: bool) -> None:
+    """Refuse a loader Poisson sampling (or the accountant) cannot use; warn on a replaced sampler.
+
+    Poisson sampling includes every record independently with probability ``q`` (the
+    accountant's model): it needs a map-style dataset of known size ``N`` (records by index,
+    ``len(dataset)``), and it replaces the loader's sampler (Opacus does it silently).
 
     Raises:
-        ValueError: If the data loader has no batches.
+        TypeError: If ``data_loader`` is not a ``DataLoader``.
+        ValueError: If its dataset is an ``IterableDataset``, or has no ``len()``.
     """
-    n_batches = len(data_loader)
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(
+            f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}"
+        )
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"the data loader's dataset is an IterableDataset ({type(dataset).__name__}): "
+            "Poisson sampling, which the privacy guarantee assumes, includes every record "
+            "independently with probability q, so it needs a map-style dataset of known size "
+            "(a torch.utils.data.Dataset with __len__ and __getitem__). Materialise the "
+            "stream first (e.g. a Hugging Face datasets.Dataset instead of streaming=True / "
+            "IterableDataset, or a list of its records)"
+        )
+    try:
+        len(dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise ValueError(
+            f"the data loader's dataset ({type(dataset).__name__}) has no len(): Poisson "
+            "sampling and the sampling rate q need a map-style dataset of known size "
+            "(define __len__)"
+        ) from err
+    if not poisson_sampling or isinstance(data_loader, (DPDataLoader, UnitDataLoader)):
+        return
+    batch_sampler = data_loader.batch_sampler
+    if not isinstance(batch_sampler, _KNOWN_BATCH_SAMPLERS):
+        replaced = f"batch_sampler {type(batch_sampler).__name__}"
+    elif isinstance(batch_sampler, BatchSampler) and not isinstance(
+        batch_sampler.sampler, _UNIFORM_SAMPLERS
+    ):
+        replaced = f"sampler {type(batch_sampler.sampler).__name__}"
+    else:
+        return
+    warnings.warn(
+        f"the data loader's {replaced} is replaced by Poisson sampling (every record "
+        "included independently with the same probability q), which the privacy guarantee "
+        "assumes: its weighting or order is not used. Sampling with unequal probabilities "
+        "is not what the accountant analyses. To reweight records, weight each sample's loss "
+        "instead (the per-sample gradient is clipped after weighting); pass a plain "
+        "DataLoader(dataset, batch_size=B) to silence this warning",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+@dataclass(frozen=True)
+class _PublicSizes:
+    """The sizes the mechanism uses, computed from public inputs only (docs/privacy/mechanism.md).
+
+    Attributes:
+        sample_rate: ``q``, the Poisson rate the loader samples at and the accountant records;
+            an epoch is ``int(1 / q)`` steps.
+        expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"`` (per
+            process: divided by the world size in a distributed run, as Opacus does).
+    """
+
+    sample_rate: float
+    expected_batch_size: int
+
+
+def _public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> _PublicSizes:
+    """Sampling rate and divisor from public inputs (Opacus #819, #571).
+
+    Opacus computes ``q = 1 / len(data_loader)`` and divides by ``int(len(dataset) * q)``: the
+    divisor is a function of the private number of records ``N`` (neighbours ``N = 12`` and
+    ``N = 11`` at batch size 4 get the same ``q`` but divisors 4 and 3). Here:
+
+    * a loader with a ``batch_size`` ``B`` (the usual ``DataLoader(dataset, batch_size=B)``):
+      the divisor is ``B`` itself, and ``q = 1 / n`` with ``n = ceil(N' / B)`` batches
+      (``floor`` with ``drop_last=True``, as ``len(DataLoader)``), ``N' = dataset_size`` if
+      given, else ``len(dataset)`` (Opacus' rate);
+    * a loader without one (an Opacus ``DPDataLoader``, a custom ``batch_sampler``):
+      ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``, ``1 / int(1 / its sample_rate)``)
+      and the divisor ``int(N' q)``, as Opacus. For a
+      :class:`~opacus_rc.unit_data_loader.UnitDataLoader` the records are the units:
+      ``N'`` is ``dataset_size`` if given, else the number of units.
+
+    Args:
+        data_loader: The user's (map-style) data loader.
+        dataset_size: The public number of records ``N'``, or None.
+
+    Returns:
+        The sizes.
+
+    Raises:
+        ValueError: If the data loader (or ``dataset_size``) gives no batch, or
+            ``dataset_size`` is not an integer >= 1.
+    """
+    if dataset_size is not None and (
+        isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
+    ):
+        raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
+    batch_size = data_loader.batch_size
+    if batch_size is not None and dataset_size is not None:
+        n_batches = (
+            dataset_size // batch_size
+            if data_loader.drop_last
+            else math.ceil(dataset_size / batch_size)
+        )
+    else:
+        n_batches = len(data_loader)
     if n_batches == 0:
-        raise ValueError("the data loader is empty")
-    return 1 / n_batches
+        raise ValueError(
+            "the data loader is empty"
+            if dataset_size is None
+            else f"dataset_size={dataset_size} gives no batch of batch_size={batch_size} "
+            "with drop_last=True"
+        )
+    sample_rate = 1 / n_batches
+    if batch_size is not None:
+        return _PublicSizes(sample_rate, batch_size)
+    if dataset_size is not None:
+        size = dataset_size
+    elif isinstance(data_loader, UnitDataLoader):
+        size = data_loader.num_units  # unit-level DP: the records are the units
+    else:
+        size = len(data_loader.dataset)  # type: ignore[arg-type]
+    return _PublicSizes(sample_rate, int(size * sample_rate))
+
+
+def _poisson_loader(
+    loader_class: type[DPDataLoader],
+    data_loader: DataLoader,
+    *,
+    sample_rate: float,
+    distributed: bool,
+    generator: torch.Generator | None,
+    batch_first: bool,
+    rand_on_empty: bool,
+) -> DPDataLoader:
+    """Opacus' ``DPDataLoader.from_data_loader`` (opacus 1.6) at a given ``sample_rate``.
+
+    ``from_data_loader`` always samples at ``1 / len(data_loader)``; everything else (workers,
+    collate function, generator: ``generator`` or the loader's) is carried over as it does.
+    """
+    return loader_class(
+        dataset=data_loader.dataset,
+        sample_rate=sample_rate,
+        num_workers=data_loader.num_workers,
+        collate_fn=data_loader.collate_fn,
+        pin_memory=data_loader.pin_memory,
+        drop_last=data_loader.drop_last,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        generator=generator if generator else data_loader.generator,
+        prefetch_factor=data_loader.prefetch_factor,
+        persistent_workers=data_loader.persistent_workers,
+        distributed=distributed,
+        batch_first=batch_first,
+        rand_on_empty=rand_on_empty,
+    )
 
 
 class PrivacyEngine(PrivacyEngineSeams):
@@ -216,6 +395,7 @@ class PrivacyEngine(PrivacyEngineSeams):
     denoiser: Any = None
     lora_update_guard: LoRAUpdateGuard | None = None
     _build: _RandomizedBuild | None = None
+    _sizes: _PublicSizes | None = None
 
     def __init__(self, *, accountant: str = "rc", secure_mode: bool = False) -> None:
         if accountant == "rc":
@@ -260,6 +440,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
         bookkeeping: bool | str = True,
+        dataset_size: int | None = None,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Make the model, optimizer, criterion and data loader private.
@@ -330,6 +511,14 @@ class PrivacyEngine(PrivacyEngineSeams):
                 are drawn in the first pass only; the same sketch spec is accounted);
                 book-keeping is faster and frees the graph after the first pass. The
                 module's ``bookkeeping`` property says which is used.
+            dataset_size: The public number of records ``N`` (an integer >= 1), for the
+                Poisson sampling rate ``q = 1 / ceil(N / B)`` of a loader of batch size ``B``
+                (``floor`` with ``drop_last``), or for the divisor ``int(N q)`` of a loader
+                without ``batch_size`` (an Opacus ``DPDataLoader``). ``None`` (default):
+                ``len(dataset)``, as Opacus, which makes the number of records public. The
+                divisor of a loader with a ``batch_size`` is ``B`` in both cases, never
+                computed from ``len(dataset)`` (docs/privacy/mechanism.md#mechanism-public).
+                Poisson sampling only.
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -342,7 +531,10 @@ class PrivacyEngine(PrivacyEngineSeams):
             (one or two backward passes, see ``bookkeeping``). Otherwise Opacus' return value.
 
         Raises:
-            ValueError: Unknown sketch, ``sketch_dim < 1``, an accountant that cannot account
+            ValueError: A data loader over an ``IterableDataset`` or a dataset without
+                ``len()`` (Poisson sampling needs a map-style dataset of known size); an
+                invalid ``dataset_size``, or one with ``poisson_sampling=False``. Unknown
+                sketch, ``sketch_dim < 1``, an accountant that cannot account
                 for randomized clipping, an eval-mode model, a loss-reduction mismatch, sketch
                 options without ``clipping="randomized"``, and the other invalid inputs listed
                 in :class:`~opacus_rc.config.RandomizedClippingConfig` and
@@ -387,6 +579,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         denoise_options: dict[str, Any] | None = None,
         check_lora_update: bool = False,
         bookkeeping: bool | str = True,
+        dataset_size: int | None = None,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
@@ -473,13 +666,29 @@ class PrivacyEngine(PrivacyEngineSeams):
         batch_first: bool = True,
         rand_on_empty: bool = False,
     ) -> DataLoader:
-        """Opacus' seam; a distributed randomized run gets :class:`DistributedDPDataLoader`.
+        """Opacus' seam: Poisson sampling at the public rate of :func:`_public_sizes`.
 
-        Opacus' distributed Poisson sampler drops a rank's empty batch, so that rank runs one
-        step less (its all-reduces misalign, its accountant counts fewer steps);
-        :class:`DistributedDPDataLoader` yields it as a noise-only step.
+        Opacus samples at ``1 / len(data_loader)``, which is that rate unless a public
+        ``dataset_size`` was given; then the loader is built at the public rate instead. A
+        distributed randomized run gets :class:`DistributedDPDataLoader`: Opacus' distributed
+        Poisson sampler drops a rank's empty batch, so that rank runs one step less (its
+        all-reduces misalign, its accountant counts fewer steps);
+        :class:`DistributedDPDataLoader` yields it as a noise-only step. A
+        :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
         """
-        if self._build is None or not (distributed and poisson_sampling):
+        if isinstance(data_loader, UnitDataLoader):
+            return prepare_unit_data_loader(
+                data_loader,
+                engine=self,
+                distributed=distributed,
+                randomized=self._build is not None,
+            )
+        sizes = self._sizes
+        own_rate = (
+            poisson_sampling and sizes is not None and sizes.sample_rate != 1 / len(data_loader)
+        )
+        own_distributed = self._build is not None and distributed and poisson_sampling
+        if not (own_rate or own_distributed):
             loader = super().prepare_data_loader_seam(
                 data_loader,
                 poisson_sampling=poisson_sampling,
@@ -487,31 +696,39 @@ class PrivacyEngine(PrivacyEngineSeams):
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
-            if self._build is not None and rand_on_empty and isinstance(loader, DPDataLoader):
-                # Opacus' wrapper returns B = 0 for an empty batch before the first non-empty
-                # one even with rand_on_empty; ours honours it from the first batch on.
-                loader.collate_fn = RandomOnEmptyCollate(
-                    collate_fn=loader.collate_fn.wrapped_collator_fn,
-                    dataset=loader.dataset,
-                    batch_first=batch_first,
-                    rand_on_empty=True,
-                )
-            return loader
-        # Opacus' method without sampling: it records (or checks) the engine's dataset.
-        super().prepare_data_loader_seam(
-            data_loader,
-            poisson_sampling=False,
-            distributed=True,
-            batch_first=batch_first,
-            rand_on_empty=rand_on_empty,
-        )
-        return DistributedDPDataLoader.from_data_loader(
-            data_loader,
-            distributed=True,
-            generator=self.secure_rng,
-            batch_first=batch_first,
-            rand_on_empty=rand_on_empty,
-        )
+        else:
+            # Opacus' method without sampling: it records (or checks) the engine's dataset.
+            super().prepare_data_loader_seam(
+                data_loader,
+                poisson_sampling=False,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+            loader = _poisson_loader(
+                DistributedDPDataLoader if own_distributed else DPDataLoader,
+                data_loader,
+                sample_rate=1 / len(data_loader) if sizes is None else sizes.sample_rate,
+                distributed=distributed,
+                generator=self.secure_rng,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        if (
+            self._build is not None
+            and rand_on_empty
+            and isinstance(loader, DPDataLoader)
+            and not isinstance(loader, DistributedDPDataLoader)
+        ):
+            # Opacus' wrapper returns B = 0 for an empty batch before the first non-empty
+            # one even with rand_on_empty; ours honours it from the first batch on.
+            loader.collate_fn = RandomOnEmptyCollate(
+                collate_fn=loader.collate_fn.wrapped_collator_fn,
+                dataset=loader.dataset,
+                batch_first=batch_first,
+                rand_on_empty=True,
+            )
+        return loader
 
     def prepare_optimizer_seam(
         self,
@@ -527,7 +744,16 @@ class PrivacyEngine(PrivacyEngineSeams):
         grad_sample_mode: str = "hooks",
         **kwargs: Any,
     ) -> DPOptimizer:
-        """Opacus' seam; for randomized clipping, the registry's optimizer for the module."""
+        """Opacus' seam; for randomized clipping, the registry's optimizer for the module.
+
+        Opacus passes ``int(len(dataset) * q)`` as ``expected_batch_size``: a function of the
+        private number of records. The divisor used is the public one of
+        :func:`_public_sizes` (per process in a distributed run, as Opacus).
+        """
+        if self._sizes is not None:
+            expected_batch_size = self._sizes.expected_batch_size
+            if distributed:
+                expected_batch_size /= torch.distributed.get_world_size()
         build = self._build
         if build is None:
             return super().prepare_optimizer_seam(
@@ -593,11 +819,19 @@ class PrivacyEngine(PrivacyEngineSeams):
         denoise_kappa: float | None,
         denoise_options: dict[str, Any] | None,
         check_lora_update: bool,
+        dataset_size: int | None,
         kwargs: dict[str, Any],
         **opacus_options: Any,
     ) -> _Request:
         """Validate one call's options (attaching nothing) and build its configuration."""
         module = opacus_options["module"]
+        data_loader = opacus_options["data_loader"]
+        _check_data_loader(data_loader, poisson_sampling=opacus_options["poisson_sampling"])
+        if dataset_size is not None and not opacus_options["poisson_sampling"]:
+            raise ValueError(
+                "dataset_size sets the Poisson sampling rate; it needs poisson_sampling=True"
+            )
+        sizes = _public_sizes(data_loader, dataset_size=dataset_size)  # refuses an empty loader
         post = self._prepare_post_processing(
             module=module,
             grad_sample_mode=opacus_options["grad_sample_mode"],
@@ -609,7 +843,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         if opacus_options["criterion"] is None:
             opacus_options["criterion"] = nn.CrossEntropyLoss()
         if not opacus_options["poisson_sampling"] and not isinstance(
-            opacus_options.get("data_loader"), DPDataLoader
+            opacus_options.get("data_loader"), (DPDataLoader, UnitDataLoader)
         ):
             # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
             # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.
@@ -625,7 +859,7 @@ class PrivacyEngine(PrivacyEngineSeams):
                 raise ValueError(
                     f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
                 )
-            return _Request(opacus_options, dict(kwargs), None, post)
+            return _Request(opacus_options, dict(kwargs), None, post, sizes)
 
         if kwargs:
             raise TypeError(
@@ -656,10 +890,9 @@ class PrivacyEngine(PrivacyEngineSeams):
                 f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
                 f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
             )
-        _sample_rate(opacus_options["data_loader"])  # refuses an empty loader
         # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.
         opacus_options["grad_sample_mode"] = "ghost"
-        return _Request(opacus_options, {}, config, post)
+        return _Request(opacus_options, {}, config, post, sizes)
 
     def _make_private(self, request: _Request, *, noise_multiplier: Any) -> tuple[Any, ...]:
         """Opacus' ``make_private`` on a validated request; undo everything if it raises."""
@@ -671,6 +904,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         previous_dataset = self.dataset
         build = None if request.config is None else _RandomizedBuild(request.config)
         self._build = build
+        self._sizes = request.sizes
         try:
             with warnings.catch_warnings():
                 # The module warns about a passed sketch generator, and the accountant would
@@ -688,6 +922,7 @@ class PrivacyEngine(PrivacyEngineSeams):
             raise
         finally:
             self._build = None
+            self._sizes = None
         if build is not None and build.config.sketch_generator is not None:
             warnings.warn(
                 f"{_GENERATOR_WARNING_PREFIX}: the 'hidden' privacy guarantee of randomized "
@@ -730,7 +965,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         if not zero:
             return
         mechanism = self.accountant.mechanism()
-        sample_rate = _sample_rate(request.opacus_options["data_loader"])
+        sample_rate = request.sizes.sample_rate
         probe = copy.deepcopy(self.accountant)
         probe.history = []
         step = SimpleNamespace(noise_multiplier=0.0, accumulated_iterations=1)
@@ -768,7 +1003,7 @@ class PrivacyEngine(PrivacyEngineSeams):
         self, request: _Request, *, target_epsilon: float, target_delta: float, epochs: int
     ) -> float:
         """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``."""
-        sample_rate = _sample_rate(request.opacus_options["data_loader"])
+        sample_rate = request.sizes.sample_rate
         if len(self.accountant) > 0:
             warnings.warn(
                 "make_private_with_epsilon is called with privacy budget already spent; the "

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import configparser
+import importlib
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import opacus_rc_cli
 from opacus_rc.accountants.analysis.envelope import ENVELOPES
+from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.cli import EXAMPLES, arg_parser, main
 from opacus_rc.version import __version__
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _row(out: str, label: str) -> list[str]:
@@ -120,14 +128,47 @@ def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[s
 
 
 def test_console_script_is_declared() -> None:
-    try:
-        scripts = importlib.metadata.entry_points(group="console_scripts")
-    except Exception:  # pragma: no cover - metadata unavailable
-        pytest.skip("package metadata unavailable")
-    found = [ep for ep in scripts if ep.name == "opacus-rc"]
-    if not found:
-        pytest.skip("opacus_rc is not installed with its entry points")
-    assert found[0].value == "opacus_rc.cli:main"
+    """setup.cfg declares ``opacus-rc`` as the launcher's ``main`` (outside the package, so
+    ``--help`` needs no import of it), and that is a callable."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    scripts = dict(
+        line.replace(" ", "").split("=", 1)
+        for line in config["options.entry_points"]["console_scripts"].strip().splitlines()
+    )
+    assert scripts["opacus-rc"] == "opacus_rc_cli:main"
+    assert "opacus_rc_cli" in config["options"]["py_modules"].split()
+    module, _, name = scripts["opacus-rc"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_launcher_choices_are_the_registries() -> None:
+    """The launcher lists the envelope and threat-model names without importing the
+    registries; they must stay the registries' names, in order."""
+    assert tuple(ENVELOPES) == opacus_rc_cli.ENVELOPE_NAMES
+    assert tuple(THREAT_MODELS) == opacus_rc_cli.THREAT_MODEL_NAMES
+
+
+def test_help_and_version_import_neither_torch_nor_the_library() -> None:
+    """Issue 20 item 12: ``opacus-rc --help`` took ~7 s, all of it importing opacus_rc (whose
+    import registers the accountant in Opacus, which imports PyTorch). The launcher answers
+    ``--help``, ``--version`` and an invalid command line from the standard library: after
+    them, no module of torch, opacus, scipy or opacus_rc is loaded (a fresh interpreter)."""
+    probe = (
+        "import sys, opacus_rc_cli\n"
+        "for argv in (['--help'], ['epsilon', '--help'], ['--version'], ['frobnicate']):\n"
+        "    try:\n"
+        "        opacus_rc_cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = {'torch', 'opacus', 'scipy', 'opacus_rc', 'prv_accountant'}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert f"opacus-rc {__version__}" in done.stdout
 
 
 def test_a_missing_option_is_named_with_a_complete_command(
@@ -169,3 +210,23 @@ def test_a_numerical_limit_is_reported_as_such(capsys: pytest.CaptureFixture) ->
     out = capsys.readouterr().out
     assert _row(out, "epsilon (upper)") == ["numerical", "limit", "numerical", "limit"]
     assert "increase eps_error" in out
+
+
+def test_an_install_without_the_launcher_says_to_reinstall() -> None:
+    """An editable install made before ``opacus_rc_cli`` existed maps only the package: then
+    ``import opacus_rc.cli`` (``python -m opacus_rc.cli``, an old ``opacus-rc`` script) must
+    say to reinstall instead of a bare ``No module named 'opacus_rc_cli'``."""
+    probe = (
+        "import sys\n"
+        "sys.modules['opacus_rc_cli'] = None  # not importable, as in such an install\n"
+        "try:\n"
+        "    import opacus_rc.cli\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print(err.name, '|', err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    name, _, message = done.stdout.strip().splitlines()[-1].partition(" | ")
+    assert name == "opacus_rc_cli"
+    assert "reinstall opacus_rc (in a checkout: pip install -e .)" in message

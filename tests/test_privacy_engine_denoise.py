@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from opacus.data_loader import DPDataLoader
 from opacus.optimizers import (
     AdaClipDPOptimizer,
     DPOptimizer,
@@ -387,11 +388,12 @@ def test_make_private_with_epsilon_validates_before_the_noise_search(
 def test_unusable_noise_level_fails_in_make_private_and_cleans_up(
     assert_no_hooks: Callable, clipping: str
 ) -> None:
-    """49 records in batches of 1: Opacus computes expected_batch_size = int(49 * (1/49)) = 0
-    (0.9999999999999999 truncated), so sigma_e = sigma C / 0 cannot be formed. That is found
-    after the hooks are attached, in make_private, not at the first step; the hooks are
-    removed again."""
-    assert int(49 * (1 / 49)) == 0
+    """An Opacus DPDataLoader at q = 0.01 over 49 records: its divisor is int(49 * 0.01) = 0,
+    so sigma_e = sigma C / 0 cannot be formed. That is found after the hooks are attached, in
+    make_private, not at the first step; the hooks are removed again. (A plain loader of batch
+    size 1 over 49 records used to give int(49 * (1/49)) = 0 as well; its divisor is now its
+    batch size, 1: docs/privacy/mechanism.md#mechanism-public.)"""
+    assert int(49 * 0.01) == 0
     model = SmallTransformer()
     engine = PrivacyEngine()
     x, y = data().tensors
@@ -399,7 +401,7 @@ def test_unusable_noise_level_fails_in_make_private_and_cleans_up(
         engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x[:49], y[:49]), batch_size=1),
+            data_loader=DPDataLoader(TensorDataset(x[:49], y[:49]), sample_rate=0.01),
             noise_multiplier=1.0,
             max_grad_norm=CLIP,
             clipping=clipping,

@@ -13,8 +13,7 @@ or class here, one adapter per package:
 * :mod:`opacus_rc._compat.torch` -- PyTorch (autograd engine state, saved-tensor hooks,
   sequence numbers, a module's registered parameter and child dictionaries);
 * :mod:`opacus_rc._compat.transformers` -- Hugging Face ``Trainer`` (private hooks and helpers
-  the DP trainer overrides or calls); imported by ``opacus_rc.integrations`` only;
-* :mod:`opacus_rc._compat.stdlib` -- the Python standard library (``argparse``).
+  the DP trainer overrides or calls); imported by ``opacus_rc.integrations`` only.
 
 Our own underscore names (``opacus_rc``'s ``_foo``) are not concerned.
 

@@ -105,6 +105,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.grad_sample.tied import TiedSketches
+from opacus_rc.grad_sample.units import pack_for_units
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -911,6 +912,10 @@ class _RandomizedClippingMixin:
             loss_reduction=loss_reduction,
             batch_first=batch_first,
         )
+        if self.step_state.units is not None:  # units= (docs/privacy/units.md): per unit
+            activations, backprops = pack_for_units(
+                self.step_state.units, module, activations, backprops, loss_reduction=loss_reduction
+            )
         self._norms.compute(
             module,
             route,
@@ -968,6 +973,22 @@ class _RandomizedClippingMixin:
         strip_grad_sample_hooks(wrapped_module(self))
 
 
+def _is_empty_batch_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> bool:
+    """Whether a forward's tensor arguments (nested in lists, tuples and mappings) hold an
+    empty batch: some tensor with a dimension ``batch_dim`` of size 0."""
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.dim() > batch_dim and value.shape[batch_dim] == 0:
+                return True
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif hasattr(value, "values") and callable(value.values):
+            stack.extend(value.values())
+    return False
+
+
 class GradSampleModuleRandomizedClipping(
     _RandomizedClippingMixin, GradSampleModuleFastGradientClipping
 ):
@@ -1018,6 +1039,18 @@ class GradSampleModuleRandomizedClipping(
             # A forward that raised half-way (e.g. an empty batch a model cannot take) must not
             # leave recorded inputs behind for the next step.
             self.discard_recorded()
+            batch_dim = 0 if self.clipping_config.batch_first else 1
+            if isinstance(err, Exception) and _is_empty_batch_call(args, kwargs, batch_dim):
+                raise RuntimeError(
+                    f"the model's forward raised on an empty batch ({type(err).__name__}: "
+                    f"{err}). Poisson sampling draws an empty batch (B = 0) with probability "
+                    "(1 - q)^N at every step, and this model cannot take B = 0. The step "
+                    "must still be taken, noised and accounted: for an empty batch call "
+                    "optimizer.noise_only_step() instead of the forward, backward and "
+                    "step() (e.g. `if len(labels) == 0: optimizer.noise_only_step(); "
+                    "continue`), or pass rand_on_empty=True to make_private (a batch of one "
+                    "random input that depends on no record)"
+                ) from err
             if not isinstance(err, RuntimeError) or (
                 "BackwardHookFunction is a view and is being modified inplace" not in str(err)
             ):

@@ -35,6 +35,10 @@ from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 __all__ = ["StepPhase", "StepProtocolError", "StepState"]
 
 
+#: ``StepState.units`` before the step's criterion was called.
+_NO_CRITERION = object()
+
+
 class StepProtocolError(RuntimeError):
     """A call out of the order of the randomized-clipping step protocol."""
 
@@ -95,6 +99,7 @@ class StepState:
         self._first_pass_inputs: list[Any] = []
         self.per_sample_gradient_norms: torch.Tensor | None = None
         self.last_norm_samples: dict[nn.Parameter, torch.Tensor] = {}
+        self._units: Any = _NO_CRITERION
 
     # ------------------------------------------------------------------------------------------
     # Recording (forward and backward hooks)
@@ -117,7 +122,34 @@ class StepState:
         if self.phase is StepPhase.IDLE:
             self.per_sample_gradient_norms = None
             self.last_norm_samples = {}
+            self._units = _NO_CRITERION
             self.phase = StepPhase.RECORDED
+
+    @property
+    def units(self) -> Any:
+        """The step's :class:`~opacus_rc.grad_sample.units.UnitLayout` (``units=`` passed to
+        the criterion), or None (per-sequence clipping)."""
+        return None if self._units is _NO_CRITERION else self._units
+
+    def set_units(self, layout: Any) -> None:
+        """The criterion of this step was called with ``units=`` (a layout) or without (None).
+
+        Raises:
+            ValueError: If an earlier criterion call of the same step disagreed (one loss with
+                ``units=``, another without or with other units): the losses could not be
+                combined per unit.
+        """
+        old = self._units
+        if old is not _NO_CRITERION and not (
+            (old is None and layout is None)
+            or (old is not None and layout is not None and old.same_as(layout))
+        ):
+            raise ValueError(
+                "the criterion was called twice in one step with different units= (or once "
+                "with and once without): every loss of a step must be per unit with the same "
+                "units tensor, or none of them"
+            )
+        self._units = layout
 
     def record_norms(self, norms: dict[nn.Parameter, torch.Tensor]) -> None:
         """Store per-sample norms ``{param: (B,) tensor}`` computed by a backward hook.

@@ -145,7 +145,9 @@ class PrivacyArguments:
             gradient's Euclidean norm (of the per-example loss, a mean over its labelled
             tokens).
         expected_batch_size: The logical batch: Poisson sampling at rate ``q = 1 /
-            ceil(N / expected_batch_size)``; the noisy sum is divided by ``int(N q)``.
+            ceil(N / expected_batch_size)``; the noisy sum is divided by
+            ``expected_batch_size`` itself (public, never computed from ``N``:
+            docs/privacy/mechanism.md#mechanism-public).
         clipping: ``"randomized"`` (the only value): sketched per-example norms, DP-SGD-RC.
         sketch: ``"hutchinson"`` or ``"hutch++"``.
         sketch_dim: ``k``, the sketch's Gaussian (tail) columns (>= 2 for the proved default

@@ -58,6 +58,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
 )
 
 from opacus_rc.grad_sample.clip import apply_clip_factors
+from opacus_rc.grad_sample.units import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
 
@@ -346,7 +347,26 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
 
     _warned_no_ignore_index = False
 
-    def __call__(self, *args: Any, shape: Any = None, **kwargs: Any) -> DPTensorRandomizedClipping:
+    def __call__(
+        self, *args: Any, shape: Any = None, units: Any = None, **kwargs: Any
+    ) -> DPTensorRandomizedClipping:
+        """The per-sample losses of ``criterion(*args, **kwargs)``, as a DP loss.
+
+        Args:
+            *args: The criterion's arguments (``logits, targets``).
+            shape: ``logits.shape`` for a per-token loss (flattened logits and targets).
+            units: Optional ``(B,)`` integer tensor, the unit (document, user) ``0..U-1`` of
+                each sequence: the losses, norms and clip factors are then per unit, shape
+                ``(U,)``, each unit's loss the sum of its sequences' losses
+                (:mod:`opacus_rc.grad_sample.units`, docs/privacy/units.md).
+            **kwargs: The criterion's keyword arguments.
+
+        Returns:
+            A :class:`DPTensorRandomizedClipping` of ``(B,)`` (or ``(U,)``) per-sample losses.
+
+        Raises:
+            See :func:`opacus_rc.grad_sample.units.unit_layout_for_loss` for ``units``.
+        """
         if (
             shape is not None
             and self.loss_reduction == "mean"
@@ -374,6 +394,8 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 args = (kwargs.pop("input"),) if "input" in kwargs else ()
             args = (*args, kwargs.pop("target"))
         out = super().__call__(*args, shape=shape, **kwargs)
-        return DPTensorRandomizedClipping(
-            out.module, out.optimizer, out.loss_per_sample, out.loss_reduction
-        )
+        losses = out.loss_per_sample
+        layout = unit_layout_for_loss(out.module, losses, units)
+        if layout is not None:
+            losses = layout.sum_per_unit(losses)  # (U,): each unit's loss, summed
+        return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)

@@ -31,7 +31,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import adjusted_noise_multiplier
+from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
@@ -231,8 +231,12 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         Raises:
             StepProtocolError: See :meth:`~opacus_rc.grad_sample.step.StepState.check_step`
                 (a ``RuntimeError``).
-            RuntimeError: If the module's ``max_grad_norm`` was changed behind the optimizer,
-                or if ``torch.amp.GradScaler.step`` called this step (fp16 loss scaling,
+            RuntimeError: If the optimizer holds a parameter that is not the private model's
+                (e.g. a learnable temperature added with ``add_param_group`` after
+                ``make_private``): no per-sample norm covers it, so its gradient would be
+                dropped (book-keeping) or released unclipped; nothing is noised or accounted.
+                Also if the module's ``max_grad_norm`` was changed behind the optimizer, or if
+                ``torch.amp.GradScaler.step`` called this step (fp16 loss scaling,
                 :data:`~opacus_rc.optimizers.dp_loss.LOSS_SCALING_REFUSED`).
             FloatingPointError: If a gradient is NaN or inf.
         """
@@ -242,6 +246,9 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             for name in ("found_inf", "grad_scale"):
                 self.__dict__.pop(name, None)
             raise RuntimeError(LOSS_SCALING_REFUSED)
+        outside = self._outside_parameters()
+        if outside:
+            raise RuntimeError(_outside_message(outside))
         self._step_state.check_step(self.params)
         if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(
@@ -256,6 +263,33 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
             )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, refusing parameters outside the model.
+
+        Raises:
+            ValueError: If the group holds a parameter that is not one of the private model's
+                (see :meth:`check_step_allowed`); the group is not added.
+        """
+        super().add_param_group(param_group)
+        if getattr(self, "_grad_sample_module", None) is None:
+            return  # called while Opacus builds the optimizer
+        outside = self._outside_parameters(groups=[len(self.param_groups) - 1])
+        if outside:
+            self.param_groups.pop()
+            raise ValueError(_outside_message(outside))
+
+    def _outside_parameters(self, *, groups: list[int] | None = None) -> list[str]:
+        """The optimizer's parameters (of ``groups``, default all) that are not the private
+        model's, described by position."""
+        inside = {id(p) for p in wrapped_module(self._grad_sample_module).parameters()}
+        indices = range(len(self.param_groups)) if groups is None else groups
+        return [
+            f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
+            for g in indices
+            for i, p in enumerate(self.param_groups[g]["params"])
+            if id(p) not in inside
+        ]
 
     def noise_only_step(self, closure: Any = None) -> Any:
         """The step of an empty Poisson batch, for a model that cannot run on ``B = 0``.
@@ -294,6 +328,19 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """
         self.check_step_allowed()
         return super().pre_step(closure)
+
+
+def _outside_message(outside: list[str]) -> str:
+    """The error for optimizer parameters that are not the private model's."""
+    return (
+        f"the optimizer's parameters {outside[:5]} are not parameters of the private model "
+        "(added with add_param_group after make_private, e.g. a learnable temperature, or "
+        "left in the optimizer when their module was replaced or tied?): no per-sample norm "
+        "or clip factor covers them, so their gradient would be dropped or released "
+        "unclipped. No step is taken and nothing is accounted. Make it a parameter of the "
+        "model used in its forward (e.g. a submodule that divides the logits by it), then "
+        "call make_private on the model with an optimizer over model.parameters()"
+    )
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

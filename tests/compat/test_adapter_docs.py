@@ -12,7 +12,7 @@ import pytest
 
 HERE = Path(__file__).parent
 CITATION = re.compile(r"``(test_\w+\.py)::(test_\w+)``")
-MODULES = ["opacus", "torch", "stdlib", "transformers"]
+MODULES = ["opacus", "torch", "transformers"]
 
 
 def _adapters() -> list[tuple[str, str, object]]:

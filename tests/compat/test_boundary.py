@@ -234,6 +234,16 @@ def test_no_foreign_private_name_outside_the_adapter() -> None:
     )
 
 
+def test_the_launcher_reaches_no_private_name() -> None:
+    """The console script's launcher, ``opacus_rc_cli.py``, is outside the package (so that
+    ``opacus-rc --help`` imports no torch) and so cannot use the adapter without importing the
+    package: it must need no private name at all (it found a sub-parser through argparse's
+    ``_actions`` and ``_SubParsersAction`` before the engine merge)."""
+    path = Path(__file__).parents[2] / "opacus_rc_cli.py"
+    reaches = scan_source(path.read_text(encoding="utf-8"), path.name)
+    assert not reaches, "\n".join(map(str, reaches))
+
+
 _VIOLATIONS = """
 import torch._C
 import torch.utils.checkpoint as ckpt

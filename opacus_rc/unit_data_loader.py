@@ -1,0 +1,448 @@
+"""Poisson sampling of privacy units (documents, users) for unit-level DP-SGD
+(docs/privacy/units.md).
+
+:class:`UnitDataLoader` wraps a dataset of sequences (e.g. the context-sized windows of long
+documents) and the unit of each sequence. At every step it includes each *unit*
+independently with probability ``q`` (Poisson subsampling of units) and yields all of the
+sampled units' sequences (at most ``max_sequences_per_unit`` of each), together with the
+``(B,)`` tensor ``units`` that numbers the batch's units ``0..U-1``, which is what the
+criterion's ``units=`` takes (:mod:`opacus_rc.grad_sample.units`).
+
+**Which sequences of a unit.** With ``max_sequences_per_unit = m``, the ``m`` sequences of a
+longer unit are fixed once, at construction, without looking at their content: the first
+``m`` in dataset order (``selection="first"``) or ``m`` drawn uniformly without replacement
+from a seeded generator (``selection="random"``). This is a preprocessing applied to each unit
+on its own, independent of the data and of every other unit: the record of unit ``u`` *is*
+its selected sequences, and adding or removing a unit adds or removes exactly those (the
+analysis in docs/privacy/units.md is over these records). The selection is reported as
+:attr:`UnitDataLoader.selected`.
+
+**Physical batches.** A unit's sequences are yielded contiguously. A unit split across physical
+batches (Opacus' ``BatchMemoryManager`` splits a logical batch at arbitrary positions) is
+refused when the physical batch is collated (a ``ValueError``): its clip factor needs the
+norm of the sum over all of its sequences, and clipping the parts separately would give the
+unit a sensitivity of ``C`` per part. :class:`UnitBatchMemoryManager` splits logical batches
+at unit boundaries instead (virtual steps of whole units).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import default_collate
+
+__all__ = [
+    "UnitBatchMemoryManager",
+    "UnitBatchSplittingSampler",
+    "UnitDataLoader",
+    "UnitPoissonSampler",
+    "prepare_unit_data_loader",
+]
+
+_SELECTIONS = ("first", "random")
+
+
+class UnitPoissonSampler(Sampler[list[int]]):
+    """Batches of sequence indices: every unit included independently with probability ``q``.
+
+    Args:
+        members: ``members[u]``: the dataset indices of unit ``u``'s (selected) sequences.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: Batches per epoch (default ``int(1 / q)``; the engine accounts each step at rate
+            ``1 / steps >= q``, which is conservative).
+        generator: Source of the inclusion masks; None seeds one from the operating system.
+
+    Raises:
+        ValueError: If ``q`` is not in ``(0, 1]``, ``steps < 1`` or no unit has a sequence.
+    """
+
+    def __init__(
+        self,
+        *,
+        members: Sequence[Sequence[int]],
+        sample_rate: float,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not 0.0 < float(sample_rate) <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if not members:
+            raise ValueError("no unit to sample: the dataset is empty")
+        self.members = [list(m) for m in members]
+        self.sample_rate = float(sample_rate)
+        self.num_units = len(self.members)
+        self.steps = int(1 / self.sample_rate) if steps is None else int(steps)
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(secrets.randbits(63))
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def sample_units(self) -> torch.Tensor:
+        """One step's sampled unit indices, increasing (each with probability ``q``)."""
+        mask = torch.rand(self.num_units, generator=self.generator) < self.sample_rate
+        return torch.nonzero(mask).flatten()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            yield [i for u in self.sample_units().tolist() for i in self.members[u]]
+
+
+def _unit_generator(seed: int, unit_id: int) -> torch.Generator:
+    """A generator that depends on ``(seed, unit_id)`` only: the random selection of one unit's
+    sequences is the same whichever other units the dataset holds (add/remove adjacency)."""
+    words = [abs(int(seed)), abs(int(unit_id)), int(unit_id) < 0]
+    state = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator()
+    gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+    return gen
+
+
+class _Tagged(Dataset):
+    """The sequence dataset, each item tagged with its unit and its unit's selected count."""
+
+    def __init__(self, dataset: Dataset, unit_of: list[int], counts: list[int]) -> None:
+        self.dataset = dataset
+        self.unit_of = unit_of
+        self.counts = counts
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, int, int]:
+        unit = self.unit_of[index]
+        return self.dataset[index], unit, self.counts[unit]
+
+
+def _empty_like(batch: Any) -> Any:
+    """``batch`` (a collated batch of one) with every tensor cut to length 0."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class _UnitCollate:
+    """Collate tagged items into ``(batch, units)`` (see :class:`UnitDataLoader`)."""
+
+    def __init__(
+        self, collate_fn: Callable[[list[Any]], Any], template: Any, units_key: str
+    ) -> None:
+        self.collate_fn = collate_fn
+        self.template = template
+        self.units_key = units_key
+
+    def __call__(self, items: list[tuple[Any, int, int]]) -> Any:
+        if not items:
+            batch = _empty_like(self.collate_fn([self.template]))
+            return self._attach(batch, torch.zeros(0, dtype=torch.long))
+        label: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        units = []
+        for _, unit, _count in items:
+            units.append(label.setdefault(unit, len(label)))
+            seen[unit] = seen.get(unit, 0) + 1
+        split = [u for _, u, c in items if seen[u] != c]
+        if split:
+            raise ValueError(
+                f"a physical batch holds {seen[split[0]]} of the "
+                f"{next(c for _, u, c in items if u == split[0])} sequences of unit "
+                f"{split[0]}: a unit's sequences were split across physical batches (e.g. by "
+                "BatchMemoryManager), which unit-level clipping does not support (its clip "
+                "factor needs the norm of the sum over all of its sequences). Use a physical "
+                "batch that holds the whole logical batch, or a smaller "
+                "max_sequences_per_unit"
+            )
+        batch = self.collate_fn([item for item, _, _ in items])
+        return self._attach(batch, torch.tensor(units, dtype=torch.long))
+
+    def _attach(self, batch: Any, units: torch.Tensor) -> Any:
+        if isinstance(batch, dict):
+            return {**batch, self.units_key: units}
+        if isinstance(batch, (tuple, list)):
+            return (*batch, units)
+        return batch, units
+
+
+class UnitDataLoader(DataLoader):
+    """A data loader that Poisson-samples privacy units and yields their sequences.
+
+    Each step includes every unit independently with probability ``sample_rate`` and yields
+    the sampled units' selected sequences, unit after unit. The batch is the collated
+    sequences with the units attached: a ``dict`` batch gets the key ``units_key``; a tuple or
+    list batch gets ``units`` appended as its last element; any other batch becomes
+    ``(batch, units)``. ``units`` is a ``(B,)`` long tensor numbering the batch's units
+    ``0..U-1`` in order of appearance, to pass to the criterion
+    (``criterion(logits, labels, shape=..., units=batch["units"])``). An empty step (no unit
+    sampled) yields a batch of ``B = 0`` sequences shaped like the dataset's first one.
+
+    Given to ``PrivacyEngine.make_private(..., clipping="randomized")`` it is used as it is
+    (not re-sampled), the accountant takes ``q = 1 / len(loader)`` (``= sample_rate`` when
+    ``1 / sample_rate`` is an integer, else slightly larger: conservative) and the expected
+    batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the expected
+    number of units at that rate, ``int(N_units / len(loader))`` (``N_units`` replaced by
+    ``make_private``'s ``dataset_size`` if given: the public number of units).
+
+    Args:
+        dataset: The sequences (map-style).
+        unit_of: ``(N,)`` integer unit id of each sequence of ``dataset`` (any integers; the
+            units are the distinct values).
+        sample_rate: ``q``, the inclusion probability of each unit per step.
+        max_sequences_per_unit: At most this many sequences of a unit are used (None: all).
+        selection: ``"first"`` (the first ones in dataset order) or ``"random"`` (uniformly
+            without replacement, drawn once from ``selection_seed``), when a unit has more than
+            ``max_sequences_per_unit``.
+        selection_seed: Seed of the ``"random"`` selection (None: one from the OS). Unit
+            ``u``'s choice depends on ``(selection_seed, its id)`` only, never on the other
+            units or on any content.
+        generator: Source of the per-step inclusion masks (None: seeded from the OS).
+        steps: Steps per epoch (default ``int(1 / sample_rate)``).
+        collate_fn: Collates a list of dataset items (default ``default_collate``).
+        units_key: The key of ``units`` in a dict batch.
+        **kwargs: Other ``torch.utils.data.DataLoader`` arguments (``num_workers``,
+            ``pin_memory``...); not ``batch_size``, ``shuffle``, ``sampler``,
+            ``batch_sampler`` or ``drop_last``.
+
+    Attributes:
+        sample_rate: ``q``.
+        num_units: The number of units.
+        selected: ``selected[u]``: the dataset indices of unit ``u``'s sequences in use.
+        unit_ids: ``unit_ids[u]``: the id (from ``unit_of``) of unit ``u``.
+
+    Raises:
+        ValueError: A ``unit_of`` of the wrong length, an empty dataset, invalid ``sample_rate``,
+            ``max_sequences_per_unit`` or ``selection``.
+        TypeError: A batching argument in ``kwargs``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        unit_of: Sequence[int] | torch.Tensor,
+        sample_rate: float,
+        max_sequences_per_unit: int | None = None,
+        selection: str = "first",
+        selection_seed: int | None = None,
+        generator: torch.Generator | None = None,
+        steps: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        units_key: str = "units",
+        **kwargs: Any,
+    ) -> None:
+        taken = sorted(
+            {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(kwargs)
+        )
+        if taken:
+            raise TypeError(f"UnitDataLoader samples the batches itself; do not pass {taken}")
+        ids = unit_of.tolist() if isinstance(unit_of, torch.Tensor) else [int(u) for u in unit_of]
+        n = len(dataset)  # type: ignore[arg-type]
+        if len(ids) != n:
+            raise ValueError(f"unit_of has {len(ids)} entries for a dataset of {n} sequences")
+        if max_sequences_per_unit is not None and (
+            not isinstance(max_sequences_per_unit, int) or max_sequences_per_unit < 1
+        ):
+            raise ValueError(
+                f"max_sequences_per_unit must be a positive int or None, got "
+                f"{max_sequences_per_unit!r}"
+            )
+        if selection not in _SELECTIONS:
+            raise ValueError(f"selection must be one of {_SELECTIONS}, got {selection!r}")
+        unit_ids = sorted(set(ids))
+        index_of = {uid: u for u, uid in enumerate(unit_ids)}
+        members: list[list[int]] = [[] for _ in unit_ids]
+        for i, uid in enumerate(ids):
+            members[index_of[uid]].append(i)
+        seed = secrets.randbits(63) if selection_seed is None else int(selection_seed)
+        m = max_sequences_per_unit
+        for u, seqs in enumerate(members):
+            if m is not None and len(seqs) > m:
+                if selection == "first":
+                    members[u] = seqs[:m]
+                else:
+                    pick = torch.randperm(len(seqs), generator=_unit_generator(seed, unit_ids[u]))
+                    members[u] = [seqs[j] for j in pick[:m].sort().values.tolist()]
+        unit_of_index = [-1] * n
+        for u, seqs in enumerate(members):
+            for i in seqs:
+                unit_of_index[i] = u
+        sampler = UnitPoissonSampler(
+            members=members, sample_rate=sample_rate, steps=steps, generator=generator
+        )
+        inner = default_collate if collate_fn is None else collate_fn
+        super().__init__(
+            _Tagged(dataset, unit_of_index, [len(s) for s in members]),
+            batch_sampler=sampler,
+            collate_fn=_UnitCollate(inner, dataset[members[0][0]], units_key),
+            **kwargs,
+        )
+        self.sample_rate = sampler.sample_rate
+        self.num_units = sampler.num_units
+        self.selected = members
+        self.unit_ids = unit_ids
+        self.max_sequences_per_unit = m
+
+    @property
+    def expected_batch_units(self) -> float:
+        """``q * num_units``, the expected number of units per step."""
+        return self.sample_rate * self.num_units
+
+
+def prepare_unit_data_loader(
+    loader: UnitDataLoader, *, engine: Any, distributed: bool, randomized: bool
+) -> UnitDataLoader:
+    """The engine's data-loader step for a :class:`UnitDataLoader`: used as it is.
+
+    The engine's dataset is recorded (as Opacus does for any loader) and, in secure mode, the
+    unit masks are drawn from the engine's secure generator.
+
+    Args:
+        loader: The unit loader passed to ``make_private``.
+        engine: The :class:`~opacus_rc.PrivacyEngine`.
+        distributed: Whether the model is distributed.
+        randomized: Whether ``clipping="randomized"``.
+
+    Returns:
+        ``loader``.
+
+    Raises:
+        ValueError: Without ``clipping="randomized"`` (Opacus' clipping is per sequence, and it
+            would re-sample the sequences).
+        NotImplementedError: For a distributed model.
+    """
+    if not randomized:
+        raise ValueError(
+            "UnitDataLoader (unit-level DP) needs clipping='randomized': the other clipping "
+            "modes clip each sequence, not each unit"
+        )
+    if distributed:
+        raise NotImplementedError(
+            "UnitDataLoader is not supported with a distributed model (DDP, DPDDP, FSDP2): "
+            "train unit-level models in one process (docs/privacy/units.md)"
+        )
+    if engine.dataset is None:
+        engine.dataset = loader.dataset
+    if engine.secure_mode:
+        loader.batch_sampler.generator = engine.secure_rng
+    return loader
+
+
+class UnitBatchSplittingSampler(BatchSplittingSampler):
+    """Opacus' ``BatchSplittingSampler``, splitting a logical batch at unit boundaries only.
+
+    Whole units are packed greedily, in order, into physical batches of at most
+    ``max_batch_size`` sequences; a unit with more sequences than that forms a physical batch
+    of its own (a unit is never split: its clip factor needs all of its sequences in one
+    backward pass). The optimizer is told, as by Opacus, which physical batches end a logical
+    one (``signal_skip_step``), so each logical batch is one noised, accounted step.
+
+    Args:
+        sampler: The :class:`UnitPoissonSampler` (a ``UnitDataLoader``'s ``batch_sampler``).
+        unit_of: ``unit_of[i]``: the unit index of dataset sequence ``i``.
+        max_batch_size: The largest physical batch (sequences), unless one unit is larger.
+        optimizer: The DP optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        sampler: UnitPoissonSampler,
+        unit_of: Sequence[int],
+        max_batch_size: int,
+        optimizer: Any,
+    ) -> None:
+        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+        self.unit_of = unit_of
+
+    def split(self, indices: list[int]) -> list[list[int]]:
+        """The physical batches of one logical batch (consecutive whole units)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        start = 0
+        while start < len(indices):
+            end = start
+            while end < len(indices) and self.unit_of[indices[end]] == self.unit_of[indices[start]]:
+                end += 1
+            unit = indices[start:end]
+            if current and len(current) + len(unit) > self.max_batch_size:
+                chunks.append(current)
+                current = []
+            current = current + unit
+            start = end
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.sampler:
+            chunks = self.split(list(indices)) or [[]]
+            for chunk in chunks[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield chunk
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield chunks[-1]
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # logical batches; the physical count is random
+
+
+class UnitBatchMemoryManager(BatchMemoryManager):
+    """Opacus' ``BatchMemoryManager`` for a :class:`UnitDataLoader`: physical batches of whole
+    units (:class:`UnitBatchSplittingSampler`), so that large logical batches of units run as
+    virtual steps without splitting a unit.
+
+    Args:
+        data_loader: The :class:`UnitDataLoader` returned by ``make_private``.
+        max_physical_batch_size: The largest physical batch, in sequences (a unit with more
+            sequences forms a physical batch of its own).
+        optimizer: The DP optimizer.
+
+    Raises:
+        TypeError: If ``data_loader`` is not a :class:`UnitDataLoader`.
+    """
+
+    def __init__(
+        self, *, data_loader: UnitDataLoader, max_physical_batch_size: int, optimizer: Any
+    ) -> None:
+        if not isinstance(data_loader, UnitDataLoader):
+            raise TypeError(
+                f"UnitBatchMemoryManager needs a UnitDataLoader, got {type(data_loader).__name__}"
+            )
+        super().__init__(
+            data_loader=data_loader,
+            max_physical_batch_size=max_physical_batch_size,
+            optimizer=optimizer,
+        )
+
+    def __enter__(self) -> DataLoader:
+        loader = self.data_loader
+        return DataLoader(
+            dataset=loader.dataset,
+            batch_sampler=UnitBatchSplittingSampler(
+                sampler=loader.batch_sampler,
+                unit_of=loader.dataset.unit_of,
+                max_batch_size=self.max_physical_batch_size,
+                optimizer=self.optimizer,
+            ),
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )

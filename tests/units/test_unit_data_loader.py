@@ -1,0 +1,283 @@
+"""Unit-level Poisson sampling and accounting (issue 23, item 2).
+
+Rate test: over ``S`` steps of ``N_u`` units at rate ``q``, the number of (unit, step)
+inclusions is Binomial(``S N_u``, ``q``) (independent Bernoulli(q) draws), with standard
+deviation ``sqrt(S N_u q (1 - q))``; the observed count must lie within 5 of them of ``S N_u
+q`` (a two-sided 5-sigma band: a false failure has probability < 1e-6; the generator is seeded,
+so the test is deterministic). A sampler at rate ``2 q`` or ``q / 2`` lies far outside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from opacus_rc import PrivacyEngine, UnitDataLoader
+from opacus_rc.unit_data_loader import (
+    UnitBatchMemoryManager,
+    UnitPoissonSampler,
+    prepare_unit_data_loader,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:noise_multiplier=0"),
+    pytest.mark.filterwarnings("ignore:RCAccountant recorded a step without noise"),
+]
+
+V, T, C = 11, 4, 5
+
+
+def dataset(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, V, (n, T), generator=g), torch.arange(n))
+
+
+def test_units_are_poisson_sampled_at_rate_q() -> None:
+    n_units, q, steps = 200, 0.3, 50
+    sampler = UnitPoissonSampler(
+        members=[[u] for u in range(n_units)],
+        sample_rate=q,
+        steps=steps,
+        generator=torch.Generator().manual_seed(0),
+    )
+    count = sum(len(b) for b in sampler)
+    n = steps * n_units
+    sd = math.sqrt(n * q * (1 - q))
+    assert abs(count - n * q) < 5 * sd
+    assert abs(count - n * 2 * q) > 5 * sd and abs(count - n * q / 2) > 5 * sd
+
+
+def test_batches_hold_whole_units_with_their_labels() -> None:
+    ds = dataset()
+    unit_of = torch.arange(40) // 4 * 7  # 10 units (ids 0, 7, 14, ...) of 4 sequences
+    loader = UnitDataLoader(
+        ds,
+        unit_of=unit_of,
+        sample_rate=0.5,
+        max_sequences_per_unit=3,
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert len(loader) == 2 and loader.num_units == 10
+    assert loader.selected[2] == [8, 9, 10]  # "first": the first 3 in dataset order
+    seen = 0
+    for _ in range(3):
+        for x, index, units in loader:
+            assert units.dtype == torch.long and units.shape == (len(x),)
+            for u in units.unique().tolist():  # every unit complete, labelled 0..U-1
+                members = index[units == u]
+                unit = int(members[0]) // 4
+                assert members.tolist() == loader.selected[unit]
+            if len(units):
+                assert units.unique().tolist() == list(range(int(units.max()) + 1))
+            seen += len(x)
+    assert seen > 0
+
+
+def test_random_selection_is_fixed_per_unit_and_seeded() -> None:
+    """Seeded, content-blind, and per unit: a unit's selection does not change when another
+    unit is added to the dataset (add/remove adjacency, docs/privacy/units.md)."""
+
+    def loader(n: int, unit_of: torch.Tensor) -> UnitDataLoader:
+        return UnitDataLoader(
+            dataset(n),
+            unit_of=unit_of,
+            sample_rate=1.0,
+            max_sequences_per_unit=5,
+            selection="random",
+            selection_seed=3,
+        )
+
+    a = loader(40, torch.full((40,), 9))
+    b = loader(40, torch.full((40,), 9))
+    assert a.selected == b.selected and a.selected[0] != list(range(5))
+    assert len(a.selected[0]) == 5
+    ((x, index, units),) = list(a)
+    assert index.tolist() == a.selected[0] and units.tolist() == [0] * 5
+    # Unit 3 (12 sequences) added before unit 9 in the dataset and in the unit order.
+    c = loader(52, torch.cat([torch.full((12,), 3), torch.full((40,), 9)]))
+    assert c.selected[1] == [i + 12 for i in a.selected[0]]
+
+
+def test_empty_step_yields_an_empty_batch() -> None:
+    loader = UnitDataLoader(
+        dataset(4),
+        unit_of=[0, 0, 1, 1],
+        sample_rate=1e-9,
+        steps=1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    ((x, index, units),) = list(loader)
+    assert x.shape == (0, T) and units.shape == (0,)
+
+
+def test_dict_batches_get_a_units_key() -> None:
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": torch.full((T,), i)}
+
+    loader = UnitDataLoader(Dicts(), unit_of=[5, 5, 6, 6, 6, 7], sample_rate=1.0)
+    (batch,) = list(loader)
+    assert batch["units"].tolist() == [0, 0, 1, 1, 1, 2]
+
+
+def make_private(loader: UnitDataLoader, noise: float = 1.0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, C))
+    engine = PrivacyEngine(accountant="rc")
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        noise_multiplier=noise,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        criterion=nn.CrossEntropyLoss(),
+    )
+    return engine, *out
+
+
+def train(engine, m, opt, crit, loader, epochs: int = 1) -> int:
+    steps = 0
+    for _ in range(epochs):
+        for x, index, units in loader:
+            opt.zero_grad()
+            out = m(x)
+            y = (index[:, None] + torch.arange(T)) % C
+            loss = crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=units)
+            loss.backward()
+            assert m.per_sample_gradient_norms.shape == (int(units.numel() and units.max() + 1),)
+            opt.step()
+            steps += 1
+    return steps
+
+
+def test_engine_accounts_the_unit_rate_and_divides_by_expected_units() -> None:
+    unit_of = torch.arange(40) // 3  # 14 units
+    loader = UnitDataLoader(
+        dataset(), unit_of=unit_of, sample_rate=0.25, generator=torch.Generator().manual_seed(0)
+    )
+    engine, m, opt, crit, dl = make_private(loader)
+    assert dl is loader  # used as is, not re-sampled per sequence
+    assert opt.expected_batch_size == int(14 * 0.25)  # units, not 40 * 0.25 sequences
+    steps = train(engine, m, opt, crit, dl, epochs=2)
+    assert steps == 8
+    ((sigma, q, n, spec),) = [tuple(h) for h in engine.accountant.history]
+    assert (sigma, q, n) == (1.0, 0.25, 8) and spec["sketch_dim"] == 32
+    assert math.isfinite(engine.get_epsilon(1e-5))
+
+
+def test_sigma_zero_is_recorded_at_infinite_epsilon() -> None:
+    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    engine, m, opt, crit, dl = make_private(loader, noise=0.0)
+    train(engine, m, opt, crit, dl)
+    assert engine.get_epsilon(1e-5) == math.inf
+
+
+def test_a_unit_split_across_physical_batches_is_refused() -> None:
+    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 8, sample_rate=1.0)
+    engine, m, opt, crit, dl = make_private(loader)
+    with (
+        BatchMemoryManager(data_loader=dl, max_physical_batch_size=12, optimizer=opt) as mem,
+        pytest.raises(ValueError, match="split across physical batches"),
+    ):
+        next(iter(mem))
+
+
+def test_unit_loader_needs_randomized_clipping() -> None:
+    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="needs clipping='randomized'"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+
+
+def test_virtual_steps_of_whole_units_give_the_same_update() -> None:
+    """UnitBatchMemoryManager: a logical batch of units run as several physical batches of
+    whole units (each at most 5 sequences, unless one unit is larger) gives the same noiseless
+    update and the same accounting as the logical batch at once. The model's norms are all
+    exact (embedding, layer norm), so the probes' order cannot matter."""
+    unit_of = torch.tensor([u for u in range(12) for _ in range(1 + u % 4)])  # sizes 1..4
+    n = len(unit_of)
+    results = []
+    for physical in (None, 5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(V, C), nn.LayerNorm(C))
+        loader = UnitDataLoader(
+            dataset(n),
+            unit_of=unit_of,
+            sample_rate=0.5,
+            generator=torch.Generator().manual_seed(4),
+        )
+        engine = PrivacyEngine(accountant="rc")
+        m, opt, crit, dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=0.05,
+            clipping="randomized",
+            criterion=nn.CrossEntropyLoss(),
+        )
+        sizes = []
+        if physical is None:
+            train(engine, m, opt, crit, dl)
+        else:
+            with UnitBatchMemoryManager(
+                data_loader=dl, max_physical_batch_size=physical, optimizer=opt
+            ) as mem:
+                for x, index, units in mem:
+                    sizes.append(len(x))
+                    out = m(x)
+                    y = (index[:, None] + torch.arange(T)) % C
+                    crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=units).backward()
+                    opt.step()
+                    opt.zero_grad()
+            assert max(sizes) <= 5 and len(sizes) > len(dl)  # really split, never a unit
+        results.append(
+            (
+                torch.cat([p.detach().flatten() for p in model.parameters()]),
+                engine.accountant.history,
+            )
+        )
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert results[0][1] == results[1][1]
+    torch.manual_seed(0)
+    init = torch.cat([p.detach().flatten() for p in nn.Sequential(nn.Embedding(V, C)).parameters()])
+    moved = (results[0][0][: init.numel()] - init).abs().max()
+    assert moved > 1e-3  # the steps did move the parameters
+
+
+def test_distributed_unit_loader_is_refused() -> None:
+    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    with pytest.raises(NotImplementedError, match="distributed"):
+        prepare_unit_data_loader(loader, engine=PrivacyEngine(), distributed=True, randomized=True)
+
+
+def test_an_empty_step_is_noised_and_accounted() -> None:
+    """No unit sampled: a B = 0 forward and backward with units of shape (0,) is a noise-only
+    step, accounted like any other (docs/privacy/mechanism.md)."""
+    loader = UnitDataLoader(
+        dataset(8),
+        unit_of=torch.arange(8) // 2,
+        sample_rate=1e-9,
+        steps=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    engine, m, opt, crit, dl = make_private(loader)
+    before = [p.detach().clone() for p in m.parameters()]
+    assert train(engine, m, opt, crit, dl) == 2
+    assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))  # noised
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.5, 2)]
