@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
+from opacus_rc.accountants.events import RandomizedClipDpEvent
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
@@ -149,6 +150,33 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         The accountant's step hook reads ``getattr(optim, "sketch_spec", None)``.
         """
         return self._grad_sample_module.sketch_spec
+
+    def dp_event(self, *, sample_rate: float) -> RandomizedClipDpEvent:
+        """This step's complete DP event, as the accountant's step hook composes it.
+
+        ``sigma`` is :attr:`noise_multiplier` (what is accounted; Opacus' adaptive clipping
+        may noise with more, never less), ``q = sample_rate * accumulated_iterations`` (as
+        Opacus' accountants compute it), the sketch is :attr:`sketch_spec`, and the threat
+        model is the strongest the sketch supports (``"hidden"`` for per-sample, secret
+        sketches, else ``"revealed"``; an accountant built for ``"revealed"`` accounts it so).
+
+        Args:
+            sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``.
+
+        Returns:
+            The :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` of the step.
+
+        Raises:
+            ValueError: If ``sample_rate`` (times the accumulated iterations) is not in
+                ``(0, 1]``, or ``noise_multiplier`` is invalid.
+        """
+        spec = self.sketch_spec
+        return RandomizedClipDpEvent(
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=sample_rate * self.accumulated_iterations,
+            sketch_spec=spec,
+            threat_model="hidden" if spec is None or spec.supports_hidden else "revealed",
+        )
 
     @property
     def grad_sample_module(self) -> Any:
