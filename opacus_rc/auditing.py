@@ -39,6 +39,8 @@ import torch
 from scipy.stats import beta
 from torch import nn
 
+from opacus_rc.validation import validate_delta, validate_noise_multiplier
+
 __all__ = [
     "AuditBound",
     "CanaryAuditResult",
@@ -135,8 +137,7 @@ def epsilon_lower_bound(
     """
     if len(positives) != len(false_positives):
         raise ValueError("positives and false_positives need one count per threshold")
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    validate_delta(delta)
     a = alpha / (4 * len(positives))
     best = AuditBound(epsilon=0.0, delta=delta)
     for j, (tp, fp) in enumerate(zip(positives, false_positives, strict=True)):
@@ -261,8 +262,7 @@ def run_canary_audit(
         attach_post_processing_hook,
     )
 
-    if not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+    validate_noise_multiplier(noise_multiplier, allow_zero=False)
     if in_features < 2:
         raise ValueError("in_features must be >= 2 (coordinate 0 is reserved for the canaries)")
     m = int(trials_per_step)

@@ -9,13 +9,16 @@ is told about.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from opacus_rc.sketching import SketchSpec, get_estimator, validate_sketch_dim
+from opacus_rc.sketching import SketchSpec, get_estimator
+from opacus_rc.validation import (
+    validate_max_grad_norm,
+    validate_noise_multiplier,
+    validate_sketch_dim,
+)
 
 __all__ = [
     "DEFAULT_SKETCH",
@@ -32,50 +35,6 @@ DEFAULT_SKETCH = "hutchinson"
 DEFAULT_SKETCH_DIM = 32
 #: The loss reductions Opacus' DP losses support.
 LOSS_REDUCTIONS = ("mean", "sum")
-
-
-def validate_max_grad_norm(value: Any) -> float:
-    """Check a flat clipping bound ``C`` and return it as a float.
-
-    Args:
-        value: The candidate ``max_grad_norm``.
-
-    Returns:
-        ``float(value)``.
-
-    Raises:
-        TypeError: If ``value`` is not one real number (a list of per-layer bounds, a bool).
-        ValueError: If ``value`` is not finite and > 0.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            "randomized clipping needs one float max_grad_norm (flat clipping); got "
-            f"{type(value).__name__}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value}")
-    return float(value)
-
-
-def validate_noise_multiplier(value: Any) -> float:
-    """Check a noise multiplier ``sigma`` and return it as a float.
-
-    ``sigma = 0`` is allowed (a debugging run without noise); its epsilon is infinite.
-
-    Args:
-        value: The candidate ``noise_multiplier``.
-
-    Returns:
-        ``float(value)``.
-
-    Raises:
-        ValueError: If ``value`` is not a finite real number >= 0 (bools are rejected).
-    """
-    if isinstance(value, bool) or not (
-        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-    ):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -145,7 +104,7 @@ class RandomizedClippingConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_grad_norm", validate_max_grad_norm(self.max_grad_norm))
         get_estimator(self.sketch)
-        validate_sketch_dim(self.sketch_dim)
+        object.__setattr__(self, "sketch_dim", validate_sketch_dim(self.sketch_dim))
         if self.sketch == "hutch++":
             head_dim = self.sketch_dim if self.sketch_head_dim is None else self.sketch_head_dim
             validate_sketch_dim(head_dim, "sketch_head_dim")

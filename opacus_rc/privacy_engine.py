@@ -261,8 +261,9 @@ class _PublicSizes:
     """The sizes the mechanism uses, computed from public inputs only (docs/privacy/mechanism.md).
 
     Attributes:
-        sample_rate: ``q``, the Poisson rate the loader samples at and the accountant records;
-            an epoch is ``int(1 / q)`` steps.
+        sample_rate: ``q``, the Poisson rate the loader samples at; an epoch is ``int(1 / q)``
+            steps, each accounted at ``1 / int(1 / q)`` (Opacus' ``1 / len(loader)``, at least
+            ``q``: see :func:`_accounted_schedule`).
         expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"`` (per
             process: divided by the world size in a distributed run, as Opacus does).
     """
@@ -329,6 +330,32 @@ def _public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> _Publ
     else:
         size = len(data_loader.dataset)  # type: ignore[arg-type]
     return _PublicSizes(sample_rate, int(size * sample_rate))
+
+
+def _accounted_schedule(
+    sizes: _PublicSizes, *, data_loader: DataLoader, poisson_sampling: bool
+) -> tuple[float, int]:
+    """The rate the accountant records and the steps of one epoch, before the loader exists.
+
+    Opacus accounts each step at ``1 / len(loader)`` of the loader the run iterates. A Poisson
+    loader built at rate ``q`` (Opacus' ``DPDataLoader``, :class:`DistributedDPDataLoader`)
+    has ``int(1 / q)`` batches, one short of ``1 / q`` for some ``q`` in floating point
+    (``q = 1/93``: 92); a loader used as it is (a :class:`UnitDataLoader`, or
+    ``poisson_sampling=False``) has ``len(data_loader)``.
+
+    Args:
+        sizes: The public sizes of the run.
+        data_loader: The user's data loader.
+        poisson_sampling: Whether the engine builds a Poisson loader.
+
+    Returns:
+        ``(1 / n, n)`` with ``n`` the batches per epoch.
+    """
+    if isinstance(data_loader, UnitDataLoader) or not poisson_sampling:
+        per_epoch = len(data_loader)
+    else:
+        per_epoch = max(1, int(1 / sizes.sample_rate))
+    return 1 / per_epoch, per_epoch
 
 
 def _poisson_loader(
@@ -1002,8 +1029,21 @@ class PrivacyEngine(PrivacyEngineSeams):
     def _search_noise_multiplier(
         self, request: _Request, *, target_epsilon: float, target_delta: float, epochs: int
     ) -> float:
-        """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``."""
-        sample_rate = request.sizes.sample_rate
+        """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``.
+
+        Searched at the schedule the run will have (:func:`_accounted_schedule`), not at ``q``
+        and ``int(epochs / q)``: for some ``q`` an epoch is one step short of ``1 / q`` and
+        the accountant records the larger rate ``1 / int(1 / q)`` (``q = 1/93``: 92 steps at
+        ``1/92``), which would end the run above the target.
+        """
+        sample_rate, per_epoch = _accounted_schedule(
+            request.sizes,
+            data_loader=request.opacus_options["data_loader"],
+            poisson_sampling=request.opacus_options["poisson_sampling"],
+        )
+        schedule: dict[str, Any] = {"epochs": epochs, "steps": None}
+        if isinstance(epochs, (int, float)) and 0 < epochs < math.inf:
+            schedule = {"epochs": None, "steps": max(1, int(epochs * per_epoch))}
         if len(self.accountant) > 0:
             warnings.warn(
                 "make_private_with_epsilon is called with privacy budget already spent; the "
@@ -1018,7 +1058,7 @@ class PrivacyEngine(PrivacyEngineSeams):
                 target_epsilon=target_epsilon,
                 target_delta=target_delta,
                 sample_rate=sample_rate,
-                epochs=epochs,
+                **schedule,
                 accountant=self.accountant.mechanism(),
                 **request.kwargs,
             )
@@ -1028,8 +1068,7 @@ class PrivacyEngine(PrivacyEngineSeams):
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             sample_rate=sample_rate,
-            epochs=epochs,
-            steps=None,
+            **schedule,
             sketch_spec=request.config.sketch_spec,
             accountant=self.accountant,
             epsilon_tolerance=0.01,

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from opacus_rc.registry import Registry
+from opacus_rc.validation import validate_sketch_dim
+
 __all__ = [
     "ESTIMATORS",
     "MAX_UPSCALE_EXPONENT",
@@ -70,12 +73,9 @@ class SketchSpec:
     secret: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sketch_dim, int) or isinstance(self.sketch_dim, bool):
-            raise TypeError(f"sketch_dim must be an int, got {type(self.sketch_dim).__name__}")
-        if self.sketch_dim < 1:
-            raise ValueError(f"sketch_dim must be >= 1, got {self.sketch_dim}")
-        if self.head_dim is not None and self.head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1 or None, got {self.head_dim}")
+        object.__setattr__(self, "sketch_dim", validate_sketch_dim(self.sketch_dim))
+        head_dim = validate_sketch_dim(self.head_dim, "head_dim", allow_none=True)
+        object.__setattr__(self, "head_dim", head_dim)
 
     @property
     def accounted_dim(self) -> int:
@@ -96,32 +96,6 @@ class SketchSpec:
     def from_dict(cls, d: dict[str, Any]) -> SketchSpec:
         """Inverse of :meth:`to_dict`."""
         return cls(**d)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validators
-# ----------------------------------------------------------------------------------------------
-
-
-def validate_sketch_dim(value: object, name: str = "sketch_dim") -> int:
-    """Check that a sketch dimension is a positive ``int`` and return it.
-
-    Args:
-        value: The candidate number of sketch columns.
-        name: The argument name used in the error message.
-
-    Returns:
-        ``value``, unchanged.
-
-    Raises:
-        TypeError: If ``value`` is not an ``int`` (``bool`` is rejected too).
-        ValueError: If ``value < 1``.
-    """
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def _check_factors(activations: torch.Tensor, backprops: torch.Tensor) -> tuple[int, int, int, int]:
@@ -479,10 +453,11 @@ def hutchpp_sqnorm(
 
 
 #: Registry of sketched squared-norm estimators, by the name used in :class:`SketchSpec`.
-ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "hutchinson": hutchinson_sqnorm,
-    "hutch++": hutchpp_sqnorm,
-}
+ESTIMATORS: Registry[Callable[..., torch.Tensor]] = Registry(
+    "sketch estimator", option="sketch estimator"
+)
+ESTIMATORS.register("hutchinson", hutchinson_sqnorm)
+ESTIMATORS.register("hutch++", hutchpp_sqnorm)
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor]:
@@ -497,8 +472,4 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
     Raises:
         ValueError: If ``name`` is not registered; the message lists the allowed names.
     """
-    try:
-        return ESTIMATORS[name]
-    except (KeyError, TypeError):
-        allowed = ", ".join(repr(n) for n in ESTIMATORS)
-        raise ValueError(f"unknown sketch estimator {name!r}; allowed: {allowed}") from None
+    return ESTIMATORS.get(name)

@@ -37,6 +37,8 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplitting
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from opacus_rc.validation import validate_sample_rate
+
 __all__ = [
     "UnitBatchMemoryManager",
     "UnitBatchSplittingSampler",
@@ -70,8 +72,7 @@ class UnitPoissonSampler(Sampler[list[int]]):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not 0.0 < float(sample_rate) <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        validate_sample_rate(sample_rate)
         if not members:
             raise ValueError("no unit to sample: the dataset is empty")
         self.members = [list(m) for m in members]

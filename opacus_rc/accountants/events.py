@@ -31,9 +31,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opacus_rc.accountants.analysis._checks import check_choice, check_q, check_sigma
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.validation import validate_choice, validate_noise_multiplier, validate_sample_rate
 
 __all__ = [
     "RandomizedClipDpEvent",
@@ -93,12 +93,12 @@ class RandomizedClipDpEvent:
     threat_model: str = "hidden"
 
     def __post_init__(self) -> None:
-        sigma = check_sigma(self.noise_multiplier, allow_zero=True)
+        sigma = validate_noise_multiplier(self.noise_multiplier)
         object.__setattr__(self, "noise_multiplier", sigma)
-        object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
+        object.__setattr__(self, "sample_rate", validate_sample_rate(self.sample_rate))
         spec = sketch_spec_from(self.sketch_spec)
         object.__setattr__(self, "sketch_spec", spec)
-        check_choice("threat_model", self.threat_model, THREAT_MODELS)
+        validate_choice("threat_model", self.threat_model, THREAT_MODELS)
         if spec is None:
             object.__setattr__(self, "threat_model", "hidden")
         elif self.threat_model == "hidden" and not spec.supports_hidden:

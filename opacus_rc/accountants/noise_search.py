@@ -21,12 +21,12 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from opacus_rc.accountants.analysis._checks import check_delta, check_q
 from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
 from opacus_rc.accountants.events import RandomizedClipDpEvent, sketch_spec_from
 from opacus_rc.accountants.rc import RCAccountant
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.validation import validate_delta, validate_sample_rate
 
 __all__ = ["MAX_SIGMA", "MIN_SIGMA", "get_noise_multiplier"]
 
@@ -96,8 +96,8 @@ def get_noise_multiplier(
             f"target_epsilon must be a finite number > 0, got {target_epsilon!r} (an infinite "
             "budget needs no noise: pass noise_multiplier=0 for a debugging run)"
         )
-    target_delta = check_delta(target_delta)
-    q = check_q(sample_rate)
+    target_delta = validate_delta(target_delta)
+    q = validate_sample_rate(sample_rate)
     if not (_is_number(epsilon_tolerance) and 0.0 < epsilon_tolerance < math.inf):
         raise ValueError(
             f"epsilon_tolerance must be a finite number > 0, got {epsilon_tolerance!r}"

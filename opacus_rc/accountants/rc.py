@@ -36,7 +36,6 @@ from typing import Any
 
 from opacus.accountants.accountant import IAccountant
 
-from opacus_rc.accountants.analysis._checks import check_delta
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
 from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compute_epsilon
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
@@ -47,6 +46,7 @@ from opacus_rc.accountants.events import (
     sketch_spec_from,
 )
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.validation import validate_delta
 
 __all__ = ["RCAccountant", "register"]
 
@@ -393,7 +393,7 @@ class RCAccountant(IAccountant):
             NumericalLimitError: if the composition exceeds the numerical limits at this
                 ``eps_error`` (not a statement about epsilon: a larger ``eps_error`` helps).
         """
-        delta = check_delta(delta)
+        delta = validate_delta(delta)
         return compute_epsilon(
             self.segments(),
             delta=delta,
@@ -459,7 +459,7 @@ class RCAccountant(IAccountant):
         Raises:
             Those of :meth:`get_epsilon_report`.
         """
-        delta = check_delta(delta)
+        delta = validate_delta(delta)
         if delta_error is not None and not 0.0 < delta_error < delta / 2.0:
             raise ValueError(f"delta_error must be in (0, delta / 2), got {delta_error!r}")
         first = self.get_epsilon_report(delta / 2.0, eps_error=eps_error, delta_error=delta_error)

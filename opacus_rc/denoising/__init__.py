@@ -7,7 +7,13 @@ norm (``docs/denoising.md#denoising``). One concept per module:
 * :mod:`~opacus_rc.denoising.shrinkage`: the shrinker on singular values (pure math);
 * :mod:`~opacus_rc.denoising.svd`: SVD back ends (exact, randomized), resolved by name;
 * :mod:`~opacus_rc.denoising.denoiser`: the matrix denoiser (threshold test, shrinkage, norm
-  correction) and its records;
+  correction) and its defaults;
+* :mod:`~opacus_rc.denoising.options`: its nine options as one validated record,
+  :class:`DenoiseOptions`;
+* :mod:`~opacus_rc.denoising.checks`: the checks of its arguments (threshold factor, matrix);
+* :mod:`~opacus_rc.denoising.batch`: its batched core on equal-shape matrices;
+* :mod:`~opacus_rc.denoising.records`: the records and reports of what it did;
+* :mod:`~opacus_rc.denoising.gradients`: denoising a list of gradients in place;
 * :mod:`~opacus_rc.denoising.opacus_adapter`: what reads an Opacus DP optimizer (the noise level,
   the refusal of distributed optimizers) and :class:`SpectralDenoiser`, its step hook;
 * :mod:`~opacus_rc.denoising.registry`: the names ``make_private(denoise=...)`` resolves.
@@ -22,6 +28,7 @@ from opacus_rc.denoising.denoiser import (
     optimal_shrinkage,
 )
 from opacus_rc.denoising.opacus_adapter import SpectralDenoiser, noise_std_from_optimizer
+from opacus_rc.denoising.options import DenoiseOptions
 from opacus_rc.denoising.registry import (
     DenoiserFactory,
     denoiser_names,
@@ -35,6 +42,7 @@ __all__ = [
     "DEFAULT_KAPPA",
     "DEFAULT_MIN_DIM",
     "SVD_METHODS",
+    "DenoiseOptions",
     "DenoiseRecord",
     "DenoiseReport",
     "DenoiserFactory",

@@ -23,24 +23,17 @@ import torch
 from torch import Tensor
 
 from opacus_rc._compat.opacus import adjusted_noise_multiplier
-from opacus_rc.denoising.denoiser import (
-    DEFAULT_KAPPA,
-    DEFAULT_MIN_DIM,
-    DenoiseReport,
-    _check_kappa,
-    _classify,
-    _denoise_gradients_,
-    _PendingReport,
-)
+from opacus_rc.denoising.denoiser import DEFAULT_KAPPA, DEFAULT_MIN_DIM
+from opacus_rc.denoising.gradients import _classify, _denoise_gradients_
+from opacus_rc.denoising.options import DenoiseOptions
+from opacus_rc.denoising.records import DenoiseReport, _PendingReport
 from opacus_rc.denoising.registry import register_denoiser
-from opacus_rc.denoising.shrinkage import _check_noise_std, _check_positive_int
+from opacus_rc.denoising.shrinkage import _check_noise_std
 from opacus_rc.denoising.svd import (
     DEFAULT_MAX_ITERATIONS,
     DEFAULT_OVERSAMPLING,
     DEFAULT_RANK,
     DEFAULT_TOL,
-    _check_svd,
-    _check_tol,
 )
 
 __all__ = ["SpectralDenoiser", "noise_std_from_optimizer"]
@@ -195,18 +188,34 @@ class SpectralDenoiser:
         max_iterations: int = DEFAULT_MAX_ITERATIONS,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.kappa = _check_kappa(kappa)
-        self.norm_correction = bool(norm_correction)
-        self.min_dim = _check_positive_int(min_dim, "min_dim")
-        self.svd = _check_svd(svd)
-        self.rank = _check_positive_int(rank, "rank")
-        self.oversampling = _check_positive_int(oversampling, "oversampling", minimum=0)
-        self.tol = _check_tol(tol)
-        self.max_iterations = _check_positive_int(max_iterations, "max_iterations", minimum=0)
-        self.generator = generator
+        #: The validated record of the nine options (:class:`~opacus_rc.denoising.DenoiseOptions`).
+        self.options = DenoiseOptions(
+            kappa=kappa,
+            norm_correction=norm_correction,
+            min_dim=min_dim,
+            svd=svd,
+            rank=rank,
+            oversampling=oversampling,
+            tol=tol,
+            max_iterations=max_iterations,
+            generator=generator,
+        )
         self._report: DenoiseReport | None = None
         self._pending: _PendingReport | None = None
         self._skips_logged = False
+
+    @classmethod
+    def from_options(cls, options: DenoiseOptions) -> SpectralDenoiser:
+        """The denoiser of an existing :class:`~opacus_rc.denoising.DenoiseOptions` record."""
+        if not isinstance(options, DenoiseOptions):
+            raise TypeError(f"options must be a DenoiseOptions, got {type(options).__name__}")
+        return cls(**{name: getattr(options, name) for name in DenoiseOptions.names()})
+
+    def __getattr__(self, name: str) -> Any:
+        # self.kappa, self.svd, ...: read from the one record (set in __init__).
+        if name in DenoiseOptions.names() and "options" in self.__dict__:
+            return getattr(self.__dict__["options"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return (
@@ -261,19 +270,7 @@ class SpectralDenoiser:
         eligible = any(st is None for st in statuses)
         noise_std = noise_std_from_optimizer(optimizer) if eligible else 0.0
         self._log_skips(params, statuses)
-        pending = _denoise_gradients_(
-            params,
-            statuses,
-            noise_std=noise_std,
-            kappa=self.kappa,
-            norm_correction=self.norm_correction,
-            svd=self.svd,
-            rank=self.rank,
-            oversampling=self.oversampling,
-            tol=self.tol,
-            max_iterations=self.max_iterations,
-            generator=self.generator,
-        )
+        pending = _denoise_gradients_(params, statuses, noise_std=noise_std, options=self.options)
         self._report, self._pending = None, pending
         if logger.isEnabledFor(logging.DEBUG):  # counting reads the device
             logger.debug(

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from opacus_rc.registry import Registry
+
 __all__ = ["DenoiserFactory", "denoiser_names", "make_denoiser", "register_denoiser"]
 
 
@@ -39,7 +41,7 @@ DenoiserFactory = Callable[..., Callable[[Any], None]]
 _F = TypeVar("_F", bound=DenoiserFactory)
 
 #: Denoiser name -> factory.
-_DENOISERS: dict[str, DenoiserFactory] = {}
+_DENOISERS: Registry[DenoiserFactory] = Registry("denoiser", option="denoise")
 
 
 def register_denoiser(
@@ -68,20 +70,7 @@ def register_denoiser(
         TypeError: If ``name`` is not a non-empty string or the factory is not callable.
         ValueError: If ``name`` is already registered and ``force`` is False.
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"denoiser name must be a non-empty str, got {name!r}")
-
-    def decorator(fn: _F) -> _F:
-        if not callable(fn):
-            raise TypeError(f"denoiser factory must be callable, got {type(fn).__name__}")
-        if name in _DENOISERS and not force:
-            raise ValueError(
-                f"duplicate registration for denoiser {name!r}; pass force=True to replace it"
-            )
-        _DENOISERS[name] = fn
-        return fn
-
-    return decorator if factory is None else decorator(factory)
+    return _DENOISERS.register(name, factory, force=force)
 
 
 def denoiser_names() -> tuple[str, ...]:
@@ -109,8 +98,4 @@ def make_denoiser(
             factory rejects a value (e.g. ``kappa < 1`` for ``"spectral"``).
         TypeError: If the factory rejects an option name or type.
     """
-    factory = _DENOISERS.get(name) if isinstance(name, str) else None
-    if factory is None:
-        allowed = ", ".join(repr(n) for n in denoiser_names())
-        raise ValueError(f"unknown denoise {name!r}; allowed: {allowed}")
-    return factory(kappa=kappa, **options)
+    return _DENOISERS.get(name)(kappa=kappa, **options)

@@ -30,6 +30,9 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from opacus_rc.registry import Registry
+from opacus_rc.validation import validate_choice
+
 __all__ = [
     "DEFAULT_MAX_ITERATIONS",
     "DEFAULT_OVERSAMPLING",
@@ -90,7 +93,7 @@ class SvdBackend(Protocol):
 
 #: ``svd=`` name -> back end, in registration order (the built-ins first, as in
 #: :data:`SVD_METHODS`).
-SVD_BACKENDS: dict[str, SvdBackend] = {}
+SVD_BACKENDS: Registry[SvdBackend] = Registry("SVD back end", option="svd")
 
 _B = TypeVar("_B", bound=Callable[..., tuple[Tensor, Tensor, Tensor, int]])
 
@@ -118,25 +121,11 @@ def register_svd_backend(name: str, *, force: bool = False) -> Callable[[_B], _B
             not callable.
         ValueError: (when decorating) if ``name`` is already registered and ``force`` is False.
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"SVD back-end name must be a non-empty str, got {name!r}")
-
-    def decorator(backend: _B) -> _B:
-        if not callable(backend):
-            raise TypeError(f"SVD back end must be callable, got {type(backend).__name__}")
-        if name in SVD_BACKENDS and not force:
-            raise ValueError(
-                f"duplicate registration for SVD back end {name!r}; pass force=True to replace it"
-            )
-        SVD_BACKENDS[name] = backend
-        return backend
-
-    return decorator
+    return SVD_BACKENDS.register(name, force=force)
 
 
 def _check_svd(svd: str) -> str:
-    if not isinstance(svd, str) or svd not in SVD_BACKENDS:
-        raise ValueError(f"svd must be one of {tuple(SVD_BACKENDS)}, got {svd!r}")
+    validate_choice("svd", svd, SVD_BACKENDS.available())
     return svd
 
 

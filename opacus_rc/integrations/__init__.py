@@ -4,6 +4,11 @@
   :class:`~opacus_rc.integrations.transformers.DPTrainer` (a ``transformers.Trainer``) and
   :class:`~opacus_rc.integrations.transformers.PrivacyArguments` (parsed by
   ``transformers.HfArgumentParser``).
+  Its parts, by concept: :mod:`~opacus_rc.integrations.privacy_arguments` (the options),
+  :mod:`~opacus_rc.integrations.logical_batches` (Poisson logical batches and their
+  micro-batches), :mod:`~opacus_rc.integrations.per_sample_loss` (the per-example loss) and
+  :mod:`~opacus_rc.integrations.refusals` (what is refused, and why); the trainer module
+  re-exports their public names.
 * :mod:`opacus_rc.integrations.trl`: :class:`~opacus_rc.integrations.trl.DPSFTTrainer` (a
   ``trl.SFTTrainer``), importable where TRL is installed.
 

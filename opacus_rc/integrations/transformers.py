@@ -42,8 +42,22 @@ differently:
   Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
   overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
   needs no loss scaler), ``compute_loss_func``, ``model_init`` (hyperparameter search spends
-  privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers, several
-  processes, DeepSpeed and FSDP (one process only for now), iterable datasets.
+  privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
+  DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
+  (several devices in one process), ``denoise`` with several processes, iterable datasets.
+* **Several processes** (``torchrun --nproc-per-node N script.py``, or ``accelerate launch``
+  with a multi-CPU / multi-GPU config) run as the engine's DDP path (docs/distributed.md):
+  every rank draws the same Poisson mask over the whole dataset (rank 0's seed) and trains on
+  its shard of it (examples ``i`` with ``i % N == rank``), so the ranks' shares partition the
+  logical batch one process would draw with that seed; each rank clips its own examples, in as
+  many micro-batches as its share needs (an empty share is a noise-only share), the clipped
+  sums are all-reduced once per logical batch, rank 0 adds the noise once, and the sum is
+  divided by the expected global batch size. Every rank's accountant counts the same steps at
+  the global rate, so epsilon is the single-process run's, and the weights stay identical on
+  every rank. The model the Trainer wraps in ``DistributedDataParallel`` is run past that
+  wrapper (its reducer would all-reduce unclipped gradients). Checkpoints are written by rank 0
+  and hold every rank's sketch-generator state (a seeded sketch); resume with the same number
+  of processes.
 * **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
@@ -74,29 +88,41 @@ import math
 import os
 import secrets
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import transformers
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc._compat.transformers import (
     TrainerSeams,
     collator_with_removed_columns,
     loss_shifts_labels,
     output_dir,
-    overrides_train_sampler,
     prepare_inputs,
     remove_unused_columns,
     train_batch_size,
 )
 from opacus_rc.accountants import AccountingError, get_noise_multiplier
 from opacus_rc.config import RandomizedClippingConfig
+from opacus_rc.integrations.logical_batches import (
+    IndexDataset,
+    LogicalBatch,
+    LogicalBatchCollator,
+    LogicalBatchLoader,
+    PoissonLogicalBatchSampler,
+    seeded_generator,
+)
+from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
+from opacus_rc.integrations.privacy_arguments import BOOKKEEPING, PrivacyArguments
+from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
@@ -116,329 +142,8 @@ logger = logging.getLogger(__name__)
 PRIVACY_STATE_NAME = "privacy_state.pt"
 #: Version of the privacy-state format written by this module.
 _STATE_VERSION = 1
-#: ``bookkeeping`` strings of :class:`PrivacyArguments` and the engine's values for them.
-_BOOKKEEPING = {"true": True, "false": False, "always": "always"}
-#: Optimizers that update parameters inside the backward pass, before any noise is added.
-_IN_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
 #: The engine's accepted shortfall of epsilon below the target (``epsilon_tolerance``).
 _EPSILON_TOLERANCE = 0.01
-
-
-# ----------------------------------------------------------------------------------------------
-# Arguments
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PrivacyArguments:
-    """The privacy options of a :class:`DPTrainer` run, parseable by ``HfArgumentParser``.
-
-    Args:
-        target_epsilon: Epsilon to reach after the whole run (the noise multiplier is searched
-            for the Trainer's number of steps). Give exactly one of ``target_epsilon`` and
-            ``noise_multiplier``.
-        noise_multiplier: ``sigma``: the noise std is ``sigma * max_grad_norm``. Epsilon is
-            then whatever the run spends.
-        target_delta: Delta of the reported epsilon, in ``(0, 1 / N)`` for ``N`` training
-            examples.
-        max_grad_norm: ``C``, the per-example clipping bound, in the units of the per-example
-            gradient's Euclidean norm (of the per-example loss, a mean over its labelled
-            tokens).
-        expected_batch_size: The logical batch: Poisson sampling at rate ``q = 1 /
-            ceil(N / expected_batch_size)``; the noisy sum is divided by
-            ``expected_batch_size`` itself (public, never computed from ``N``:
-            docs/privacy/mechanism.md#mechanism-public).
-        clipping: ``"randomized"`` (the only value): sketched per-example norms, DP-SGD-RC.
-        sketch: ``"hutchinson"`` or ``"hutch++"``.
-        sketch_dim: ``k``, the sketch's Gaussian (tail) columns (>= 2 for the proved default
-            envelope).
-        sketch_head_dim: Hutch++ head columns (default ``sketch_dim``); Hutch++ only.
-        bookkeeping: ``"true"`` (one backward pass where the model allows it), ``"always"``
-            or ``"false"`` (two backward passes): the engine's ``bookkeeping``.
-        denoise: A post-processing denoiser of the noisy gradient (``"spectral"``), or None.
-        denoise_kappa: The denoiser's threshold factor (``None``: its default).
-        seed: Seed of the Poisson sampler and the noise. ``None`` (default): both seeded from
-            the operating system's CSPRNG (:mod:`secrets`). A seed makes batches and noise
-            reproducible, and the guarantee then holds only while the seed stays secret (a
-            warning says so).
-        sketch_seed: Seed of the sketch's probes, or None (secret, from the operating system).
-            A seed makes the sketch reproducible; the engine then accounts every step under the
-            more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
-
-    Raises:
-        ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
-            of range; an unknown ``clipping`` or ``bookkeeping``.
-    """
-
-    target_epsilon: float | None = field(
-        default=None, metadata={"help": "Epsilon after the whole run (searches the noise)."}
-    )
-    noise_multiplier: float | None = field(
-        default=None, metadata={"help": "Noise multiplier sigma (instead of target_epsilon)."}
-    )
-    target_delta: float = field(default=1e-5, metadata={"help": "Delta, below 1 / N."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Per-example clipping bound C."})
-    expected_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Logical (Poisson) batch size; the physical one is the Trainer's."},
-    )
-    clipping: str = field(
-        default="randomized", metadata={"help": "Clipping.", "choices": ["randomized"]}
-    )
-    sketch: str = field(
-        default="hutchinson",
-        metadata={"help": "Norm estimator.", "choices": ["hutchinson", "hutch++"]},
-    )
-    sketch_dim: int = field(default=32, metadata={"help": "Sketch columns k."})
-    sketch_head_dim: int | None = field(default=None, metadata={"help": "Hutch++ head columns."})
-    bookkeeping: str = field(
-        default="true",
-        metadata={"help": "One backward pass.", "choices": sorted(_BOOKKEEPING)},
-    )
-    denoise: str | None = field(default=None, metadata={"help": "Denoiser, e.g. spectral."})
-    denoise_kappa: float | None = field(default=None, metadata={"help": "Denoiser threshold."})
-    seed: int | None = field(
-        default=None, metadata={"help": "Seed of batches and noise (default: from the OS)."}
-    )
-    sketch_seed: int | None = field(
-        default=None, metadata={"help": "Seed of the sketch (accounted as revealed)."}
-    )
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bookkeeping, bool):
-            self.bookkeeping = str(self.bookkeeping).lower()
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError(
-                "PrivacyArguments needs exactly one of target_epsilon (the noise multiplier is "
-                "then searched for the run) and noise_multiplier; got "
-                f"target_epsilon={self.target_epsilon!r}, "
-                f"noise_multiplier={self.noise_multiplier!r}"
-            )
-        if self.target_epsilon is not None and not (
-            math.isfinite(self.target_epsilon) and self.target_epsilon > 0
-        ):
-            raise ValueError(
-                f"target_epsilon must be a finite number > 0, got {self.target_epsilon}"
-            )
-        if self.noise_multiplier is not None and not (
-            math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0
-        ):
-            raise ValueError(
-                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}"
-            )
-        if not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm}")
-        if self.expected_batch_size is None or int(self.expected_batch_size) < 1:
-            raise ValueError(
-                "PrivacyArguments.expected_batch_size (the logical batch, Poisson-sampled) must "
-                f"be an integer >= 1, got {self.expected_batch_size!r}; the physical batch is "
-                "TrainingArguments.per_device_train_batch_size"
-            )
-        if self.clipping != "randomized":
-            raise ValueError(
-                f"clipping={self.clipping!r}: DPTrainer implements clipping='randomized' only"
-            )
-        if self.bookkeeping not in _BOOKKEEPING:
-            raise ValueError(
-                f"bookkeeping must be one of {sorted(_BOOKKEEPING)}, got {self.bookkeeping!r}"
-            )
-
-
-# ----------------------------------------------------------------------------------------------
-# Poisson logical batches
-# ----------------------------------------------------------------------------------------------
-
-
-def _seeded_generator(seed: int, *key: int, device: Any = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded from ``seed`` and ``key`` (independent
-    streams per key, :class:`numpy.random.SeedSequence`)."""
-    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(state))
-
-
-class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
-    """Opacus' Poisson sampler whose masks in epoch ``e`` come from a generator seeded by
-    ``(seed, e)``.
-
-    Each of the ``steps`` batches of an epoch holds every index of ``range(num_samples)``
-    independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
-    ``torch.rand(num_samples) < sample_rate``); an empty batch is yielded as ``[]``. Seeding
-    per epoch makes an epoch replayable: skipping its first ``j`` batches (what the Trainer does
-    on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
-    epoch (the Trainer calls it); each iteration otherwise moves to the next epoch.
-
-    Args:
-        num_samples: ``N``.
-        sample_rate: ``q`` in ``(0, 1]``.
-        steps: Batches per epoch.
-        seed: The seed (keep it secret: it determines every batch).
-    """
-
-    def __init__(self, *, num_samples: int, sample_rate: float, steps: int, seed: int) -> None:
-        super().__init__(num_samples=num_samples, sample_rate=sample_rate, steps=steps)
-        self.seed = int(seed)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the next iteration's batches from epoch ``epoch``'s generator."""
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.generator = _seeded_generator(self.seed, self.epoch)
-        self.epoch += 1
-        return super().__iter__()
-
-
-@dataclass
-class LogicalBatch:
-    """One Poisson batch, as physical micro-batches collated by the Trainer's collator.
-
-    Attributes:
-        micro_batches: The collated micro-batches, each of at most the physical batch size
-            (empty for an empty Poisson batch).
-        sizes: The number of examples in each micro-batch.
-    """
-
-    micro_batches: list[Any]
-    sizes: list[int]
-
-    @property
-    def num_examples(self) -> int:
-        """Examples in the logical batch."""
-        return sum(self.sizes)
-
-    def __contains__(self, key: object) -> bool:
-        # The Trainer asks ``"labels" in batch`` to count tokens for its loss scaling, which the
-        # private loss does not use.
-        return False
-
-
-class LogicalBatchCollator:
-    """Collate function of a Poisson batch: split into micro-batches, collate each.
-
-    The examples of a logical batch are split into ``ceil(L / max_physical_batch_size)``
-    contiguous chunks of sizes differing by at most one (``numpy.array_split``, as Opacus'
-    ``BatchMemoryManager``), and each chunk is collated by ``collate_fn``.
-
-    Args:
-        collate_fn: The Trainer's data collator (with unused columns removed).
-        max_physical_batch_size: The largest micro-batch (``per_device_train_batch_size``).
-
-    Raises:
-        ValueError: At call time, if a collated micro-batch does not have one row per example
-            (a collator that packs examples into one row, or drops some, would change the
-            privacy unit or leave examples unaccounted).
-    """
-
-    def __init__(self, *, collate_fn: Any, max_physical_batch_size: int) -> None:
-        self.collate_fn = collate_fn
-        self.max_physical_batch_size = int(max_physical_batch_size)
-
-    def __call__(self, examples: list[Any]) -> LogicalBatch:
-        if not examples:
-            return LogicalBatch(micro_batches=[], sizes=[])
-        n_chunks = math.ceil(len(examples) / self.max_physical_batch_size)
-        bounds = np.cumsum(
-            [0] + [len(c) for c in np.array_split(np.arange(len(examples)), n_chunks)]
-        )
-        micro, sizes = [], []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            chunk = examples[lo:hi]
-            batch = self.collate_fn(chunk)
-            rows = _rows(batch)
-            if rows is not None and rows != len(chunk):
-                raise ValueError(
-                    f"the data collator returned a batch of {rows} rows for {len(chunk)} "
-                    "examples; differentially private training needs one row per example (the "
-                    "privacy unit). Padding-free and packing collators (which concatenate "
-                    "examples into one row) and collators that drop examples are not supported: "
-                    "use a padding collator"
-                )
-            micro.append(batch)
-            sizes.append(len(chunk))
-        return LogicalBatch(micro_batches=micro, sizes=sizes)
-
-
-def _rows(batch: Any) -> int | None:
-    """Leading dimension of the first tensor in a collated batch (None if there is none)."""
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, torch.Tensor):
-        return values.shape[0]
-    if isinstance(values, (Sequence, type({}.values()))):
-        for v in values:
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return v.shape[0]
-    return None
-
-
-class _LogicalBatchLoader(DataLoader):
-    """A ``DataLoader`` over Poisson logical batches with ``set_epoch`` (called by the Trainer)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-example loss
-# ----------------------------------------------------------------------------------------------
-
-
-def per_sample_cross_entropy(
-    criterion: Any,
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    shift: bool,
-    shift_labels: torch.Tensor | None = None,
-) -> Any:
-    """Per-example cross-entropy through the DP criterion returned by ``make_private``.
-
-    For a causal LM (``shift=True``), position ``t`` predicts label ``t + 1`` (as
-    ``transformers``' ``ForCausalLMLoss``; pre-shifted ``shift_labels`` are used as they are),
-    and each example's loss is the mean over its positions whose target is not
-    ``criterion.criterion.ignore_index`` (``-100``): ``loss_i = sum_t l_it / max(1, n_i)``
-    with ``n_i`` its labelled positions, so padding changes nothing. Token-level labels without
-    shift (token classification) are reduced the same way; labels of shape ``(B,)`` give one
-    loss per example. Logits are computed with in float32 at least (as ``ForCausalLMLoss``).
-
-    Args:
-        criterion: The :class:`~opacus_rc.optimizers.DPLossRandomizedClipping` of the engine,
-            wrapping an ``nn.CrossEntropyLoss``.
-        logits: ``(B, T, V)`` (token labels) or ``(B, C)`` (one label per example).
-        labels: ``(B, T)`` or ``(B,)`` integer labels, ``-100`` where ignored.
-        shift: Whether targets are the next tokens (causal LM).
-        shift_labels: ``(B, T)`` already-shifted targets, or None.
-
-    Returns:
-        The DP loss (``backward()`` runs the private backward) of per-example losses ``(B,)``.
-
-    Raises:
-        ValueError: If the shapes of logits and labels do not match either case.
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if labels.dim() == 1:
-        if logits.dim() != 2 or logits.shape[0] != labels.shape[0]:
-            raise ValueError(
-                f"labels of shape {tuple(labels.shape)} need logits (B, C), got "
-                f"{tuple(logits.shape)}"
-            )
-        return criterion(logits, labels)
-    if shift_labels is not None:
-        targets = shift_labels
-    elif shift:
-        logits, targets = logits[:, :-1], labels[:, 1:]
-    else:
-        targets = labels
-    if logits.dim() != 3 or logits.shape[:2] != targets.shape:
-        raise ValueError(
-            f"per-token labels of shape {tuple(targets.shape)} need logits (B, T, V) with the "
-            f"same (B, T), got {tuple(logits.shape)}"
-        )
-    b, t = targets.shape
-    return criterion(logits.reshape(b * t, -1), targets.reshape(-1), shape=(b, t))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,7 +191,8 @@ class DPTrainerMixin(TrainerSeams):
 
     Raises:
         ValueError: A refused configuration (module docstring), with what to do.
-        NotImplementedError: Several processes, DeepSpeed or FSDP.
+        NotImplementedError: DeepSpeed, FSDP or tensor parallelism through the Trainer,
+            ``torch.nn.DataParallel``, or a multi-process launch other than DDP.
         TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
     """
 
@@ -503,6 +209,7 @@ class DPTrainerMixin(TrainerSeams):
         self._epsilon_cache: tuple[int, float] | None = None
         self._dp_trained = False
         self._warned_no_epsilon = False
+        self._rank, self._world_size = 0, 1
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -526,6 +233,13 @@ class DPTrainerMixin(TrainerSeams):
         else:
             self._sampler_seed = secrets.randbits(63)
             self._noise_seed = secrets.randbits(63)
+        if self._world_size > 1:
+            # One Poisson batch of the whole dataset per step, split by shard: every rank draws
+            # the same mask, from rank 0's seed (each rank drew its own above). The noise seed
+            # is rank 0's too (only rank 0 adds noise), so a checkpoint's noise state is its.
+            seeds = [self._sampler_seed, self._noise_seed]
+            dist.broadcast_object_list(seeds, src=0)
+            self._sampler_seed, self._noise_seed = (int(x) for x in seeds)
         max_grad_norm = getattr(self.args, "max_grad_norm", None)
         if max_grad_norm:
             warnings.warn(
@@ -601,105 +315,13 @@ class DPTrainerMixin(TrainerSeams):
     # ------------------------------------------------------------------------------------------
 
     def _refuse_unsupported(self) -> None:
-        """Refuse, before anything runs, every configuration that would break the guarantee."""
-        args = self.args
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: a DP trainer "
-                "accumulates itself; set gradient_accumulation_steps=1, give the logical "
-                "batch as PrivacyArguments.expected_batch_size (Poisson-sampled) and the memory "
-                "limit as per_device_train_batch_size (each logical batch is split into "
-                "micro-batches of at most that size, with one noisy step per logical batch)"
-            )
-        strategy = getattr(args, "train_sampling_strategy", "random")
-        if strategy != "random" or getattr(args, "group_by_length", False):
-            what = "group_by_length=True" if strategy == "random" else f"{strategy!r}"
-            raise ValueError(
-                f"train_sampling_strategy={what}: a DP trainer draws its batches by Poisson "
-                "sampling (every example independently, at rate q), which the privacy "
-                "accounting assumes; grouping by length or any other order would change it. Use "
-                "the default train_sampling_strategy='random' (it is replaced by Poisson "
-                "sampling)"
-            )
-        if overrides_train_sampler(type(self)):
-            raise ValueError(
-                f"{type(self).__name__} overrides _get_train_sampler: a DP trainer draws its "
-                "batches by Poisson sampling, which the privacy accounting assumes, so a "
-                "sampler of your own cannot be used. Remove the override"
-            )
-        if type(self).get_train_dataloader is not DPTrainerMixin.get_train_dataloader:
-            raise ValueError(
-                f"{type(self).__name__} overrides get_train_dataloader: the DP trainer's loader "
-                "draws the Poisson logical batches that the accounting assumes. Remove the "
-                "override (customise the data collator instead)"
-            )
-        scaler = getattr(self.accelerator, "scaler", None)
-        if args.fp16 or scaler is not None or self.accelerator.mixed_precision == "fp16":
-            raise ValueError(
-                "fp16 mixed precision uses a loss scaler, which multiplies every per-example "
-                "gradient before clipping and skips steps whose noisy gradient overflows: the "
-                "clipping bound and the accounted steps would no longer be what was accounted. "
-                "Use bf16=True (autocast without a loss scaler) or full precision"
-            )
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "compute_loss_func returns one loss for the batch; a DP trainer needs one loss "
-                "per example. Subclass the trainer and override compute_private_loss(model, "
-                "inputs) to return the criterion's per-example loss"
-            )
-        if self.model_init is not None:
-            raise ValueError(
-                "model_init (hyperparameter search) is not supported: every trial would train "
-                "on the private data and spend privacy budget that no single run's epsilon "
-                "reports. Pass model= and tune on public data"
-            )
-        if args.auto_find_batch_size:
-            raise ValueError(
-                "auto_find_batch_size retries training with a smaller batch after an "
-                "out-of-memory error, after steps were already taken and accounted; set "
-                "per_device_train_batch_size (the physical batch) yourself"
-            )
-        if getattr(args, "torch_compile", False):
-            raise ValueError(
-                "torch_compile=True is not supported with per-example clipping hooks; set "
-                "torch_compile=False"
-            )
-        if getattr(args, "use_liger_kernel", False):
-            raise ValueError(
-                "use_liger_kernel=True replaces the model's layers and loss with fused kernels "
-                "that the per-example norm hooks do not see; set use_liger_kernel=False"
-            )
-        if str(getattr(args.optim, "value", args.optim)).lower() in _IN_BACKWARD_OPTIMIZERS:
-            raise ValueError(
-                f"optim={args.optim!r} updates the weights inside the backward pass, before "
-                "clipping and noise; use an optimizer that steps after backward (adamw_torch, sgd)"
-            )
-        if args.world_size > 1 or args.n_gpu > 1:
-            raise NotImplementedError(
-                f"a DP trainer runs in one process on one device for now (world_size="
-                f"{args.world_size}, n_gpu={args.n_gpu}); launch one process and make one device "
-                "visible (CUDA_VISIBLE_DEVICES), or use PrivacyEngine's distributed path in a "
-                "hand-written loop (docs/distributed.md)"
-            )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise NotImplementedError(
-                "DeepSpeed and FSDP through the Trainer are not supported by a DP trainer; train "
-                "in one process, or use PrivacyEngine with FSDP2 in a hand-written loop "
-                "(docs/distributed.md)"
-            )
-        if self.train_dataset is not None:
-            self._check_train_dataset(self.train_dataset)
+        """Refuse every configuration that would break the guarantee (:mod:`.refusals`); sets
+        the rank and world size (DDP) the run trains with."""
+        self._rank, self._world_size = refuse_unsupported(self, mixin=DPTrainerMixin)
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
-                "a DP trainer needs a dataset with a length and indexing (Poisson sampling picks "
-                "every example independently); an IterableDataset cannot be sampled. Use a "
-                "map-style dataset (datasets.Dataset, a list, torch Dataset)"
-            )
-        if len(dataset) == 0:
-            raise ValueError("the training dataset is empty")
+        check_train_dataset(dataset)
 
     # ------------------------------------------------------------------------------------------
     # Data
@@ -730,8 +352,10 @@ class DPTrainerMixin(TrainerSeams):
                 sample_rate=rate_loader.sample_rate,
                 steps=len(rate_loader),
                 seed=self._sampler_seed,
+                rank=self._rank,
+                world_size=self._world_size,
             )
-        return _LogicalBatchLoader(
+        return LogicalBatchLoader(
             dataset,
             batch_sampler=self._poisson_sampler,
             collate_fn=LogicalBatchCollator(
@@ -762,9 +386,7 @@ class DPTrainerMixin(TrainerSeams):
         from opacus.data_loader import DPDataLoader
 
         return DPDataLoader.from_data_loader(
-            DataLoader(
-                _IndexDataset(len(dataset)), batch_size=self.privacy_args.expected_batch_size
-            )
+            DataLoader(IndexDataset(len(dataset)), batch_size=self.privacy_args.expected_batch_size)
         )
 
     # ------------------------------------------------------------------------------------------
@@ -793,8 +415,15 @@ class DPTrainerMixin(TrainerSeams):
         engine = PrivacyEngine(accountant="rc")
         sketch_generator = None
         if pa.sketch_seed is not None:
-            sketch_generator = torch.Generator().manual_seed(int(pa.sketch_seed))
-        noise_generator = _seeded_generator(self._noise_seed, device=self.args.device)
+            sketch_seed = int(pa.sketch_seed)
+            if self._world_size > 1:  # each rank its own probes, as the DDP path's sketches
+                sketch_seed = int(
+                    np.random.SeedSequence(sketch_seed, spawn_key=(self._rank,)).generate_state(
+                        1, np.uint64
+                    )[0]
+                )
+            sketch_generator = torch.Generator().manual_seed(sketch_seed)
+        noise_generator = seeded_generator(self._noise_seed, device=self.args.device)
         planned = None
         if pa.target_epsilon is not None:
             planned = int(self.state.max_steps)
@@ -810,7 +439,10 @@ class DPTrainerMixin(TrainerSeams):
             noise_multiplier = get_noise_multiplier(
                 target_epsilon=pa.target_epsilon,
                 target_delta=pa.target_delta,
-                sample_rate=sampler.sample_rate,
+                # The rate the accountant records: Opacus' 1 / len(loader), where len is
+                # int(1 / q), one step short of 1 / q for some q (q = 1/93: 92 steps, 1/92
+                # recorded). Searched at the sampling rate q, the run would pass the target.
+                sample_rate=1 / sampler.steps,
                 steps=planned,
                 sketch_spec=spec,
                 accountant=engine.accountant,
@@ -828,12 +460,21 @@ class DPTrainerMixin(TrainerSeams):
             if sketch_generator is not None:
                 warnings.filterwarnings("ignore", message="a sketch_generator was passed")
             module, dp_optimizer, dp_criterion, dp_loader = engine.make_private(
-                module=model,
+                # Several processes: the engine's DDP path (each rank clips its own examples,
+                # rank 0 adds the noise, the optimizer all-reduces the noisy clipped sum). The
+                # engine takes the path for a data-parallel model; Opacus' DPDDP wrapper (which
+                # broadcasts rank 0's parameters and adds no gradient hook) is that model here,
+                # for this call only: the hooks go on the model's own modules, and the
+                # Trainer keeps the plain model (accelerate wraps it in DDP afterwards, and
+                # training_step runs the forward past that wrapper, see there).
+                module=model
+                if self._world_size == 1
+                else DifferentiallyPrivateDistributedDataParallel(model),
                 optimizer=optimizer,
                 criterion=criterion,
                 # Only its length and batch size matter (the rate); the batches are the trainer's.
                 data_loader=DataLoader(
-                    _IndexDataset(len(dataset)), batch_size=pa.expected_batch_size
+                    IndexDataset(len(dataset)), batch_size=pa.expected_batch_size
                 ),
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=pa.max_grad_norm,
@@ -847,7 +488,7 @@ class DPTrainerMixin(TrainerSeams):
                 sketch_generator=sketch_generator,
                 denoise=pa.denoise,
                 denoise_kappa=pa.denoise_kappa,
-                bookkeeping=_BOOKKEEPING[pa.bookkeeping],
+                bookkeeping=BOOKKEEPING[pa.bookkeeping],
             )
         if sketch_generator is not None:
             warnings.warn(
@@ -952,6 +593,16 @@ class DPTrainerMixin(TrainerSeams):
         and accounts one step. An empty Poisson batch runs nothing and makes that step a
         noise-only step.
 
+        Under DDP (several processes) each rank runs its own share of the logical batch, in as
+        many micro-batches as it needs, and the forward goes to the model inside accelerate's
+        ``DistributedDataParallel`` wrapper: DDP's reducer would all-reduce every micro-batch's
+        unclipped first-pass gradients (and its forward broadcasts buffers), collectives that
+        ranks with different numbers of micro-batches would not reach alike. The only
+        collectives of a step are the DP optimizer's, one per logical batch on every rank: the
+        agreement that every rank's backward succeeded (issued by the last micro-batch's
+        backward, or here for a rank whose share is empty), then in ``optimizer.step()`` the
+        step check and the all-reduce of the clipped sums, noised once on rank 0.
+
         Args:
             model: The model (prepared by the accelerator).
             inputs: A :class:`LogicalBatch`.
@@ -983,6 +634,8 @@ class DPTrainerMixin(TrainerSeams):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         optimizer = private.optimizer
+        if isinstance(model, DistributedDataParallel):
+            model = model.module  # see the docstring: DDP's reducer is not used
         # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
         optimizer.zero_grad()
         if inputs.num_examples == 0:
@@ -990,6 +643,13 @@ class DPTrainerMixin(TrainerSeams):
             # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
             private.module.step_state.mark_empty_batch()
             optimizer.discard_gradients()
+            # Under DDP: this rank's part of the agreement the other ranks' last backward
+            # issues (in one process, no collective).
+            if not optimizer.all_ranks_ok(True):
+                raise RuntimeError(
+                    "the randomized-clipping backward failed on another rank; no rank takes "
+                    "this step"
+                )
             fill = math.nan if self.args.logging_nan_inf_filter else 0.0
             return torch.tensor(fill, device=self.args.device)
         total = torch.zeros((), device=self.args.device, dtype=torch.float64)
@@ -1002,10 +662,13 @@ class DPTrainerMixin(TrainerSeams):
                 micro = prepare_inputs(self, micro)
                 with self.compute_loss_context_manager():
                     loss = self.compute_private_loss(model, micro)
+                if i < last:
+                    # Said before the backward, so that under DDP only the last micro-batch's
+                    # backward issues the ranks' agreement (the ranks' counts differ).
+                    optimizer.signal_skip_step(do_skip=True)
                 loss.backward()
                 total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
                 if i < last:
-                    optimizer.signal_skip_step(do_skip=True)
                     optimizer.step()  # accumulates the clipped sum only
                     optimizer.zero_grad()
         return (total / inputs.num_examples).float().detach()
@@ -1104,7 +767,10 @@ class DPTrainerMixin(TrainerSeams):
     def save_checkpoint_seam(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring)."""
         super().save_checkpoint_seam(model, trial)
-        if self._private is None or not self.args.should_save:
+        if self._private is None:
+            return
+        state = self._privacy_state()  # under DDP a collective: every rank calls it
+        if not self.args.should_save:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -1112,10 +778,18 @@ class DPTrainerMixin(TrainerSeams):
             output_dir(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
         os.makedirs(folder, exist_ok=True)
-        torch.save(self._privacy_state(), os.path.join(folder, PRIVACY_STATE_NAME))
+        torch.save(state, os.path.join(folder, PRIVACY_STATE_NAME))
 
     def _privacy_state(self) -> dict[str, Any]:
+        """The privacy state; under DDP the sketch generators' states of every rank are
+        gathered (each rank draws its own probes), so every rank must call it."""
         private = self._require_private()
+        sketch_states = None
+        if private.sketch_generator is not None:
+            sketch_states = [private.sketch_generator.get_state()]
+            if self._world_size > 1:
+                sketch_states = [None] * self._world_size
+                dist.all_gather_object(sketch_states, private.sketch_generator.get_state())
         return {
             "version": _STATE_VERSION,
             "accountant": private.engine.accountant.state_dict(),
@@ -1125,11 +799,12 @@ class DPTrainerMixin(TrainerSeams):
             "max_grad_norm": float(private.optimizer.max_grad_norm),
             "sketch_spec": repr(private.module.sketch_spec),
             "planned_steps": private.planned_steps,
+            "world_size": self._world_size,
             "sampler_seed": int(self._poisson_sampler.seed),
+            # Under DDP only rank 0 draws noise; this is its generator (rank 0 saves).
             "noise_generator": private.noise_generator.get_state(),
-            "sketch_generator": None
-            if private.sketch_generator is None
-            else private.sketch_generator.get_state(),
+            "sketch_generator": None if sketch_states is None else sketch_states[0],
+            "sketch_generators_by_rank": sketch_states,
         }
 
     def load_optimizer_and_scheduler_seam(self, checkpoint: str | None) -> None:
@@ -1164,37 +839,27 @@ class DPTrainerMixin(TrainerSeams):
             "max_grad_norm": float(private.optimizer.max_grad_norm),
             "sketch_spec": repr(private.module.sketch_spec),
             "planned_steps": private.planned_steps,
+            "world_size": self._world_size,
         }
-        differ = {k: (state[k], v) for k, v in mine.items() if state[k] != v}
+        # A checkpoint written before DDP support has no world size: one process.
+        differ = {k: (state.get(k, 1), v) for k, v in mine.items() if state.get(k, 1) != v}
         if differ:
             details = ", ".join(
                 f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
             )
             raise ValueError(
                 "the checkpoint was trained with other privacy settings than this run "
-                f"({details}); resume with the same PrivacyArguments, dataset size and "
-                "num_train_epochs / max_steps"
+                f"({details}); resume with the same PrivacyArguments, dataset size, "
+                "num_train_epochs / max_steps and number of processes"
             )
         private.engine.accountant.load_state_dict(state["accountant"])
         self._epsilon_cache = None
         self._poisson_sampler.seed = int(state["sampler_seed"])
         self._sampler_seed = int(state["sampler_seed"])
         private.noise_generator.set_state(state["noise_generator"])
-        if private.sketch_generator is not None and state["sketch_generator"] is not None:
-            private.sketch_generator.set_state(state["sketch_generator"])
-
-
-class _IndexDataset(Dataset):
-    """``range(n)`` as a dataset (for Opacus' sample-rate rule; holds no data)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[int]:
-        return (i,)
+        by_rank = state.get("sketch_generators_by_rank") or [state["sketch_generator"]]
+        if private.sketch_generator is not None and by_rank[self._rank] is not None:
+            private.sketch_generator.set_state(by_rank[self._rank])
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

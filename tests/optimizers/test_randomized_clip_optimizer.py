@@ -191,7 +191,7 @@ def test_constructor_validation() -> None:
         RandomizedClipOptimizer(
             sgd, grad_sample_module=nn.Linear(2, 2), max_grad_norm=1.0, **common
         )
-    with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0, or 0"):
         RandomizedClipOptimizer(
             sgd, grad_sample_module=gsm, max_grad_norm=1.0, expected_batch_size=4,
             noise_multiplier=-1.0,

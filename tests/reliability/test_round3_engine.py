@@ -203,6 +203,43 @@ def test_noise_search_uses_the_public_rate() -> None:
     assert engine.get_epsilon(1e-5) == pytest.approx(8.0, rel=0.02)
 
 
+@pytest.mark.parametrize(
+    ("clipping", "accountant"), [("randomized", "rc"), ("flat", "prv")], ids=["rc", "flat-prv"]
+)
+def test_target_epsilon_holds_when_an_epoch_is_one_step_short(
+    clipping: str, accountant: str
+) -> None:
+    """N = 93 at batch size 1: q = 1/93, but a Poisson loader has int(1 / q) = 92 batches (in
+    floating point 1 / (1/93) < 93) and Opacus accounts each at 1 / len(loader) = 1/92.
+    Searched at q = 1/93 over int(1 / q) steps, one epoch ended at epsilon 4.018 for a target
+    of 4; the search now uses the accounted rate and the loader's steps. The noise search stops
+    within its tolerance 0.01 below the target, so epsilon is in [3.96, 4]."""
+    torch.manual_seed(0)
+    model = MLP()
+    engine = PrivacyEngine(accountant=accountant)
+    made = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(dataset(93), batch_size=1),
+        target_epsilon=4.0,
+        target_delta=1e-5,
+        epochs=1,
+        max_grad_norm=C,
+        clipping=clipping,
+        **({"sketch_dim": 8} if clipping == "randomized" else {}),
+    )
+    optimizer, loader = made[1], made[-1]  # flat clipping returns no criterion
+    assert len(loader) == 92
+    for _ in range(len(loader)):
+        if clipping == "randomized":
+            optimizer.noise_only_step()
+        else:
+            engine.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=1 / 92)
+    assert sum(entry[2] for entry in engine.accountant.history) == 92
+    assert engine.accountant.history[0][1] == 1 / 92
+    assert 3.96 <= engine.get_epsilon(1e-5) <= 4.0
+
+
 # ----------------------------------------------------------------------------------------------
 # Item 3: a parameter outside the model in the optimizer
 # ----------------------------------------------------------------------------------------------

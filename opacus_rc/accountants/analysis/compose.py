@@ -53,7 +53,6 @@ import numpy as np
 from scipy import signal
 
 from opacus_rc.accountants.analysis import discrete
-from opacus_rc.accountants.analysis._checks import check_delta
 from opacus_rc.accountants.analysis.discrete import (
     WINDOW_TAIL,
     MgfBound,
@@ -68,6 +67,7 @@ from opacus_rc.accountants.analysis.discrete import (
 )
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
 from opacus_rc.accountants.analysis.prv import RandomizedClippingPRV
+from opacus_rc.validation import validate_delta
 
 __all__ = [
     "MAX_LEVELS",
@@ -390,7 +390,7 @@ def compose_prvs(
         NumericalLimitError: if the composition does not fit the numerical limits at this
             ``eps_error`` (not a statement about epsilon: increase ``eps_error``).
     """
-    delta = check_delta(delta)
+    delta = validate_delta(delta)
     if not (isinstance(eps_error, (int, float)) and eps_error > 0.0):
         raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
     beta = delta / 1000.0 if delta_error is None else float(delta_error)

@@ -20,17 +20,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opacus_rc.accountants.analysis._checks import (
-    check_choice,
-    check_delta,
-    check_q,
-    check_sigma,
-)
 from opacus_rc.accountants.analysis.compose import compose_prvs
 from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
 from opacus_rc.accountants.analysis.prv import DIRECTIONS, RandomizedClippingPRV, choose_t_cap
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
+from opacus_rc.validation import (
+    validate_choice,
+    validate_delta,
+    validate_noise_multiplier,
+    validate_sample_rate,
+)
 
 __all__ = ["ETA_DELTA_FRACTION", "EpsilonReport", "Segment", "choose_eta", "compute_epsilon"]
 
@@ -73,14 +73,14 @@ class Segment:
     threat_model: str = "hidden"
 
     def __post_init__(self) -> None:
-        sigma = check_sigma(self.noise_multiplier, allow_zero=True)
+        sigma = validate_noise_multiplier(self.noise_multiplier)
         object.__setattr__(self, "noise_multiplier", sigma)
-        object.__setattr__(self, "sample_rate", check_q(self.sample_rate))
+        object.__setattr__(self, "sample_rate", validate_sample_rate(self.sample_rate))
         if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
             raise ValueError(f"steps must be an integer >= 0, got {self.steps!r}")
         object.__setattr__(self, "steps", int(self.steps))
         SensitivityEnvelope(sketch_dim=self.sketch_dim)  # validates
-        check_choice("threat_model", self.threat_model, THREAT_MODELS)
+        validate_choice("threat_model", self.threat_model, THREAT_MODELS)
         if self.sketch_dim is None:
             object.__setattr__(self, "threat_model", "hidden")  # S = 1: both models coincide
         else:
@@ -159,8 +159,8 @@ def compute_epsilon(
     Steps with ``noise_multiplier = 0`` (debugging runs without noise) make every epsilon
     infinite, as in Opacus: :func:`_noiseless_report`.
     """
-    delta = check_delta(delta)
-    check_choice("envelope", envelope, ENVELOPES)
+    delta = validate_delta(delta)
+    validate_choice("envelope", envelope, ENVELOPES)
     grouped: dict[tuple, int] = {}
     for seg in segments:
         if seg.steps:

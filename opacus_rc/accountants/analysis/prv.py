@@ -27,10 +27,10 @@ import numpy as np
 from prv_accountant.privacy_random_variables import PrivacyRandomVariable
 from scipy import special
 
-from opacus_rc.accountants.analysis._checks import check_choice, check_q, check_sigma
 from opacus_rc.accountants.analysis.envelope import DEFAULT_ETA, ENVELOPES, SensitivityEnvelope
 from opacus_rc.accountants.analysis.loss_table import loss_table
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS, z_of_u
+from opacus_rc.validation import validate_choice, validate_noise_multiplier, validate_sample_rate
 
 __all__ = [
     "CAP_DELTA_FRACTION",
@@ -90,11 +90,11 @@ class RandomizedClippingPRV(PrivacyRandomVariable):
         t_cap: float | None = None,
         eta: float = DEFAULT_ETA,
     ) -> None:
-        sigma = check_sigma(noise_multiplier)
-        q = check_q(sample_rate)
-        check_choice("envelope", envelope, ENVELOPES)
-        check_choice("threat_model", threat_model, THREAT_MODELS)
-        check_choice("direction", direction, DIRECTIONS)
+        sigma = validate_noise_multiplier(noise_multiplier, allow_zero=False)
+        q = validate_sample_rate(sample_rate)
+        validate_choice("envelope", envelope, ENVELOPES)
+        validate_choice("threat_model", threat_model, THREAT_MODELS)
+        validate_choice("direction", direction, DIRECTIONS)
         SensitivityEnvelope(sketch_dim=sketch_dim, envelope=envelope)  # validates sketch_dim
         if sketch_dim is None:
             # S = 1: one law, share the table

@@ -41,6 +41,7 @@ import numpy as np
 from scipy import optimize, special
 
 from opacus_rc.accountants.analysis.envelope import EnvelopeQuadrature
+from opacus_rc.registry import Registry
 
 __all__ = [
     "THREAT_MODELS",
@@ -160,7 +161,9 @@ class PrivacyLossModel(Protocol):
 
 
 #: Threat model name -> its :class:`PrivacyLossModel` class (:func:`register_threat_model`).
-THREAT_MODEL_CLASSES: dict[str, type[PrivacyLossModel]] = {}
+THREAT_MODEL_CLASSES: Registry[type[PrivacyLossModel]] = Registry(
+    "threat model", option="threat_model"
+)
 
 
 def register_threat_model(name: str) -> Callable[[type], type]:
@@ -169,14 +172,7 @@ def register_threat_model(name: str) -> Callable[[type], type]:
     Raises:
         ValueError: if ``name`` is already registered.
     """
-
-    def deco(cls: type) -> type:
-        if name in THREAT_MODEL_CLASSES:
-            raise ValueError(f"threat model {name!r} is already registered")
-        THREAT_MODEL_CLASSES[name] = cls
-        return cls
-
-    return deco
+    return THREAT_MODEL_CLASSES.register(name)
 
 
 def _split_phi(y: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

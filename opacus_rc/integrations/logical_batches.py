@@ -1,0 +1,198 @@
+"""Poisson logical batches for a DP trainer: the sampler, the batch and its collator.
+
+Each optimizer step of a DP trainer is one *logical* batch, Poisson-sampled
+(:class:`PoissonLogicalBatchSampler`, one global mask per step, split by shard under DDP) and
+split into physical micro-batches of at most the Trainer's per-device batch size
+(:class:`LogicalBatchCollator`, which returns a :class:`LogicalBatch`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = [
+    "IndexDataset",
+    "LogicalBatch",
+    "LogicalBatchCollator",
+    "LogicalBatchLoader",
+    "PoissonLogicalBatchSampler",
+    "seeded_generator",
+]
+
+
+def seeded_generator(seed: int, *key: int, device: Any = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded from ``seed`` and ``key`` (independent
+    streams per key, :class:`numpy.random.SeedSequence`)."""
+    state = np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
+    """Opacus' Poisson sampler whose masks in epoch ``e`` come from a generator seeded by
+    ``(seed, e)``, optionally restricted to one rank's shard.
+
+    Each of the ``steps`` batches of an epoch holds every index of ``range(num_samples)``
+    independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
+    ``torch.rand(num_samples) < sample_rate``); an empty batch is yielded as ``[]``. Seeding
+    per epoch makes an epoch replayable: skipping its first ``j`` batches (what the Trainer does
+    on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
+    epoch (the Trainer calls it); each iteration otherwise moves to the next epoch.
+
+    With ``world_size > 1`` every rank draws the same global mask (same ``seed``) and keeps the
+    sampled indices of its shard, ``i % world_size == rank`` (the shard of Opacus'
+    distributed sampler without shuffling): the ranks' batches partition one Poisson batch
+    of the whole dataset, the batch that one process with the same seed draws, so every
+    example is still in a step independently with probability ``sample_rate``.
+
+    Args:
+        num_samples: ``N``, the whole dataset (not the shard).
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: Batches per epoch.
+        seed: The seed (keep it secret: it determines every batch); the same on every rank.
+        rank: This process' rank, in ``[0, world_size)``.
+        world_size: Number of data-parallel processes.
+
+    Raises:
+        ValueError: If ``rank`` is not in ``[0, world_size)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        sample_rate: float,
+        steps: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        super().__init__(num_samples=num_samples, sample_rate=sample_rate, steps=steps)
+        if not 0 <= int(rank) < int(world_size):
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.seed = int(seed)
+        self.epoch = 0
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next iteration's batches from epoch ``epoch``'s generator."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.generator = seeded_generator(self.seed, self.epoch)
+        self.epoch += 1
+        if self.world_size == 1:
+            return super().__iter__()
+        return (
+            [i for i in batch if i % self.world_size == self.rank] for batch in super().__iter__()
+        )
+
+
+@dataclass
+class LogicalBatch:
+    """One Poisson batch, as physical micro-batches collated by the Trainer's collator.
+
+    Attributes:
+        micro_batches: The collated micro-batches, each of at most the physical batch size
+            (empty for an empty Poisson batch).
+        sizes: The number of examples in each micro-batch.
+    """
+
+    micro_batches: list[Any]
+    sizes: list[int]
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in the logical batch."""
+        return sum(self.sizes)
+
+    def __contains__(self, key: object) -> bool:
+        # The Trainer asks ``"labels" in batch`` to count tokens for its loss scaling, which the
+        # private loss does not use.
+        return False
+
+
+class LogicalBatchCollator:
+    """Collate function of a Poisson batch: split into micro-batches, collate each.
+
+    The examples of a logical batch are split into ``ceil(L / max_physical_batch_size)``
+    contiguous chunks of sizes differing by at most one (``numpy.array_split``, as Opacus'
+    ``BatchMemoryManager``), and each chunk is collated by ``collate_fn``.
+
+    Args:
+        collate_fn: The Trainer's data collator (with unused columns removed).
+        max_physical_batch_size: The largest micro-batch (``per_device_train_batch_size``).
+
+    Raises:
+        ValueError: At call time, if a collated micro-batch does not have one row per example
+            (a collator that packs examples into one row, or drops some, would change the
+            privacy unit or leave examples unaccounted).
+    """
+
+    def __init__(self, *, collate_fn: Any, max_physical_batch_size: int) -> None:
+        self.collate_fn = collate_fn
+        self.max_physical_batch_size = int(max_physical_batch_size)
+
+    def __call__(self, examples: list[Any]) -> LogicalBatch:
+        if not examples:
+            return LogicalBatch(micro_batches=[], sizes=[])
+        n_chunks = math.ceil(len(examples) / self.max_physical_batch_size)
+        bounds = np.cumsum(
+            [0] + [len(c) for c in np.array_split(np.arange(len(examples)), n_chunks)]
+        )
+        micro, sizes = [], []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            chunk = examples[lo:hi]
+            batch = self.collate_fn(chunk)
+            rows = _rows(batch)
+            if rows is not None and rows != len(chunk):
+                raise ValueError(
+                    f"the data collator returned a batch of {rows} rows for {len(chunk)} "
+                    "examples; differentially private training needs one row per example (the "
+                    "privacy unit). Padding-free and packing collators (which concatenate "
+                    "examples into one row) and collators that drop examples are not supported: "
+                    "use a padding collator"
+                )
+            micro.append(batch)
+            sizes.append(len(chunk))
+        return LogicalBatch(micro_batches=micro, sizes=sizes)
+
+
+def _rows(batch: Any) -> int | None:
+    """Leading dimension of the first tensor in a collated batch (None if there is none)."""
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, torch.Tensor):
+        return values.shape[0]
+    if isinstance(values, (Sequence, type({}.values()))):
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return v.shape[0]
+    return None
+
+
+class LogicalBatchLoader(DataLoader):
+    """A ``DataLoader`` over Poisson logical batches with ``set_epoch`` (called by the Trainer)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class IndexDataset(Dataset):
+    """``range(n)`` as a dataset (for Opacus' sample-rate rule; holds no data)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int]:
+        return (i,)

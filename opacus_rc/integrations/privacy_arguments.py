@@ -1,0 +1,131 @@
+"""The privacy options of a DP trainer run (:class:`PrivacyArguments`).
+
+A plain dataclass that ``transformers.HfArgumentParser`` parses beside ``TrainingArguments``;
+importing it needs neither ``transformers`` nor TRL. Used by
+:class:`~opacus_rc.integrations.transformers.DPTrainer` and
+:class:`~opacus_rc.integrations.trl.DPSFTTrainer`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from opacus_rc.validation import validate_delta, validate_max_grad_norm, validate_noise_multiplier
+
+__all__ = ["PrivacyArguments"]
+
+#: ``bookkeeping`` strings of :class:`PrivacyArguments` and the engine's values for them.
+BOOKKEEPING = {"true": True, "false": False, "always": "always"}
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy options of a :class:`~opacus_rc.integrations.transformers.DPTrainer` run,
+    parseable by ``HfArgumentParser``.
+
+    Args:
+        target_epsilon: Epsilon to reach after the whole run (the noise multiplier is searched
+            for the Trainer's number of steps). Give exactly one of ``target_epsilon`` and
+            ``noise_multiplier``.
+        noise_multiplier: ``sigma``: the noise std is ``sigma * max_grad_norm``. Epsilon is
+            then whatever the run spends.
+        target_delta: Delta of the reported epsilon, in ``(0, 1 / N)`` for ``N`` training
+            examples.
+        max_grad_norm: ``C``, the per-example clipping bound, in the units of the per-example
+            gradient's Euclidean norm (of the per-example loss, a mean over its labelled
+            tokens).
+        expected_batch_size: The logical batch: Poisson sampling at rate ``q = 1 /
+            ceil(N / expected_batch_size)``; the noisy sum is divided by
+            ``expected_batch_size`` itself (public, never computed from ``N``:
+            docs/privacy/mechanism.md#mechanism-public).
+        clipping: ``"randomized"`` (the only value): sketched per-example norms, DP-SGD-RC.
+        sketch: ``"hutchinson"`` or ``"hutch++"``.
+        sketch_dim: ``k``, the sketch's Gaussian (tail) columns (>= 2 for the proved default
+            envelope).
+        sketch_head_dim: Hutch++ head columns (default ``sketch_dim``); Hutch++ only.
+        bookkeeping: ``"true"`` (one backward pass where the model allows it), ``"always"``
+            or ``"false"`` (two backward passes): the engine's ``bookkeeping``.
+        denoise: A post-processing denoiser of the noisy gradient (``"spectral"``), or None.
+        denoise_kappa: The denoiser's threshold factor (``None``: its default).
+        seed: Seed of the Poisson sampler and the noise. ``None`` (default): both seeded from
+            the operating system's CSPRNG (:mod:`secrets`). A seed makes batches and noise
+            reproducible, and the guarantee then holds only while the seed stays secret (a
+            warning says so).
+        sketch_seed: Seed of the sketch's probes, or None (secret, from the operating system).
+            A seed makes the sketch reproducible; the engine then accounts every step under the
+            more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
+
+    Raises:
+        ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
+            of range; an unknown ``clipping`` or ``bookkeeping``.
+    """
+
+    target_epsilon: float | None = field(
+        default=None, metadata={"help": "Epsilon after the whole run (searches the noise)."}
+    )
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Noise multiplier sigma (instead of target_epsilon)."}
+    )
+    target_delta: float = field(default=1e-5, metadata={"help": "Delta, below 1 / N."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Per-example clipping bound C."})
+    expected_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Logical (Poisson) batch size; the physical one is the Trainer's."},
+    )
+    clipping: str = field(
+        default="randomized", metadata={"help": "Clipping.", "choices": ["randomized"]}
+    )
+    sketch: str = field(
+        default="hutchinson",
+        metadata={"help": "Norm estimator.", "choices": ["hutchinson", "hutch++"]},
+    )
+    sketch_dim: int = field(default=32, metadata={"help": "Sketch columns k."})
+    sketch_head_dim: int | None = field(default=None, metadata={"help": "Hutch++ head columns."})
+    bookkeeping: str = field(
+        default="true",
+        metadata={"help": "One backward pass.", "choices": sorted(BOOKKEEPING)},
+    )
+    denoise: str | None = field(default=None, metadata={"help": "Denoiser, e.g. spectral."})
+    denoise_kappa: float | None = field(default=None, metadata={"help": "Denoiser threshold."})
+    seed: int | None = field(
+        default=None, metadata={"help": "Seed of batches and noise (default: from the OS)."}
+    )
+    sketch_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the sketch (accounted as revealed)."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bookkeeping, bool):
+            self.bookkeeping = str(self.bookkeeping).lower()
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                "PrivacyArguments needs exactly one of target_epsilon (the noise multiplier is "
+                "then searched for the run) and noise_multiplier; got "
+                f"target_epsilon={self.target_epsilon!r}, "
+                f"noise_multiplier={self.noise_multiplier!r}"
+            )
+        if self.target_epsilon is not None and not (
+            math.isfinite(self.target_epsilon) and self.target_epsilon > 0
+        ):
+            raise ValueError(
+                f"target_epsilon must be a finite number > 0, got {self.target_epsilon}"
+            )
+        if self.noise_multiplier is not None:
+            validate_noise_multiplier(self.noise_multiplier)
+        validate_delta(self.target_delta, "target_delta")
+        validate_max_grad_norm(self.max_grad_norm)
+        if self.expected_batch_size is None or int(self.expected_batch_size) < 1:
+            raise ValueError(
+                "PrivacyArguments.expected_batch_size (the logical batch, Poisson-sampled) must "
+                f"be an integer >= 1, got {self.expected_batch_size!r}; the physical batch is "
+                "TrainingArguments.per_device_train_batch_size"
+            )
+        if self.clipping != "randomized":
+            raise ValueError(
+                f"clipping={self.clipping!r}: DPTrainer implements clipping='randomized' only"
+            )
+        if self.bookkeeping not in BOOKKEEPING:
+            raise ValueError(
+                f"bookkeeping must be one of {sorted(BOOKKEEPING)}, got {self.bookkeeping!r}"
+            )

@@ -1,0 +1,198 @@
+"""What a DP trainer refuses, and why: every ``Trainer`` configuration that would break the
+guarantee (or that the DP trainer cannot run) raises before anything runs, with what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
+
+from opacus_rc._compat.transformers import overrides_train_sampler
+
+__all__ = ["check_train_dataset", "refuse_unsupported", "refuse_unsupported_parallelism"]
+
+#: Optimizers that update parameters inside the backward pass, before any noise is added.
+IN_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+
+
+def refuse_unsupported(trainer: Any, *, mixin: type) -> tuple[int, int]:
+    """Refuse, before anything runs, every configuration that would break the guarantee.
+
+    Args:
+        trainer: The DP trainer, after ``Trainer.__init__``.
+        mixin: The DP trainer mixin (whose ``get_train_dataloader`` must not be overridden).
+
+    Returns:
+        ``(rank, world_size)``: ``(0, 1)`` in one process, else the DDP process group's.
+
+    Raises:
+        ValueError: A refused configuration, with what to do.
+        NotImplementedError: See :func:`refuse_unsupported_parallelism`.
+    """
+    args = trainer.args
+    if args.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: a DP trainer "
+            "accumulates itself; set gradient_accumulation_steps=1, give the logical "
+            "batch as PrivacyArguments.expected_batch_size (Poisson-sampled) and the memory "
+            "limit as per_device_train_batch_size (each logical batch is split into "
+            "micro-batches of at most that size, with one noisy step per logical batch)"
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random" or getattr(args, "group_by_length", False):
+        what = "group_by_length=True" if strategy == "random" else f"{strategy!r}"
+        raise ValueError(
+            f"train_sampling_strategy={what}: a DP trainer draws its batches by Poisson "
+            "sampling (every example independently, at rate q), which the privacy "
+            "accounting assumes; grouping by length or any other order would change it. Use "
+            "the default train_sampling_strategy='random' (it is replaced by Poisson "
+            "sampling)"
+        )
+    if overrides_train_sampler(type(trainer)):
+        raise ValueError(
+            f"{type(trainer).__name__} overrides _get_train_sampler: a DP trainer draws its "
+            "batches by Poisson sampling, which the privacy accounting assumes, so a "
+            "sampler of your own cannot be used. Remove the override"
+        )
+    if type(trainer).get_train_dataloader is not mixin.get_train_dataloader:
+        raise ValueError(
+            f"{type(trainer).__name__} overrides get_train_dataloader: the DP trainer's loader "
+            "draws the Poisson logical batches that the accounting assumes. Remove the "
+            "override (customise the data collator instead)"
+        )
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if args.fp16 or scaler is not None or trainer.accelerator.mixed_precision == "fp16":
+        raise ValueError(
+            "fp16 mixed precision uses a loss scaler, which multiplies every per-example "
+            "gradient before clipping and skips steps whose noisy gradient overflows: the "
+            "clipping bound and the accounted steps would no longer be what was accounted. "
+            "Use bf16=True (autocast without a loss scaler) or full precision"
+        )
+    if trainer.compute_loss_func is not None:
+        raise ValueError(
+            "compute_loss_func returns one loss for the batch; a DP trainer needs one loss "
+            "per example. Subclass the trainer and override compute_private_loss(model, "
+            "inputs) to return the criterion's per-example loss"
+        )
+    if trainer.model_init is not None:
+        raise ValueError(
+            "model_init (hyperparameter search) is not supported: every trial would train "
+            "on the private data and spend privacy budget that no single run's epsilon "
+            "reports. Pass model= and tune on public data"
+        )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size retries training with a smaller batch after an "
+            "out-of-memory error, after steps were already taken and accounted; set "
+            "per_device_train_batch_size (the physical batch) yourself"
+        )
+    if getattr(args, "torch_compile", False):
+        raise ValueError(
+            "torch_compile=True is not supported with per-example clipping hooks; set "
+            "torch_compile=False"
+        )
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            "use_liger_kernel=True replaces the model's layers and loss with fused kernels "
+            "that the per-example norm hooks do not see; set use_liger_kernel=False"
+        )
+    if str(getattr(args.optim, "value", args.optim)).lower() in IN_BACKWARD_OPTIMIZERS:
+        raise ValueError(
+            f"optim={args.optim!r} updates the weights inside the backward pass, before "
+            "clipping and noise; use an optimizer that steps after backward (adamw_torch, sgd)"
+        )
+    world = refuse_unsupported_parallelism(trainer)
+    if trainer.train_dataset is not None:
+        check_train_dataset(trainer.train_dataset)
+    return world
+
+
+def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:
+    """Accept one process, or data parallelism over processes (DDP); refuse the rest.
+
+    Args:
+        trainer: The DP trainer, after ``Trainer.__init__``.
+
+    Returns:
+        ``(rank, world_size)``.
+
+    Raises:
+        NotImplementedError: Several devices in one process (``torch.nn.DataParallel``),
+            DeepSpeed, FSDP, tensor parallelism, or a multi-process launch that is not
+            accelerate's plain data parallelism.
+    """
+    args = trainer.args
+    if args.n_gpu > 1:
+        raise NotImplementedError(
+            f"n_gpu={args.n_gpu}: the Trainer would use torch.nn.DataParallel in one "
+            "process, which replicates the model per device and so splits every "
+            "per-example norm hook; launch one process per device instead (torchrun "
+            "--nproc-per-node N your_script.py), which a DP trainer runs as DDP"
+        )
+    if trainer.is_deepspeed_enabled:
+        raise NotImplementedError(
+            "DeepSpeed through the Trainer is not supported by a DP trainer: its engine "
+            "reduces and partitions the gradients itself, before per-example clipping could "
+            "see them. Launch without DeepSpeed (torchrun --nproc-per-node N runs a DP "
+            "trainer as DDP), or use PrivacyEngine with FSDP2 in a hand-written loop "
+            "(docs/distributed.md)"
+        )
+    if trainer.is_fsdp_enabled or getattr(args, "fsdp", None):
+        raise NotImplementedError(
+            "FSDP through the Trainer (TrainingArguments.fsdp, or an accelerate FSDP "
+            "config) is not supported by a DP trainer: accelerate shards the model after "
+            "the optimizer is made private, and randomized clipping under FSDP2 needs every "
+            "trainable module sharded on its own, untied embeddings and a grad sampler for "
+            "every trainable module (docs/distributed.md). Launch without FSDP (torchrun "
+            "--nproc-per-node N runs a DP trainer as DDP, the model replicated on each "
+            "rank), or use PrivacyEngine with FSDP2 in a hand-written loop "
+            "(tutorials/distributed_training.py --parallel fsdp)"
+        )
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        raise NotImplementedError(
+            "tensor parallelism (a model loaded with tp_plan / device_mesh) is not supported "
+            "by a DP trainer: each rank holds a slice of a layer, so no rank can form a "
+            "per-example norm alone. Load the whole model on each rank and launch with "
+            "torchrun --nproc-per-node N (DDP)"
+        )
+    if args.world_size <= 1:
+        return 0, 1
+    kind = getattr(trainer.accelerator.distributed_type, "name", "")
+    if not kind.startswith("MULTI_") or not (dist.is_available() and dist.is_initialized()):
+        raise NotImplementedError(
+            f"world_size={args.world_size} with accelerate's distributed type {kind!r}: a "
+            "DP trainer runs several processes as data parallelism only (DDP: torchrun "
+            "--nproc-per-node N, or accelerate launch with a multi-CPU / multi-GPU config; "
+            "docs/distributed.md)"
+        )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != args.world_size:
+        raise NotImplementedError(
+            f"the process group has {world_size} ranks but the Trainer counts "
+            f"world_size={args.world_size} (model or pipeline parallelism?); a DP trainer "
+            "runs several processes as data parallelism only (DDP)"
+        )
+    if trainer.privacy_args.denoise is not None:
+        raise NotImplementedError(
+            f"denoise={trainer.privacy_args.denoise!r} does not support several processes: "
+            "the denoiser must see the whole noisy gradient; train in one process, or "
+            "without denoise"
+        )
+    return rank, world_size
+
+
+def check_train_dataset(dataset: Any) -> None:
+    """Refuse a training dataset that cannot be Poisson-sampled.
+
+    Raises:
+        ValueError: An iterable or unsized dataset, or an empty one.
+    """
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            "a DP trainer needs a dataset with a length and indexing (Poisson sampling picks "
+            "every example independently); an IterableDataset cannot be sampled. Use a "
+            "map-style dataset (datasets.Dataset, a list, torch Dataset)"
+        )
+    if len(dataset) == 0:
+        raise ValueError("the training dataset is empty")
