@@ -44,7 +44,9 @@ __all__ = [
     "UnitBatchSplittingSampler",
     "UnitDataLoader",
     "UnitPoissonSampler",
+    "pack_whole_units",
     "prepare_unit_data_loader",
+    "select_unit_members",
 ]
 
 _SELECTIONS = ("first", "random")
@@ -107,6 +109,76 @@ def _unit_generator(seed: int, unit_id: int) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
     return gen
+
+
+def select_unit_members(
+    unit_of: Sequence[int],
+    *,
+    max_sequences_per_unit: int | None = None,
+    selection: str = "first",
+    selection_seed: int | None = None,
+) -> tuple[list[int], list[list[int]]]:
+    """The units of a dataset and the sequences of each that are used (module docstring).
+
+    Args:
+        unit_of: ``(N,)`` integer unit id of each sequence (the units are the distinct values).
+        max_sequences_per_unit: At most this many sequences of a unit (None: all).
+        selection: ``"first"`` (in dataset order) or ``"random"`` (uniformly without
+            replacement, from ``(selection_seed, unit id)`` only), for a longer unit.
+        selection_seed: Seed of the ``"random"`` selection (None: one from the OS).
+
+    Returns:
+        ``(unit_ids, members)``: ``unit_ids[u]`` the id of unit ``u`` (increasing) and
+        ``members[u]`` the dataset indices of its selected sequences, increasing.
+
+    Raises:
+        ValueError: An invalid ``max_sequences_per_unit`` or ``selection``.
+    """
+    m = max_sequences_per_unit
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"max_sequences_per_unit must be a positive int or None, got {m!r}")
+    if selection not in _SELECTIONS:
+        raise ValueError(f"selection must be one of {_SELECTIONS}, got {selection!r}")
+    unit_ids = sorted(set(unit_of))
+    index_of = {uid: u for u, uid in enumerate(unit_ids)}
+    members: list[list[int]] = [[] for _ in unit_ids]
+    for i, uid in enumerate(unit_of):
+        members[index_of[uid]].append(i)
+    seed = secrets.randbits(63) if selection_seed is None else int(selection_seed)
+    for u, seqs in enumerate(members):
+        if m is not None and len(seqs) > m:
+            if selection == "first":
+                members[u] = seqs[:m]
+            else:
+                pick = torch.randperm(len(seqs), generator=_unit_generator(seed, unit_ids[u]))
+                members[u] = [seqs[j] for j in pick[:m].sort().values.tolist()]
+    return unit_ids, members
+
+
+def pack_whole_units(units: Sequence[int], *, max_batch_size: int) -> list[tuple[int, int]]:
+    """Physical batches of consecutive whole units, packed greedily in order.
+
+    Args:
+        units: The unit of each item of a logical batch, a unit's items contiguous.
+        max_batch_size: The largest physical batch (items), unless one unit is larger: such a
+            unit forms a batch of its own (a unit is never split).
+
+    Returns:
+        ``[(start, end), ...]``: the item positions of each physical batch (none for no item).
+    """
+    chunks: list[tuple[int, int]] = []
+    lo = start = 0
+    while start < len(units):
+        end = start
+        while end < len(units) and units[end] == units[start]:
+            end += 1
+        if start > lo and end - lo > max_batch_size:
+            chunks.append((lo, start))
+            lo = start
+        start = end
+    if units:
+        chunks.append((lo, len(units)))
+    return chunks
 
 
 class _Tagged(Dataset):
@@ -253,29 +325,10 @@ class UnitDataLoader(DataLoader):
         n = len(dataset)  # type: ignore[arg-type]
         if len(ids) != n:
             raise ValueError(f"unit_of has {len(ids)} entries for a dataset of {n} sequences")
-        if max_sequences_per_unit is not None and (
-            not isinstance(max_sequences_per_unit, int) or max_sequences_per_unit < 1
-        ):
-            raise ValueError(
-                f"max_sequences_per_unit must be a positive int or None, got "
-                f"{max_sequences_per_unit!r}"
-            )
-        if selection not in _SELECTIONS:
-            raise ValueError(f"selection must be one of {_SELECTIONS}, got {selection!r}")
-        unit_ids = sorted(set(ids))
-        index_of = {uid: u for u, uid in enumerate(unit_ids)}
-        members: list[list[int]] = [[] for _ in unit_ids]
-        for i, uid in enumerate(ids):
-            members[index_of[uid]].append(i)
-        seed = secrets.randbits(63) if selection_seed is None else int(selection_seed)
         m = max_sequences_per_unit
-        for u, seqs in enumerate(members):
-            if m is not None and len(seqs) > m:
-                if selection == "first":
-                    members[u] = seqs[:m]
-                else:
-                    pick = torch.randperm(len(seqs), generator=_unit_generator(seed, unit_ids[u]))
-                    members[u] = [seqs[j] for j in pick[:m].sort().values.tolist()]
+        unit_ids, members = select_unit_members(
+            ids, max_sequences_per_unit=m, selection=selection, selection_seed=selection_seed
+        )
         unit_of_index = [-1] * n
         for u, seqs in enumerate(members):
             for i in seqs:
@@ -370,22 +423,10 @@ class UnitBatchSplittingSampler(BatchSplittingSampler):
 
     def split(self, indices: list[int]) -> list[list[int]]:
         """The physical batches of one logical batch (consecutive whole units)."""
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        start = 0
-        while start < len(indices):
-            end = start
-            while end < len(indices) and self.unit_of[indices[end]] == self.unit_of[indices[start]]:
-                end += 1
-            unit = indices[start:end]
-            if current and len(current) + len(unit) > self.max_batch_size:
-                chunks.append(current)
-                current = []
-            current = current + unit
-            start = end
-        if current:
-            chunks.append(current)
-        return chunks
+        bounds = pack_whole_units(
+            [self.unit_of[i] for i in indices], max_batch_size=self.max_batch_size
+        )
+        return [indices[lo:hi] for lo, hi in bounds]
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.sampler:

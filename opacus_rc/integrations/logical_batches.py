@@ -3,7 +3,10 @@
 Each optimizer step of a DP trainer is one *logical* batch, Poisson-sampled
 (:class:`PoissonLogicalBatchSampler`, one global mask per step, split by shard under DDP) and
 split into physical micro-batches of at most the Trainer's per-device batch size
-(:class:`LogicalBatchCollator`, which returns a :class:`LogicalBatch`).
+(:class:`LogicalBatchCollator`, which returns a :class:`LogicalBatch`). With a privacy unit
+(``PrivacyArguments.privacy_unit``) the units are sampled instead
+(:class:`UnitLogicalBatchSampler`) and micro-batches hold whole units
+(:class:`UnitLogicalBatchCollator`), each with its ``units`` tensor under :data:`UNITS_KEY`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
+from opacus_rc.unit_data_loader import UnitPoissonSampler, pack_whole_units
+
+#: The key of a micro-batch's ``(B,)`` units tensor (``0..U-1``) on the privacy-unit path.
+UNITS_KEY = "dp_privacy_units"
+
 __all__ = [
     "IndexDataset",
     "LogicalBatch",
     "LogicalBatchCollator",
     "LogicalBatchLoader",
     "PoissonLogicalBatchSampler",
+    "UNITS_KEY",
+    "UnitLogicalBatchCollator",
+    "UnitLogicalBatchSampler",
+    "UnitRows",
     "seeded_generator",
 ]
 
@@ -141,15 +153,23 @@ class LogicalBatchCollator:
         self.collate_fn = collate_fn
         self.max_physical_batch_size = int(max_physical_batch_size)
 
-    def __call__(self, examples: list[Any]) -> LogicalBatch:
+    def chunks(self, examples: list[Any]) -> list[tuple[int, int]]:
+        """``[(start, end), ...]``: the positions of each micro-batch (none for no example)."""
         if not examples:
-            return LogicalBatch(micro_batches=[], sizes=[])
+            return []
         n_chunks = math.ceil(len(examples) / self.max_physical_batch_size)
         bounds = np.cumsum(
             [0] + [len(c) for c in np.array_split(np.arange(len(examples)), n_chunks)]
         )
+        return [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def __call__(self, examples: list[Any]) -> LogicalBatch:
+        return self.collate_chunks(examples, self.chunks(examples))
+
+    def collate_chunks(self, examples: list[Any], bounds: list[tuple[int, int]]) -> LogicalBatch:
+        """The :class:`LogicalBatch` of the micro-batches ``examples[lo:hi]`` of ``bounds``."""
         micro, sizes = [], []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in bounds:
             chunk = examples[lo:hi]
             batch = self.collate_fn(chunk)
             rows = _rows(batch)
@@ -166,6 +186,36 @@ class LogicalBatchCollator:
         return LogicalBatch(micro_batches=micro, sizes=sizes)
 
 
+class UnitLogicalBatchCollator(LogicalBatchCollator):
+    """:class:`LogicalBatchCollator` for the privacy-unit path: items are ``(example, unit)``
+    (:class:`UnitRows`), a unit's items contiguous, and each micro-batch holds whole units,
+    packed greedily in order (:func:`opacus_rc.unit_data_loader.pack_whole_units`; the trainer
+    refuses, before training, a unit larger than ``max_physical_batch_size``). Each collated
+    micro-batch gets its ``(B,)`` long tensor of units, numbered ``0..U-1`` in order of
+    appearance, under :data:`UNITS_KEY` (what the criterion's ``units=`` takes).
+
+    Args:
+        collate_fn: The Trainer's data collator (with unused columns removed).
+        max_physical_batch_size: The largest micro-batch (``per_device_train_batch_size``).
+    """
+
+    def chunks(self, examples: list[Any]) -> list[tuple[int, int]]:
+        return pack_whole_units(
+            [unit for _, unit in examples], max_batch_size=self.max_physical_batch_size
+        )
+
+    def __call__(self, examples: list[Any]) -> LogicalBatch:
+        bounds = self.chunks(examples)
+        batch = self.collate_chunks([example for example, _ in examples], bounds)
+        for micro, (lo, hi) in zip(batch.micro_batches, bounds):
+            label: dict[int, int] = {}
+            micro[UNITS_KEY] = torch.tensor(
+                [label.setdefault(unit, len(label)) for _, unit in examples[lo:hi]],
+                dtype=torch.long,
+            )
+        return batch
+
+
 def _rows(batch: Any) -> int | None:
     """Leading dimension of the first tensor in a collated batch (None if there is none)."""
     values = batch.values() if isinstance(batch, Mapping) else batch
@@ -176,6 +226,62 @@ def _rows(batch: Any) -> int | None:
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 return v.shape[0]
     return None
+
+
+class UnitLogicalBatchSampler(UnitPoissonSampler):
+    """:class:`~opacus_rc.unit_data_loader.UnitPoissonSampler` (every unit in a batch
+    independently with probability ``sample_rate``, all of its selected rows, unit after unit)
+    whose masks in epoch ``e`` come from a generator seeded by ``(seed, e)``, as
+    :class:`PoissonLogicalBatchSampler` (replayable epochs, for resuming). One process only.
+
+    Args:
+        members: ``members[u]``: the dataset indices of unit ``u``'s selected rows.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: Batches per epoch.
+        seed: The seed (keep it secret: it determines every batch).
+    """
+
+    def __init__(
+        self, *, members: Sequence[Sequence[int]], sample_rate: float, steps: int, seed: int
+    ) -> None:
+        super().__init__(
+            members=members, sample_rate=sample_rate, steps=steps, generator=torch.Generator()
+        )
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next iteration's batches from epoch ``epoch``'s generator."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.generator = seeded_generator(self.seed, self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
+class UnitRows(Dataset):
+    """The training rows, each as ``(row, unit index)``, the unit column left out of the row.
+
+    Args:
+        dataset: The training dataset (map-style).
+        unit_of: ``unit_of[i]``: the unit index of row ``i``.
+        column: The unit column, dropped from mapping rows (it is no model input).
+    """
+
+    def __init__(self, dataset: Dataset, unit_of: Sequence[int], column: str) -> None:
+        self.dataset = dataset
+        self.unit_of = unit_of
+        self.column = column
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        row = self.dataset[i]
+        if isinstance(row, Mapping) and self.column in row:
+            row = {k: v for k, v in row.items() if k != self.column}
+        return row, self.unit_of[i]
 
 
 class LogicalBatchLoader(DataLoader):

@@ -17,6 +17,7 @@ def per_sample_cross_entropy(
     *,
     shift: bool,
     shift_labels: torch.Tensor | None = None,
+    units: torch.Tensor | None = None,
 ) -> Any:
     """Per-example cross-entropy through the DP criterion returned by ``make_private``.
 
@@ -35,9 +36,13 @@ def per_sample_cross_entropy(
         labels: ``(B, T)`` or ``(B,)`` integer labels, ``-100`` where ignored.
         shift: Whether targets are the next tokens (causal LM).
         shift_labels: ``(B, T)`` already-shifted targets, or None.
+        units: ``(B,)`` long tensor, the privacy unit ``0..U-1`` of each example, or None
+            (each example its own unit): passed to the criterion as ``units=``, which then
+            returns per-unit losses ``(U,)`` and clips per unit.
 
     Returns:
-        The DP loss (``backward()`` runs the private backward) of per-example losses ``(B,)``.
+        The DP loss (``backward()`` runs the private backward) of per-example losses ``(B,)``
+        (per-unit ``(U,)`` with ``units``).
 
     Raises:
         ValueError: If the shapes of logits and labels do not match either case.
@@ -50,7 +55,7 @@ def per_sample_cross_entropy(
                 f"labels of shape {tuple(labels.shape)} need logits (B, C), got "
                 f"{tuple(logits.shape)}"
             )
-        return criterion(logits, labels)
+        return criterion(logits, labels, units=units)
     if shift_labels is not None:
         targets = shift_labels
     elif shift:
@@ -63,4 +68,4 @@ def per_sample_cross_entropy(
             f"same (B, T), got {tuple(logits.shape)}"
         )
     b, t = targets.shape
-    return criterion(logits.reshape(b * t, -1), targets.reshape(-1), shape=(b, t))
+    return criterion(logits.reshape(b * t, -1), targets.reshape(-1), shape=(b, t), units=units)

@@ -55,6 +55,16 @@ class PrivacyArguments:
         sketch_seed: Seed of the sketch's probes, or None (secret, from the operating system).
             A seed makes the sketch reproducible; the engine then accounts every step under the
             more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
+        privacy_unit: A column of the training dataset naming each row's privacy unit (a
+            document, a user: any hashable values), or None (each row is its own unit). When
+            set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U / expected_batch_size)``
+            for ``U`` units (``expected_batch_size`` then counts units), every row of a sampled
+            unit is in the step, each unit's summed gradient is clipped once at
+            ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Single process.
+        max_sequences_per_unit: With ``privacy_unit``: at most this many rows of a unit are used
+            (its first ones in dataset order, chosen without looking at content), or None
+            (all). A unit's rows must fit in one micro-batch
+            (``per_device_train_batch_size``).
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -95,6 +105,18 @@ class PrivacyArguments:
         default=None, metadata={"help": "Seed of the sketch (accounted as revealed)."}
     )
 
+    privacy_unit: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column naming each row's privacy unit (document, user): units are "
+            "Poisson-sampled and clipped; expected_batch_size then counts units."
+        },
+    )
+    max_sequences_per_unit: int | None = field(
+        default=None,
+        metadata={"help": "With privacy_unit: at most this many rows per unit (its first)."},
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.bookkeeping, bool):
             self.bookkeeping = str(self.bookkeeping).lower()
@@ -125,6 +147,21 @@ class PrivacyArguments:
             raise ValueError(
                 f"clipping={self.clipping!r}: DPTrainer implements clipping='randomized' only"
             )
+        if self.privacy_unit is not None and (
+            not isinstance(self.privacy_unit, str) or not self.privacy_unit
+        ):
+            raise ValueError(
+                f"privacy_unit must be a column name (a non-empty str) or None, got "
+                f"{self.privacy_unit!r}"
+            )
+        m = self.max_sequences_per_unit
+        if m is not None and self.privacy_unit is None:
+            raise ValueError(
+                f"max_sequences_per_unit={m} needs privacy_unit (the column naming each row's "
+                "unit); without it every row is its own unit"
+            )
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_sequences_per_unit must be an integer >= 1 or None, got {m!r}")
         if self.bookkeeping not in BOOKKEEPING:
             raise ValueError(
                 f"bookkeeping must be one of {sorted(BOOKKEEPING)}, got {self.bookkeeping!r}"

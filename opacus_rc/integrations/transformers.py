@@ -24,6 +24,13 @@ differently:
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
   one row, are refused where they can be seen).
+* **Privacy unit.** With ``PrivacyArguments.privacy_unit`` (a column naming each row's
+  document or user) the records are the units: the ``U`` units are Poisson-sampled at ``q = 1 /
+  ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
+  all of its rows (at most ``max_sequences_per_unit``, its first), micro-batches hold whole
+  units, the criterion gets ``units=`` and clips each unit's summed gradient once
+  (docs/privacy/units.md). A unit larger than ``per_device_train_batch_size`` and several
+  processes are refused.
 * **Privacy budget.** With ``target_epsilon`` the noise multiplier is searched (with
   :func:`opacus_rc.accountants.get_noise_multiplier`, the engine's own search) for the
   Trainer's number of optimizer steps (``max_steps``, or ``num_train_epochs`` epochs), so that
@@ -113,17 +120,22 @@ from opacus_rc._compat.transformers import (
 from opacus_rc.accountants import AccountingError, get_noise_multiplier
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.integrations.logical_batches import (
+    UNITS_KEY,
     IndexDataset,
     LogicalBatch,
     LogicalBatchCollator,
     LogicalBatchLoader,
     PoissonLogicalBatchSampler,
+    UnitLogicalBatchCollator,
+    UnitLogicalBatchSampler,
+    UnitRows,
     seeded_generator,
 )
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
 from opacus_rc.integrations.privacy_arguments import BOOKKEEPING, PrivacyArguments
 from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
 from opacus_rc.privacy_engine import PrivacyEngine
+from opacus_rc.unit_data_loader import select_unit_members
 
 __all__ = [
     "PRIVACY_STATE_NAME",
@@ -210,8 +222,16 @@ class DPTrainerMixin(TrainerSeams):
         self._dp_trained = False
         self._warned_no_epsilon = False
         self._rank, self._world_size = 0, 1
+        self._num_records: int | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
+        if privacy_args.privacy_unit is not None and self._world_size > 1:
+            raise NotImplementedError(
+                f"PrivacyArguments.privacy_unit={privacy_args.privacy_unit!r} with "
+                f"{self._world_size} processes: unit-level DP trains in one process (the "
+                "engine's unit path refuses a distributed model); launch one process, or leave "
+                "privacy_unit=None for per-example DP under DDP"
+            )
         if privacy_args.seed is not None:
             warnings.warn(
                 f"PrivacyArguments.seed={privacy_args.seed}: the Poisson batches and the noise are "
@@ -338,14 +358,12 @@ class DPTrainerMixin(TrainerSeams):
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_train_dataset(self.train_dataset)
         dataset, collator = self._train_dataset_and_collator()
+        if self.privacy_args.privacy_unit is not None:
+            return self._unit_train_dataloader(dataset, collator)
         n = len(dataset)
-        if self.privacy_args.target_delta >= 1 / n:
-            raise ValueError(
-                f"target_delta={self.privacy_args.target_delta} is not below 1 / N = {1 / n:.3g} "
-                f"(N = {n} training examples): such a delta allows releasing an example; choose "
-                "target_delta well below 1 / N"
-            )
-        rate_loader = self._rate_loader(dataset)
+        self._num_records = n
+        self._check_delta(n, "training examples")
+        rate_loader = self._rate_loader(n)
         if self._poisson_sampler is None:
             self._poisson_sampler = PoissonLogicalBatchSampler(
                 num_samples=n,
@@ -367,6 +385,87 @@ class DPTrainerMixin(TrainerSeams):
             prefetch_factor=self.args.dataloader_prefetch_factor,
         )
 
+    def _check_delta(self, n: int, what: str) -> None:
+        if self.privacy_args.target_delta >= 1 / n:
+            raise ValueError(
+                f"target_delta={self.privacy_args.target_delta} is not below 1 / N = {1 / n:.3g} "
+                f"(N = {n} {what}): such a delta allows releasing a record; choose "
+                "target_delta well below 1 / N"
+            )
+
+    def _unit_train_dataloader(self, dataset: Dataset, collator: Any) -> DataLoader:
+        """The Poisson loader of *units* (``PrivacyArguments.privacy_unit``): every unit is in
+        a logical batch independently with probability ``q = 1 / ceil(U / expected_batch_size)``
+        (the per-example rule with the ``U`` units as the records), with all of its selected
+        rows, in micro-batches of whole units.
+
+        Raises:
+            ValueError: The unit column is missing, or a unit has more selected rows than
+                ``per_device_train_batch_size`` (it could not be clipped in one micro-batch).
+        """
+        pa = self.privacy_args
+        column = pa.privacy_unit
+        ids = self._unit_column(column)
+        # Hashable values to 0..U-1 in order of first appearance (the "first" selection below
+        # depends only on each unit's own rows, in dataset order).
+        index_of: dict[Any, int] = {}
+        unit_of = [index_of.setdefault(v, len(index_of)) for v in ids]
+        _, members = select_unit_members(unit_of, max_sequences_per_unit=pa.max_sequences_per_unit)
+        num_units = len(members)
+        self._num_records = num_units
+        self._check_delta(num_units, f"units of {column!r}")
+        physical = train_batch_size(self)
+        too_big = [len(m) for m in members if len(m) > physical]
+        if too_big:
+            raise ValueError(
+                f"{len(too_big)} of the {num_units} units of {column!r} have more rows than "
+                f"per_device_train_batch_size={physical} (the largest has {max(too_big)}): a "
+                "unit's rows are clipped together, in one micro-batch. Raise "
+                f"per_device_train_batch_size to at least {max(too_big)}, or set "
+                f"PrivacyArguments.max_sequences_per_unit <= {physical}"
+            )
+        rate_loader = self._rate_loader(num_units)
+        if self._poisson_sampler is None:
+            self._poisson_sampler = UnitLogicalBatchSampler(
+                members=members,
+                sample_rate=rate_loader.sample_rate,
+                steps=len(rate_loader),
+                seed=self._sampler_seed,
+            )
+        return LogicalBatchLoader(
+            UnitRows(dataset, unit_of, column),
+            batch_sampler=self._poisson_sampler,
+            collate_fn=UnitLogicalBatchCollator(
+                collate_fn=collator, max_physical_batch_size=physical
+            ),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+        )
+
+    def _unit_column(self, column: str) -> list[Any]:
+        """The values of the unit column of the (unfiltered) training dataset."""
+        dataset = self.train_dataset
+        names = getattr(dataset, "column_names", None)
+        if names is not None:
+            if column not in names:
+                raise ValueError(
+                    f"PrivacyArguments.privacy_unit={column!r} is not a column of the training "
+                    f"dataset (columns: {names})"
+                )
+            return list(dataset[column])
+        values = []
+        for i in range(len(dataset)):
+            row = dataset[i]
+            if not isinstance(row, Mapping) or column not in row:
+                raise ValueError(
+                    f"PrivacyArguments.privacy_unit={column!r}: row {i} of the training dataset "
+                    "has no such key; every row must name its unit"
+                )
+            values.append(row[column])
+        return values
+
     def _train_dataset_and_collator(self) -> tuple[Dataset, Any]:
         """The training dataset and collator, with unused columns removed as the Trainer does."""
         dataset, collator = self.train_dataset, self.data_collator
@@ -380,13 +479,14 @@ class DPTrainerMixin(TrainerSeams):
             collator = collator_with_removed_columns(self, collator, description="Training")
         return dataset, collator
 
-    def _rate_loader(self, dataset: Dataset) -> Any:
-        """Opacus' Poisson loader for a plain loader of batch size ``expected_batch_size``:
-        its ``sample_rate`` and length are the engine's (what the accountant records)."""
+    def _rate_loader(self, n: int) -> Any:
+        """Opacus' Poisson loader for a plain loader of batch size ``expected_batch_size`` over
+        ``n`` records (examples, or units): its ``sample_rate`` and length are the engine's
+        (what the accountant records)."""
         from opacus.data_loader import DPDataLoader
 
         return DPDataLoader.from_data_loader(
-            DataLoader(IndexDataset(len(dataset)), batch_size=self.privacy_args.expected_batch_size)
+            DataLoader(IndexDataset(n), batch_size=self.privacy_args.expected_batch_size)
         )
 
     # ------------------------------------------------------------------------------------------
@@ -409,7 +509,6 @@ class DPTrainerMixin(TrainerSeams):
         if self._poisson_sampler is None:
             raise RuntimeError("get_train_dataloader() must run before the optimizer is created")
         sampler = self._poisson_sampler
-        dataset, _ = self._train_dataset_and_collator()
         model = self.model
         model.train()
         engine = PrivacyEngine(accountant="rc")
@@ -473,8 +572,9 @@ class DPTrainerMixin(TrainerSeams):
                 optimizer=optimizer,
                 criterion=criterion,
                 # Only its length and batch size matter (the rate); the batches are the trainer's.
+                # The records are the examples, or the units with privacy_unit.
                 data_loader=DataLoader(
-                    IndexDataset(len(dataset)), batch_size=pa.expected_batch_size
+                    IndexDataset(self._num_records), batch_size=pa.expected_batch_size
                 ),
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=pa.max_grad_norm,
@@ -653,6 +753,7 @@ class DPTrainerMixin(TrainerSeams):
             fill = math.nan if self.args.logging_nan_inf_filter else 0.0
             return torch.tensor(fill, device=self.args.device)
         total = torch.zeros((), device=self.args.device, dtype=torch.float64)
+        records = 0  # examples, or units with privacy_unit
         last = len(inputs.micro_batches) - 1
         context = (
             getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
@@ -668,10 +769,11 @@ class DPTrainerMixin(TrainerSeams):
                     optimizer.signal_skip_step(do_skip=True)
                 loss.backward()
                 total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
+                records += loss.loss_per_sample.numel()
                 if i < last:
                     optimizer.step()  # accumulates the clipped sum only
                     optimizer.zero_grad()
-        return (total / inputs.num_examples).float().detach()
+        return (total / max(records, 1)).float().detach()
 
     def compute_private_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         """The DP loss of one micro-batch: per-example losses ``(B,)`` through the criterion.
@@ -690,6 +792,7 @@ class DPTrainerMixin(TrainerSeams):
             ValueError: No ``labels`` in the batch.
         """
         inputs = dict(inputs)
+        units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
         labels = inputs.pop("labels", None)
         shift_labels = inputs.pop("shift_labels", None)
         if labels is None:
@@ -713,6 +816,7 @@ class DPTrainerMixin(TrainerSeams):
             labels,
             shift=self._shift_labels,
             shift_labels=shift_labels,
+            units=units,
         )
 
     # The Trainer's clipping of the summed gradient is replaced by per-example clipping, and the

@@ -115,3 +115,20 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 def snapshot(model: nn.Module) -> nn.Module:
     """A deep copy of the model before training (no hooks are attached yet)."""
     return copy.deepcopy(model)
+
+
+def recording_trainer() -> type:
+    """``DPTrainer`` that records every logical batch the Trainer hands to ``training_step``
+    (in ``self.batches``)."""
+    from opacus_rc.integrations.transformers import DPTrainer
+
+    class RecordingTrainer(DPTrainer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.batches: list = []
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.batches.append(inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return RecordingTrainer
