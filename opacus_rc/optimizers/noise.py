@@ -35,8 +35,9 @@ import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
 from opacus_rc._compat.opacus import check_processed_flag, generate_noise, mark_as_processed
+from opacus_rc.registry import Registry
 
-__all__ = ["NOISE_PLACEMENTS", "NoisePlacement", "add_gaussian_noise", "get_noise_placement"]
+__all__ = ["NOISE_PLACEMENTS", "NoisePlacement", "add_gaussian_noise"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class NoisePlacement:
             ``implicit_replication``, so that a plain tensor of the global shape adds to a
             sharded DTensor as a replicated one).
         description: One line for error messages and docs.
+
+    Calling a placement with a rank is :attr:`draws` (registries hold callables).
     """
 
     name: str
@@ -58,45 +61,36 @@ class NoisePlacement:
     context: Callable[[], contextlib.AbstractContextManager]
     description: str
 
+    def __call__(self, rank: int) -> bool:
+        """Whether the process of ``rank`` draws noise (:attr:`draws`)."""
+        return self.draws(rank)
+
 
 #: ``name -> NoisePlacement``: every way the randomized-clipping optimizers place their noise.
-NOISE_PLACEMENTS: dict[str, NoisePlacement] = {
-    placement.name: placement
-    for placement in (
-        NoisePlacement(
-            name="single_process",
-            draws=lambda rank: True,
-            context=contextlib.nullcontext,
-            description="one process draws N(0, std^2) for every parameter",
-        ),
-        NoisePlacement(
-            name="ddp_rank0",
-            draws=lambda rank: rank == 0,
-            context=contextlib.nullcontext,
-            description="rank 0 draws; the other ranks' clipped sums are summed with it",
-        ),
-        NoisePlacement(
-            name="fsdp2_shard",
-            draws=lambda rank: True,
-            context=implicit_replication,
-            description="every rank draws the global shape and adds it to its own shard",
-        ),
-    )
-}
+NOISE_PLACEMENTS: Registry[NoisePlacement] = Registry("noise placement", option="noise_placement")
 
-
-def get_noise_placement(name: str) -> NoisePlacement:
-    """The :class:`NoisePlacement` registered as ``name``.
-
-    Raises:
-        ValueError: If none is; the message lists the registered names.
-    """
-    try:
-        return NOISE_PLACEMENTS[name]
-    except KeyError:
-        raise ValueError(
-            f"no noise placement {name!r}; registered: {sorted(NOISE_PLACEMENTS)}"
-        ) from None
+for _placement in (
+    NoisePlacement(
+        name="single_process",
+        draws=lambda rank: True,
+        context=contextlib.nullcontext,
+        description="one process draws N(0, std^2) for every parameter",
+    ),
+    NoisePlacement(
+        name="ddp_rank0",
+        draws=lambda rank: rank == 0,
+        context=contextlib.nullcontext,
+        description="rank 0 draws; the other ranks' clipped sums are summed with it",
+    ),
+    NoisePlacement(
+        name="fsdp2_shard",
+        draws=lambda rank: True,
+        context=implicit_replication,
+        description="every rank draws the global shape and adds it to its own shard",
+    ),
+):
+    NOISE_PLACEMENTS.register(_placement.name, _placement)
+del _placement
 
 
 def add_gaussian_noise(
@@ -137,7 +131,7 @@ def add_gaussian_noise(
         raise ValueError(
             f"{len(params)} parameters but {len(summed_grads)} clipped sums: one per parameter"
         )
-    where = get_noise_placement(placement)
+    where = NOISE_PLACEMENTS.get(placement)
     draws = where.draws(rank)
     with where.context():
         for p, summed in zip(params, summed_grads):
