@@ -74,6 +74,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -224,9 +225,20 @@ class BenignScalarReads(TorchDispatchMode):
     scalar read of a meta tensor raises :class:`MetaScalarReadError` with its call site. Real
     tensors pass through unchanged. Enter it innermost (last), inside the measuring modes.
 
+    Small integer tensors are known exactly: a meta tensor copied from a real one (e.g. the
+    ``units=`` tensor of unit-level clipping, moved to the losses' device) keeps a CPU
+    *shadow*, and every op whose meta inputs all have shadows and whose meta outputs are
+    integer or boolean with at most :attr:`SHADOW_MAX_NUMEL` elements is run on the shadows
+    too (integer factories such as ``arange(device="meta")`` on the CPU); reads, ``equal`` and
+    copies back to the CPU of a shadowed tensor return the shadow's values. A mutating op that
+    cannot be shadowed drops the shadows of its meta arguments. Float tensors are never
+    shadowed (no real arithmetic on activations).
+
     Attributes:
         answered: Count of answered reads per call site.
     """
+
+    SHADOW_MAX_NUMEL = 1 << 20
 
     _ASSUMED = {aten.isfinite: True, aten.isnan: False, aten.isinf: False}
     _NOT = (aten.logical_not, aten.bitwise_not)
@@ -237,7 +249,81 @@ class BenignScalarReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._value: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.answered: Counter[str] = Counter()
+
+    def _shadow_of(self, x: Any) -> torch.Tensor | None:
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            return self._shadow.get(x)
+        return None
+
+    def _swap(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            return self._shadow[x]
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        return x
+
+    def _from_shadows(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
+        """``(out,)`` computed on the shadows, for a non-mutating op whose meta inputs all have
+        shadows (or an integer factory on meta), so that ops without a meta kernel
+        (``bincount``) and data-dependent shapes work; None where that does not apply."""
+        if func._schema.is_mutable:
+            return None
+        leaves = tree_leaves((args, kwargs))
+        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_meta]
+        factory = not metas and any(
+            isinstance(x, torch.device) and x.type == "meta" for x in leaves
+        )
+        if not (factory or (metas and all(self._shadow_of(t) is not None for t in metas))):
+            return None
+        if any(t.dtype.is_floating_point or t.dtype.is_complex for t in metas):
+            return None
+        try:
+            s_args, s_kwargs = tree_map(self._swap, (args, kwargs))
+            s_out = func(*s_args, **s_kwargs)
+        except Exception:  # noqa: BLE001 - fall back to the meta kernel
+            return None
+        s_leaves = [t for t in tree_leaves(s_out) if isinstance(t, torch.Tensor)]
+        if not s_leaves or any(
+            t.dtype.is_floating_point or t.dtype.is_complex or t.numel() > self.SHADOW_MAX_NUMEL
+            for t in s_leaves
+        ):
+            return None
+        out = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, s_out)
+        for o, so in zip(tree_leaves(out), tree_leaves(s_out)):
+            if isinstance(o, torch.Tensor):
+                self._shadow[o] = so
+        return (out,)
+
+    def _shadow_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Run ``func`` on the shadows of its meta inputs and record those of its outputs."""
+        metas = [
+            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta
+        ]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
+        shadowable = (
+            outs
+            and all(self._shadow_of(t) is not None for t in metas)
+            and not any(
+                t.dtype.is_floating_point or t.dtype.is_complex or t.numel() > self.SHADOW_MAX_NUMEL
+                for t in outs + metas
+            )
+        )
+        if shadowable:
+            try:
+                s_args, s_kwargs = tree_map(self._swap, (args, kwargs))
+                s_out = func(*s_args, **s_kwargs)
+            except Exception:  # noqa: BLE001 - no shadow: the value stays unknown
+                shadowable = False
+        if not shadowable:
+            if func._schema.is_mutable:
+                for t in metas:
+                    self._shadow.pop(t, None)
+            return
+        for o, so in zip(tree_leaves(out), tree_leaves(s_out)):
+            if isinstance(o, torch.Tensor) and o.is_meta and isinstance(so, torch.Tensor):
+                self._shadow[o] = so
 
     def _known(self, x: Any) -> bool | None:
         return self._value.get(x) if isinstance(x, torch.Tensor) else None
@@ -245,6 +331,19 @@ class BenignScalarReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         packet = func.overloadpacket
+        shadows = [self._shadow_of(a) for a in args[:2]]
+        if packet is aten._local_scalar_dense and shadows[0] is not None:
+            self.answered[common.call_site()] += 1
+            return shadows[0].item()
+        if packet is aten.equal and len(shadows) == 2 and None not in shadows:
+            self.answered[common.call_site()] += 1
+            return torch.equal(*shadows)
+        if (
+            packet is aten._to_copy
+            and shadows[0] is not None
+            and torch.device(kwargs.get("device") or "meta").type != "meta"
+        ):
+            return func(shadows[0], **kwargs)
         if packet in (aten._local_scalar_dense, aten.equal) and any(
             isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args
         ):
@@ -256,7 +355,11 @@ class BenignScalarReads(TorchDispatchMode):
                 )
             self.answered[common.call_site()] += 1
             return value
+        early = self._from_shadows(func, args, kwargs)
+        if early is not None:
+            return early[0]
         out = func(*args, **kwargs)
+        self._shadow_op(func, args, kwargs, out)
         if not (
             isinstance(out, torch.Tensor) and out.device.type == "meta" and out.dtype == torch.bool
         ):
@@ -350,6 +453,9 @@ class LMMethod:
             ignored).
         cfg: Settings (``k``, ``seed``).
         checkpointing: One of :data:`CHECKPOINTING`.
+        units: Optional ``(B,)`` integer tensor mapping each sequence to its privacy unit
+            ``0..U-1``, passed to the private criterion as ``units=`` (unit-level DP-SGD,
+            ``benchmarks/unit_cost.py``); ``None``: one unit per sequence.
 
     Raises:
         ValueError: Unknown method or checkpointing mode; errors of the libraries' wrapping.
@@ -362,12 +468,15 @@ class LMMethod:
         input_ids: torch.Tensor,
         cfg: dict[str, Any],
         checkpointing: str = "off",
+        *,
+        units: torch.Tensor | None = None,
     ) -> None:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; allowed: {', '.join(METHODS)}")
         if checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
         self.name = name
+        self.units = units
         B, T = input_ids.shape
         device = input_ids.device
         self.input_ids = input_ids
@@ -447,7 +556,9 @@ class LMMethod:
         phase("forward")
         logits = self.model(input_ids=self.input_ids, position_ids=self.position_ids).logits
         flat = logits.view(-1, logits.shape[-1])
-        if self.dp_loss:
+        if self.dp_loss and self.units is not None:
+            loss = self.criterion(flat, self.labels, shape=self.shape, units=self.units)
+        elif self.dp_loss:
             loss = self.criterion(flat, self.labels, shape=self.shape)
         else:
             loss = self.criterion(flat, self.labels)
@@ -497,6 +608,48 @@ def first_line(err: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def measure_step(
+    method: LMMethod, device: torch.device, *, between: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """FLOPs and peak memory of one training step of ``method`` (on meta by default).
+
+    Memory and FLOPs come from two separate steps: ``FlopCounterMode``'s module tracker keeps
+    an autograd hook, and with it the graph, of every module forward it sees until it exits,
+    including the forwards that activation checkpointing recomputes inside the backward, so
+    memory measured under it would count recomputed activations that real training frees
+    (module docstring). ``between()`` runs after the memory step.
+
+    Returns:
+        ``status="ok"``, ``step_flops``, ``step_extra_bytes`` (bytes), ``persistent_bytes``
+        (parameters and buffers), ``peak_bytes`` (their sum) and ``scalar_reads`` (reads the
+        oracle answered; ``None`` off meta).
+
+    Raises:
+        MetaScalarReadError: If the step reads a meta scalar the oracle cannot infer; any
+            error of the step itself.
+    """
+    oracle = BenignScalarReads()
+
+    def step() -> None:
+        with meta_autocast(), oracle:
+            method.step()
+
+    extra, _ = common.peak_extra_bytes(step, device)
+    reads = sum(oracle.answered.values()) if device.type == "meta" else None
+    if between is not None:
+        between()
+    _, flops = common.count_flops(step)
+    persistent = method.persistent_bytes()
+    return {
+        "status": "ok",
+        "step_flops": flops,
+        "step_extra_bytes": extra,
+        "persistent_bytes": persistent,
+        "peak_bytes": extra + persistent,
+        "scalar_reads": reads,
+    }
+
+
 def measure_meta(
     cfg: dict[str, Any],
     checkpointing: str,
@@ -529,29 +682,14 @@ def measure_meta(
         try:
             model, ids = build_base(cfg, T, B, meta)
             method = LMMethod(name, model, ids, cfg, checkpointing)
-            oracle = BenignScalarReads()
+            seen: list[Counter[str]] = []
 
-            def step(method: LMMethod = method, oracle: BenignScalarReads = oracle) -> None:
-                with meta_autocast(), oracle:
-                    method.step()
+            def between(method: LMMethod = method, seen: list = seen) -> None:
+                if method.mixed is not None:
+                    seen.append(Counter(method.mixed.ghost_layers))
 
-            # Memory and FLOPs from two separate steps: FlopCounterMode's module tracker keeps
-            # an autograd hook, and with it the graph, of every module forward it sees until it
-            # exits, including the forwards that activation checkpointing recomputes inside the
-            # backward, so memory measured under it would count recomputed activations that
-            # real training frees (module docstring).
-            extra, _ = common.peak_extra_bytes(step, meta)
-            reads = sum(oracle.answered.values()) if meta.type == "meta" else None
-            layers = Counter(method.mixed.ghost_layers) if method.mixed is not None else None
-            _, flops = common.count_flops(step)
-            row.update(
-                status="ok",
-                step_flops=flops,
-                step_extra_bytes=extra,
-                persistent_bytes=method.persistent_bytes(),
-                scalar_reads=reads,
-            )
-            row["peak_bytes"] = row["step_extra_bytes"] + row["persistent_bytes"]
+            row.update(measure_step(method, meta, between=between))
+            layers = seen[0] if seen else None
             if layers is not None:  # of the first step (the counts add up over steps)
                 row["ghost_layers"] = "{ghost}/{total}".format(
                     ghost=layers["ghost"], total=sum(layers.values())

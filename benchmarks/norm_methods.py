@@ -128,3 +128,61 @@ def estimated_extra_bytes(
         return itemsize * B * (p * d + p) * 2
     s = k if method == "hutch++" else 0
     return itemsize * B * ((k + 2 * s) * (T + p + d) + 4 * (T + d + p))
+
+
+# ----------------------------------------------------------------------------------------------
+# Unit-level norms: the norm of the gradient summed over a unit's windows (issue 23)
+# ----------------------------------------------------------------------------------------------
+
+UNIT_METHODS = ("rc_unit", "ghost_unit", "per_sample_unit")
+
+
+def concatenate_unit(X: torch.Tensor) -> torch.Tensor:
+    """A unit's ``m`` windows ``(m, T, n)`` as one sequence ``(1, m T, n)``.
+
+    For an ``nn.Linear``, the unit's summed weight gradient ``sum_j A_j^T G_j`` is the
+    per-sample gradient of the windows concatenated along the token axis.
+    """
+    return X.reshape(1, X.shape[0] * X.shape[1], X.shape[-1])
+
+
+def per_sample_unit(layer: nn.Linear, A: torch.Tensor, G: torch.Tensor, **_: object) -> Norms:
+    """Opacus' per-sample gradients of the unit's ``m`` windows ``(m, p, d)``, summed over the
+    windows, then the norm of the sum: ``{param: (1,)}``."""
+    grads = compute_linear_grad_sample(layer, [A], G)
+    return {p: g.sum(0).reshape(1, -1).norm(2, dim=-1) for p, g in grads.items()}
+
+
+def get_unit_method(name: str) -> Callable[..., Norms]:
+    """Per-unit norm of ``name`` on a unit's windows ``A (m, T, d)``, ``G (m, T, p)``.
+
+    * ``rc_unit``: opacus_rc's Hutchinson sampler on the concatenated unit, one probe matrix
+      for the unit: ``2 m T k (p + d)`` FLOPs.
+    * ``ghost_unit``: Opacus' ghost norm on the concatenated unit, ``(m T) x (m T)`` Grams.
+    * ``per_sample_unit``: :func:`per_sample_unit`, ``2 m T p d`` FLOPs and ``m p d`` floats.
+
+    Raises:
+        ValueError: If ``name`` is not one of :data:`UNIT_METHODS`.
+    """
+    if name == "per_sample_unit":
+        return per_sample_unit
+    inner = {"rc_unit": "hutchinson", "ghost_unit": "ghost"}.get(name)
+    if inner is None:
+        raise ValueError(f"unknown unit norm method {name!r}; allowed: {', '.join(UNIT_METHODS)}")
+    method = get_method(inner)
+
+    def on_unit(layer: nn.Linear, A: torch.Tensor, G: torch.Tensor, **kwargs: object) -> Norms:
+        return method(layer, concatenate_unit(A), concatenate_unit(G), **kwargs)
+
+    on_unit.__name__ = name
+    return on_unit
+
+
+def unit_closed_form_flops(method: str, *, m: int, T: int, d: int, p: int, k: int) -> int:
+    """FLOPs of a unit method (no bias) as ``FlopCounterMode`` counts them: ``rc_unit`` and
+    ``ghost_unit`` are :func:`closed_form_flops` at ``B = 1`` over ``m T`` tokens,
+    ``per_sample_unit`` is ``fgc`` at ``B = m`` (the sum over windows is not a product)."""
+    if method == "per_sample_unit":
+        return closed_form_flops("fgc", B=m, T=T, d=d, p=p, k=None, bias=False)
+    inner = {"rc_unit": "hutchinson", "ghost_unit": "ghost"}[method]
+    return closed_form_flops(inner, B=1, T=m * T, d=d, p=p, k=k, bias=False)

@@ -1,8 +1,9 @@
 """Run the whole benchmark set in sequence, one process per item.
 
 Items: issue 5's 1-4 (``layer_norm_cost``, ``estimate_quality``, ``training_step``,
-``privacy_cost``), issue 12's ``host_syncs`` and issue 13's ``long_context`` (its full grid takes
-about an hour on the 2-core CPU machine; ``--only`` picks items).
+``privacy_cost``), issue 12's ``host_syncs``, issue 13's ``long_context`` (its full grid takes
+about an hour on the 2-core CPU machine; ``--only`` picks items) and issue 23's ``unit_cost``
+(about a minute and a half).
 
 Examples::
 
@@ -30,6 +31,7 @@ ITEMS = (
     "privacy_cost",
     "host_syncs",
     "long_context",
+    "unit_cost",
 )
 
 

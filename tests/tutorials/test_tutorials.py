@@ -50,7 +50,7 @@ def test_tutorial_runs_in_smoke_mode(name: str, tmp_path: Path) -> None:
 
 
 # Tutorials committed with an executed notebook (all of them).
-NOTEBOOKS = [*TUTORIALS, "dp_lora_spectral_denoising", "trainer_sft"]
+NOTEBOOKS = [*TUTORIALS, "dp_lora_spectral_denoising", "trainer_sft", "unit_level_long_documents"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
