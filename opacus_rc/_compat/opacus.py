@@ -97,7 +97,8 @@ def adjusted_noise_multiplier(optimizer: Any) -> float | None:
     ``noise_multiplier`` (adaptive clipping), else ``None``.
 
     Relies on the optional attribute ``_adjusted_noise_multiplier`` that
-    ``DPOptimizerFastGradientClipping.add_noise`` reads. Test:
+    ``DPOptimizerFastGradientClipping.add_noise`` reads (and so does
+    ``opacus_rc.optimizers.RandomizedClipOptimizer.add_noise``). Test:
     ``test_opacus_contract.py::test_adjusted_noise_multiplier``.
     """
     return getattr(optimizer, "_adjusted_noise_multiplier", None)

@@ -26,6 +26,7 @@ RDP and GDP are never used: the RDP of randomized clipping is infinite
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -186,6 +187,30 @@ class RCAccountant(IAccountant):
             sketch_spec=spec,
             threat_model=self.threat_model_for(spec, warn=True),
         )
+        self.record(event)
+
+    def record(self, event: RandomizedClipDpEvent) -> None:
+        """Record one optimizer step given as its complete event (what an optimizer emits).
+
+        The event is composed as given, except that an accountant built for ``"revealed"``
+        (or a sketch that supports only ``"revealed"``) accounts a ``"hidden"`` event under
+        ``"revealed"``, the weaker assumption (logged once). A step without noise is recorded
+        with a ``UserWarning`` the first time, as in :meth:`step`.
+
+        Args:
+            event: The step's event
+                (:meth:`~opacus_rc.optimizers.RandomizedClipOptimizer.dp_event`).
+
+        Raises:
+            TypeError: If ``event`` is not a ``RandomizedClipDpEvent``.
+            ValueError: As :meth:`compose` (e.g. a ``"revealed"`` event for an accountant
+                that accounts its sketch under ``"hidden"``).
+        """
+        if not isinstance(event, RandomizedClipDpEvent):
+            raise TypeError(f"RCAccountant records RandomizedClipDpEvent, got {event!r}")
+        accounted = self.threat_model_for(event.sketch_spec, warn=True)
+        if accounted == "revealed" and event.threat_model == "hidden":
+            event = dataclasses.replace(event, threat_model="revealed")
         if event.noise_multiplier == 0.0 and not getattr(self, "_warned_noiseless", False):
             warnings.warn(
                 "RCAccountant recorded a step without noise (noise_multiplier=0): the run is "
@@ -246,11 +271,19 @@ class RCAccountant(IAccountant):
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Step hook for an Opacus ``DPOptimizer``: reports sigma, ``q`` and the sketch spec.
 
-        ``q = sample_rate * optim.accumulated_iterations`` as in Opacus; the sketch spec is the
-        optimizer's ``sketch_spec`` attribute (``None``, exact clipping, if it has none).
+        An optimizer that emits its step's event (``optim.dp_event(sample_rate=...)``, as
+        :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` does) has that event composed
+        (:meth:`record`); nothing else of the optimizer is read. For any other (a plain Opacus
+        optimizer): ``q = sample_rate * optim.accumulated_iterations`` as in Opacus, and the
+        sketch spec is the optimizer's ``sketch_spec`` attribute (``None``, exact clipping, if
+        it has none).
         """
 
         def hook_fn(optim: Any) -> None:
+            emit = getattr(optim, "dp_event", None)
+            if emit is not None:
+                self.record(emit(sample_rate=sample_rate))
+                return
             self.step(
                 noise_multiplier=optim.noise_multiplier,
                 sample_rate=sample_rate * optim.accumulated_iterations,

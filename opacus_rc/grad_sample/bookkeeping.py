@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import ClippedSumFunction
-from opacus_rc.sketching import autocast_off
 
 __all__ = [
     "BookkeepingStash",
@@ -79,9 +79,7 @@ def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> to
     Returns:
         Tensor of shape ``shape``.
     """
-    with autocast_off(grad_sample.device):
-        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
-        return torch.tensordot(c, grad_sample, dims=1)
+    return apply_clip_factors(coef, grad_sample, dtype=grad_sample.dtype, reduce=True)
 
 
 def consume_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
@@ -96,11 +94,7 @@ def consume_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch
     Returns:
         Tensor of shape ``shape``.
     """
-    if grad_sample.shape[0] != 1:
-        return per_sample_weighted_sum(coef, grad_sample)
-    with autocast_off(grad_sample.device):
-        c = coef.to(device=grad_sample.device, dtype=grad_sample.dtype)
-        return grad_sample[0].mul_(c[0])
+    return apply_clip_factors(coef, grad_sample, dtype=grad_sample.dtype, reduce=True, consume=True)
 
 
 def write_clipped_sums(

@@ -51,6 +51,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import (
     register_clipped_sum,
     register_module_check,
@@ -260,7 +261,7 @@ def compute_embedding_clipped_sum(
     B, T, d = G.shape
     acc = torch.promote_types(G.dtype, torch.float32)
     with autocast_off(G.device):
-        rows = G.to(acc) * coef.to(device=G.device, dtype=acc).view(B, 1, 1)
+        rows = apply_clip_factors(coef, G, dtype=acc)
         if pad is not None:
             rows.masked_fill_((ids == pad).unsqueeze(-1), 0)
         weight = torch.zeros(layer.num_embeddings, d, device=G.device, dtype=acc)

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import (
     register_clipped_sum,
     register_forward_input_adapter,
@@ -337,7 +338,8 @@ def compute_embedding_bag_clipped_sum(
         weight = torch.zeros(layer.num_embeddings, d, device=G.device, dtype=acc)
         if ids.shape[0]:
             bag, per_id = _coefficients(layer, ids, weights, offsets)
-            scale = (per_id * coef.to(device=ids.device, dtype=torch.float64)[bag]).to(acc)
+            scale = apply_clip_factors(coef, per_id, dtype=torch.float64, sample_of=bag)
+            scale = scale.to(acc)
             rows = G.to(acc)[bag.to(G.device)] * scale.to(G.device).unsqueeze(1)
             weight.index_add_(0, ids.to(G.device), rows)
     return {layer.weight: weight.to(layer.weight.dtype)}

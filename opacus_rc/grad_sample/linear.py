@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
 from opacus_rc.sketching import autocast_off, pow2_scale
 
@@ -195,20 +196,20 @@ def compute_linear_clipped_sum(
     ret: dict[nn.Parameter, torch.Tensor] = {}
     with autocast_off(G.device):
         dtype = G.dtype
-        c = coef.to(device=G.device, dtype=dtype)
         if layer.weight.requires_grad:
             A3 = A.reshape(B, T, d).to(dtype)
             G3 = G.reshape(B, T, p)
             # Scale the smaller factor by c: same product, fewer multiplications.
             if p <= d:
-                G3 = G3 * c.view(B, 1, 1)
+                G3 = apply_clip_factors(coef, G3, dtype=dtype)
             else:
-                A3 = A3 * c.view(B, 1, 1)
+                A3 = apply_clip_factors(coef, A3, dtype=dtype)
             weight = G3.reshape(B * T, p).t() @ A3.reshape(B * T, d)
             ret[layer.weight] = weight.to(layer.weight.dtype)
         if layer.bias is not None and layer.bias.requires_grad:
             # (B, p): the per-sample bias gradients, accumulated in at least float32.
             acc = torch.promote_types(dtype, torch.float32)
             g_sum = G.reshape(B, T, p).sum(dim=1, dtype=acc)
-            ret[layer.bias] = (coef.to(device=G.device, dtype=acc) @ g_sum).to(layer.bias.dtype)
+            bias = apply_clip_factors(coef, g_sum, dtype=acc, reduce=True)
+            ret[layer.bias] = bias.to(layer.bias.dtype)
     return ret

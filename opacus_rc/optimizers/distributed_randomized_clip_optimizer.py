@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import check_processed_flag, mark_as_processed, next_step_skipped
+from opacus_rc._compat.opacus import next_step_skipped
 from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
 from opacus_rc.optimizers.registry import register_optimizer
 
@@ -57,6 +57,9 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         RuntimeError: If ``torch.distributed`` is not initialised.
         (others): As :class:`RandomizedClipOptimizer`.
     """
+
+    #: Rank 0 draws the noise, the other ranks pass their clipped sums on to the all-reduce.
+    noise_placement: str = "ddp_rank0"
 
     #: Largest flat all-reduce bucket, in MiB (DDP's default ``bucket_cap_mb``).
     bucket_cap_mb: float = 25.0
@@ -129,16 +132,6 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
                 "another rank refused this step (failed backward or NaN/inf gradient); no rank "
                 "steps and nothing is accounted"
             )
-
-    def add_noise(self) -> None:
-        """Rank 0 adds ``N(0, sigma^2 C^2)`` (Opacus); other ranks pass their clipped sum on."""
-        if self.rank == 0:
-            super().add_noise()
-            return
-        for p in self.params:
-            check_processed_flag(p.summed_grad)
-            p.grad = p.summed_grad.clone().view_as(p)  # no aliasing of summed_grad (PR 707)
-            mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
         """Opacus' scaling, then the all-reduce, so that step hooks see the global gradient."""

@@ -57,6 +57,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.units import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
@@ -173,7 +174,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 module.apply_clipped_sum(coeff)  # consumes the stored tensors
             else:
                 losses = self.loss_per_sample
-                second_loss = torch.sum(coeff.to(losses.device) * losses)
+                second_loss = torch.sum(apply_clip_factors(coeff, losses))
                 module.disable_hooks()
                 try:
                     with _no_output_hook_warning():

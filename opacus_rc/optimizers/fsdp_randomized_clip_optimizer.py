@@ -26,16 +26,9 @@ import torch
 from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
-from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import (
-    check_processed_flag,
-    generate_noise,
-    last_step_skipped,
-    mark_as_processed,
-    next_step_skipped,
-)
+from opacus_rc._compat.opacus import last_step_skipped, next_step_skipped
 from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
@@ -66,6 +59,9 @@ class FSDPRandomizedClipOptimizer(
         RuntimeError: If ``torch.distributed`` is not initialised.
         (others): As :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
     """
+
+    #: Every rank draws the global shape and adds its own shard of it.
+    noise_placement: str = "fsdp2_shard"
 
     def __init__(self, optimizer: Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -131,20 +127,9 @@ class FSDPRandomizedClipOptimizer(
             for p in self.params:
                 p.summed_grad = None
 
-    def add_noise(self) -> None:
-        """``p.grad = summed shard + the shard of one global N(0, sigma^2 C^2) draw``."""
-        with implicit_replication():
-            for p in self.params:
-                summed = self.grad_state[p]["summed_grad"]
-                check_processed_flag(summed)
-                noise = generate_noise(
-                    std=self.noise_multiplier * self.max_grad_norm,
-                    reference=summed,  # a DTensor: the noise has its global shape
-                    generator=self.generator,
-                    secure_mode=self.secure_mode,
-                )
-                p.grad = (summed + noise).view_as(p)
-                mark_as_processed(summed)
+    def clipped_sums(self) -> list[torch.Tensor]:
+        """Each parameter's clipped gradient shard (Opacus' FSDP ``grad_state``), in order."""
+        return [self.grad_state[p]["summed_grad"] for p in self.params]
 
     def scale_grad(self) -> None:
         """Divide by the expected global batch size (per-rank size times world size) under

@@ -31,10 +31,12 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import wrapped_module
+from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
+from opacus_rc.accountants.events import RandomizedClipDpEvent
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
+from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
@@ -73,6 +75,9 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
     #: ``self.found_inf`` set, instead of unscaling the clipped sum and skipping the step on an
     #: overflow; check_step_allowed refuses such a step (dp_loss.LOSS_SCALING_REFUSED says why).
     _step_supports_amp_scaling = True
+
+    #: Who draws the noise (a key of :data:`~opacus_rc.optimizers.noise.NOISE_PLACEMENTS`).
+    noise_placement: str = "single_process"
 
     def __init__(
         self,
@@ -146,6 +151,33 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """
         return self._grad_sample_module.sketch_spec
 
+    def dp_event(self, *, sample_rate: float) -> RandomizedClipDpEvent:
+        """This step's complete DP event, as the accountant's step hook composes it.
+
+        ``sigma`` is :attr:`noise_multiplier` (what is accounted; Opacus' adaptive clipping
+        may noise with more, never less), ``q = sample_rate * accumulated_iterations`` (as
+        Opacus' accountants compute it), the sketch is :attr:`sketch_spec`, and the threat
+        model is the strongest the sketch supports (``"hidden"`` for per-sample, secret
+        sketches, else ``"revealed"``; an accountant built for ``"revealed"`` accounts it so).
+
+        Args:
+            sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``.
+
+        Returns:
+            The :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` of the step.
+
+        Raises:
+            ValueError: If ``sample_rate`` (times the accumulated iterations) is not in
+                ``(0, 1]``, or ``noise_multiplier`` is invalid.
+        """
+        spec = self.sketch_spec
+        return RandomizedClipDpEvent(
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=sample_rate * self.accumulated_iterations,
+            sketch_spec=spec,
+            threat_model="hidden" if spec is None or spec.supports_hidden else "revealed",
+        )
+
     @property
     def grad_sample_module(self) -> Any:
         """The randomized-clipping grad-sample module this optimizer is tied to."""
@@ -172,6 +204,31 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             else:
                 p.summed_grad = copy.deepcopy(grad)
         self._step_state.consume()
+
+    def clipped_sums(self) -> list[torch.Tensor]:
+        """Each parameter's clipped gradient sum, in :attr:`params` order (``p.summed_grad``)."""
+        return [p.summed_grad for p in self.params]
+
+    def add_noise(self) -> None:
+        """``p.grad = clipped sum + N(0, sigma^2 C^2)``, drawn as :attr:`noise_placement` says.
+
+        The one noise path of every randomized-clipping optimizer:
+        :func:`~opacus_rc.optimizers.noise.add_gaussian_noise`. ``sigma`` is
+        ``noise_multiplier``, or the value Opacus' adaptive clipping sets for the noise only
+        (read by Opacus' own ``add_noise`` too).
+        """
+        sigma = adjusted_noise_multiplier(self)
+        if sigma is None:
+            sigma = self.noise_multiplier
+        add_gaussian_noise(
+            self.params,
+            self.clipped_sums(),
+            std=sigma * self.max_grad_norm,
+            placement=self.noise_placement,
+            generator=self.generator,
+            secure_mode=self.secure_mode,
+            rank=getattr(self, "rank", 0),
+        )
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' ``zero_grad``; also ends the step (issued clip factors, a failed backward).

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from opacus.optimizers import optimizer_fast_gradient_clipping as opacus_fgc
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import opacus_rc.optimizers.noise as noise_module
 import opacus_rc.sketching as sketching
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.privacy_engine import PrivacyEngine
@@ -238,13 +238,14 @@ def test_secure_mode_secure_noise_and_sketch_reseeded_every_step(
     every step; passing a sketch generator is refused."""
     monkeypatch.setitem(sys.modules, "torchcsprng", _FakeCSPRNG())
     calls: list[bool] = []
-    original = opacus_fgc._generate_noise
+    original = noise_module.generate_noise
 
     def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(kwargs["secure_mode"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(opacus_fgc, "_generate_noise", recording)
+    # The one noise path of every randomized-clipping optimizer (opacus_rc/optimizers/noise.py).
+    monkeypatch.setattr(noise_module, "generate_noise", recording)
     engine = PrivacyEngine(secure_mode=True)
     with pytest.raises(ValueError, match="sketch_generator is prohibited in secure mode"):
         make(engine, sketch_generator=torch.Generator())
