@@ -141,7 +141,7 @@ def compute_epsilon(
     Args:
         segments: The runs of steps.
         delta: Target delta in (0, 1).
-        envelope: ``"chi2"`` or ``"chernoff"``.
+        envelope: A registered envelope name (``"chi2"``, ``"schur"`` or ``"chernoff"``).
         eps_error: Epsilon error of the discretisation.
         delta_error: Delta error; default ``delta / 1000``.
 
