@@ -975,6 +975,9 @@ class PrivacyEngine(PrivacyEngineSeams):
     def _check_zero_noise(self, request: _Request, noise_multiplier: Any) -> None:
         """``noise_multiplier=0``: refuse it unless the accountant records it; then warn once.
 
+        A noise multiplier in ``(0, 0.01)`` with the RC accountant is refused too: the
+        accountant records it but computes no epsilon for it (it would fail after the run).
+
         The accountant decides whether a step can be accounted, so it is asked with a probe: a
         copy of it records one noiseless step through its optimizer hook (as every real step
         would) and must then report an infinite epsilon. An accountant that refuses the step
@@ -986,10 +989,24 @@ class PrivacyEngine(PrivacyEngineSeams):
             ValueError: As described, saying what to do.
         """
         try:
-            zero = float(noise_multiplier) == 0.0
+            sigma = float(noise_multiplier)
         except (TypeError, ValueError):
             return  # Opacus' concern (non-numeric noise multipliers are not checked here)
-        if not zero:
+        if self.accountant.mechanism() == "rc" and sigma > 0.0:
+            # Looked up at call time (the accountants are imported lazily, see __init__).
+            smallest = importlib.import_module(
+                "opacus_rc.accountants.analysis.epsilon"
+            ).MIN_NOISE_MULTIPLIER
+            if sigma < smallest:
+                # The accountant records such a step but cannot compute its epsilon: refused
+                # here, not after the run at get_epsilon.
+                raise ValueError(
+                    f"noise_multiplier={sigma:.3g} is outside the range the RC accountant "
+                    f"computes epsilon for: noise_multiplier must be >= {smallest} (or 0, a "
+                    "debugging run without noise, accounted at epsilon = inf). Below it "
+                    "epsilon is far beyond any useful budget; use a larger noise multiplier."
+                )
+        if sigma != 0.0:
             return
         mechanism = self.accountant.mechanism()
         sample_rate = request.sizes.sample_rate

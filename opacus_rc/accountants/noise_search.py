@@ -92,9 +92,13 @@ def get_noise_multiplier(
             message names a larger ``eps_error`` to use.
     """
     if not (_is_number(target_epsilon) and 0.0 < target_epsilon < math.inf):
+        hint = (
+            " (an infinite budget needs no noise: pass noise_multiplier=0 for a debugging run)"
+            if _is_number(target_epsilon) and target_epsilon == math.inf
+            else ""
+        )
         raise ValueError(
-            f"target_epsilon must be a finite number > 0, got {target_epsilon!r} (an infinite "
-            "budget needs no noise: pass noise_multiplier=0 for a debugging run)"
+            f"target_epsilon must be a finite number > 0, got {target_epsilon!r}{hint}"
         )
     target_delta = validate_delta(target_delta)
     q = validate_sample_rate(sample_rate)

@@ -123,6 +123,7 @@ class RCAccountant(IAccountant):
         self.eps_error = float(eps_error)
         self._warned_revealed = False
         self._warned_noiseless = False
+        self._warned_exact_step = False
 
     def mark_revealed_warning_given(self) -> None:
         """Skip the one-time log warning of :meth:`step` for a sketch that is not secret.
@@ -174,12 +175,40 @@ class RCAccountant(IAccountant):
                 without noise).
             sample_rate: Poisson sampling probability of the step, in ``(0, 1]``.
             sketch_spec: The sketch that produced the step's clip factors; ``None`` for exact
-                clipping (e.g. a plain Opacus optimizer).
+                clipping (e.g. a plain Opacus optimizer). On an accountant built with a
+                ``sketch_dim``, ``None`` still means exact clipping (``sketch_dim`` applies to
+                3-tuple history entries only), and the first such call warns: a sketched step
+                must pass its spec (e.g. ``sketch_spec=accountant.sketch_spec``), or its epsilon
+                would be under-reported.
 
         Raises:
             ValueError: on ``noise_multiplier < 0`` (or not finite) or ``sample_rate``
                 outside ``(0, 1]``.
         """
+        warned = getattr(self, "_warned_exact_step", False)
+        if sketch_spec is None and self.sketch_dim is not None and not warned:
+            self._warned_exact_step = True
+            warnings.warn(
+                f"RCAccountant(sketch_dim={self.sketch_dim}).step() without a sketch_spec "
+                "records the step as exact clipping (sketch_dim applies to 3-tuple history "
+                "entries only); if the step's clip factors came from a sketch, pass its spec "
+                "(sketch_spec=accountant.sketch_spec for Hutchinson with this sketch_dim), "
+                "or the epsilon is under-reported",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._record_step(
+            noise_multiplier=noise_multiplier, sample_rate=sample_rate, sketch_spec=sketch_spec
+        )
+
+    def _record_step(
+        self,
+        *,
+        noise_multiplier: float,
+        sample_rate: float,
+        sketch_spec: SketchSpec | Mapping[str, Any] | None,
+    ) -> None:
+        """:meth:`step` without its warning (the optimizer hook reports what it clipped with)."""
         spec = sketch_spec_from(sketch_spec)
         event = RandomizedClipDpEvent(
             noise_multiplier=noise_multiplier,
@@ -284,7 +313,7 @@ class RCAccountant(IAccountant):
             if emit is not None:
                 self.record(emit(sample_rate=sample_rate))
                 return
-            self.step(
+            self._record_step(
                 noise_multiplier=optim.noise_multiplier,
                 sample_rate=sample_rate * optim.accumulated_iterations,
                 sketch_spec=getattr(optim, "sketch_spec", None),

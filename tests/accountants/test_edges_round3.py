@@ -392,3 +392,54 @@ def test_replace_one_conversion_bounds_the_exact_replace_one_epsilon() -> None:
     assert "holds for **add/remove adjacency only**" in docs.read_text()
     for cls in (RCAccountant, PrivacyEngine):
         assert "add/remove* adjacency only" in cls.__doc__ and "replace-one" in cls.__doc__
+
+
+def test_a_manual_step_without_a_spec_on_a_sketched_accountant_warns() -> None:
+    """A new user's report: ``RCAccountant(sketch_dim=32)`` stepped by hand without a spec was
+    accounted as exact clipping (epsilon 12.27 at sigma = 0.5, q = 0.1, 10 steps), while the same
+    accountant reads 3-tuple history as k = 32 (14.55): the user expected k = 32. ``None`` still
+    means exact clipping (the documented meaning, and the optimizer hook's for a plain Opacus
+    optimizer), but the first such call warns and names the fix; following it gives the k = 32
+    epsilon, equal to the 3-tuple history's."""
+    exact = RCAccountant(sketch_dim=32)
+    with pytest.warns(UserWarning, match=r"records the step as exact clipping"):
+        exact.step(noise_multiplier=0.5, sample_rate=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per accountant
+        for _ in range(9):
+            exact.step(noise_multiplier=0.5, sample_rate=0.1)
+    sketched = RCAccountant(sketch_dim=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step with its spec does not warn
+        for _ in range(10):
+            sketched.step(noise_multiplier=0.5, sample_rate=0.1, sketch_spec=sketched.sketch_spec)
+    history = RCAccountant(sketch_dim=32)
+    history.history = [(0.5, 0.1, 10)]
+    eps_exact, eps_sketched = exact.get_epsilon(1e-5), sketched.get_epsilon(1e-5)
+    assert eps_sketched == pytest.approx(history.get_epsilon(1e-5), rel=1e-9)
+    assert eps_sketched > eps_exact + 1.0  # 14.55 vs 12.27: the warning is about a real gap
+    # The optimizer hook of a plain Opacus optimizer (exact clipping) does not warn.
+    hooked = RCAccountant(sketch_dim=32)
+    plain = type("PlainOptimizer", (), {"noise_multiplier": 0.5, "accumulated_iterations": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hooked.get_optimizer_hook_fn(sample_rate=0.1)(plain())
+    assert hooked.history == [(0.5, 0.1, 1, None)]
+
+
+def test_eps_error_inf_and_a_nonpositive_target_get_their_own_messages() -> None:
+    """A new user's report: ``get_epsilon(delta, eps_error=inf)`` went on to a
+    NumericalLimitError about nan (with a numpy RuntimeWarning); ``target_epsilon=0`` or -1 got
+    the hint for an infinite budget ("pass noise_multiplier=0"), which does not apply."""
+    acc = RCAccountant(sketch_dim=32)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=acc.sketch_spec)
+    with pytest.raises(ValueError, match=r"eps_error must be a finite number > 0, got inf"):
+        acc.get_epsilon(1e-5, eps_error=math.inf)
+    for target in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"finite number > 0") as err:
+            get_noise_multiplier(
+                target_epsilon=target, target_delta=1e-5, sample_rate=0.01, steps=10
+            )
+        assert "noise_multiplier=0" not in str(err.value)
+    with pytest.raises(ValueError, match=r"infinite budget needs no noise"):
+        get_noise_multiplier(target_epsilon=math.inf, target_delta=1e-5, sample_rate=0.01, steps=10)

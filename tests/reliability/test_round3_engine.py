@@ -240,6 +240,29 @@ def test_target_epsilon_holds_when_an_epoch_is_one_step_short(
     assert 3.96 <= engine.get_epsilon(1e-5) <= 4.0
 
 
+@pytest.mark.parametrize("clipping", ["randomized", "flat"])
+def test_a_noise_multiplier_below_the_accountants_range_is_refused_at_make_private(
+    clipping: str,
+) -> None:
+    """A new user's report: noise_multiplier = 0.005 with the RC accountant trained, then
+    ``get_epsilon`` raised after the run (the accountant records it but computes no epsilon
+    below 0.01). Now refused at make_private, before any hook, naming the range; 0.01 is
+    accepted."""
+    engine = PrivacyEngine()  # the RC accountant, for both clippings
+    model = MLP()
+    with pytest.raises(ValueError, match=r"noise_multiplier=0.005 .* must be >= 0.01 \(or 0"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(dataset(12), batch_size=B),
+            noise_multiplier=0.005,
+            max_grad_norm=C,
+            clipping=clipping,
+        )
+    assert not hasattr(model, "autograd_grad_sample_hooks")
+    private(DataLoader(dataset(12), batch_size=B), clipping=clipping, noise_multiplier=0.01)
+
+
 # ----------------------------------------------------------------------------------------------
 # Item 3: a parameter outside the model in the optimizer
 # ----------------------------------------------------------------------------------------------

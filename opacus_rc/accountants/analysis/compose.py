@@ -391,8 +391,8 @@ def compose_prvs(
             ``eps_error`` (not a statement about epsilon: increase ``eps_error``).
     """
     delta = validate_delta(delta)
-    if not (isinstance(eps_error, (int, float)) and eps_error > 0.0):
-        raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
+    if not (isinstance(eps_error, (int, float)) and 0.0 < eps_error < math.inf):
+        raise ValueError(f"eps_error must be a finite number > 0, got {eps_error!r}")
     beta = delta / 1000.0 if delta_error is None else float(delta_error)
     if not 0.0 < beta < delta:
         raise ValueError(f"delta_error must be in (0, delta), got {delta_error}")
