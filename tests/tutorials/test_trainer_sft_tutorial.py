@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import run_smoke  # noqa: E402
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -27,25 +28,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tutorials" / "trainer_sft.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("use_trl", [True, False], ids=["DPSFTTrainer", "DPTrainer-no-trl"])
 def test_trainer_sft_tutorial_smoke(tmp_path: Path, use_trl: bool) -> None:
-    env = {
-        **os.environ,
-        "OPACUS_RC_NO_TRL": "0" if use_trl else "1",
-        "OPACUS_RC_SMOKE": "1",
-        "OPACUS_RC_OUTPUTS": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "MPLBACKEND": "Agg",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    run_smoke(
+        SCRIPT, outputs=tmp_path, timeout=900, env={"OPACUS_RC_NO_TRL": "0" if use_trl else "1"}
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-5000:]
     results = json.loads((tmp_path / "trainer_sft.json").read_text())
     dp, plain = results["dp"], results["nonprivate"]
     assert results["smoke"] is True and results["trl"] is use_trl

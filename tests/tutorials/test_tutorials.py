@@ -9,12 +9,13 @@ as the scripts and carry executed outputs.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import run_smoke  # noqa: E402
 
 TUTORIALS_DIR = Path(__file__).resolve().parents[2] / "tutorials"
 TUTORIALS = [
@@ -27,24 +28,7 @@ TUTORIALS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TUTORIALS)
 def test_tutorial_runs_in_smoke_mode(name: str, tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "OPACUS_RC_SMOKE": "1",
-        "OPACUS_RC_OUTPUTS": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "MPLBACKEND": "Agg",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(TUTORIALS_DIR / f"{name}.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-5000:]
+    run_smoke(TUTORIALS_DIR / f"{name}.py", outputs=tmp_path, timeout=900)
     if name == "guide_to_sketched_norm_samplers":
         assert (tmp_path / "sketch_error_vs_k.png").stat().st_size > 0
 

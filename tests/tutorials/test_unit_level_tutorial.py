@@ -13,12 +13,13 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import run_smoke  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tutorials" / "unit_level_long_documents.py"
 
@@ -62,24 +63,7 @@ def test_group_epsilon_not_certified_and_single_window() -> None:
 
 @pytest.mark.slow
 def test_smoke_run(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "OPACUS_RC_SMOKE": "1",
-        "OPACUS_RC_OUTPUTS": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "MPLBACKEND": "Agg",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-5000:]
+    run_smoke(SCRIPT, outputs=tmp_path)
     out = json.loads((tmp_path / "unit_level_results.json").read_text())
     unit, window, none = out["unit"], out["window"], out["none"]
     assert unit["smoke"] is True and unit["settings"]["windows_per_speech"] == 2
