@@ -30,6 +30,33 @@ __all__ = ["DistributedDPDataLoader", "DistributedPoissonSampler", "RandomOnEmpt
 logger = logging.getLogger(__name__)
 
 
+def worker_options(data_loader: DataLoader) -> dict[str, Any]:
+    """The options of ``data_loader`` that a loader rebuilt around it with another sampler keeps.
+
+    Its workers (``num_workers``, ``worker_init_fn``, ``multiprocessing_context``,
+    ``prefetch_factor``, ``persistent_workers``, ``timeout``), ``collate_fn`` and
+    ``pin_memory``, as Opacus' ``DPDataLoader.from_data_loader`` and ``BatchMemoryManager``
+    carry them over; the sampler, batch size, ``drop_last`` and generator are the new
+    loader's concern.
+
+    Args:
+        data_loader: The loader to take them from.
+
+    Returns:
+        Keyword arguments of :class:`torch.utils.data.DataLoader`.
+    """
+    return {
+        "num_workers": data_loader.num_workers,
+        "collate_fn": data_loader.collate_fn,
+        "pin_memory": data_loader.pin_memory,
+        "timeout": data_loader.timeout,
+        "worker_init_fn": data_loader.worker_init_fn,
+        "multiprocessing_context": data_loader.multiprocessing_context,
+        "prefetch_factor": data_loader.prefetch_factor,
+        "persistent_workers": data_loader.persistent_workers,
+    }
+
+
 class DistributedPoissonSampler(DistributedUniformWithReplacementSampler):
     """Opacus' distributed Poisson sampler, but every one of ``num_batches`` batches is yielded
     (an empty index tensor when no record of this rank's shard is sampled), and the ranks'

@@ -74,7 +74,7 @@ from opacus_rc.config import (
     RandomizedClippingConfig,
     validate_noise_multiplier,
 )
-from opacus_rc.data_loader import DistributedDPDataLoader, RandomOnEmptyCollate
+from opacus_rc.data_loader import DistributedDPDataLoader, RandomOnEmptyCollate, worker_options
 from opacus_rc.denoising import make_denoiser
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
@@ -376,16 +376,9 @@ def _poisson_loader(
     return loader_class(
         dataset=data_loader.dataset,
         sample_rate=sample_rate,
-        num_workers=data_loader.num_workers,
-        collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
+        **worker_options(data_loader),
         drop_last=data_loader.drop_last,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
         generator=generator if generator else data_loader.generator,
-        prefetch_factor=data_loader.prefetch_factor,
-        persistent_workers=data_loader.persistent_workers,
         distributed=distributed,
         batch_first=batch_first,
         rand_on_empty=rand_on_empty,

@@ -37,6 +37,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplitting
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from opacus_rc.data_loader import worker_options
 from opacus_rc.validation import validate_sample_rate
 
 __all__ = [
@@ -479,12 +480,5 @@ class UnitBatchMemoryManager(BatchMemoryManager):
                 max_batch_size=self.max_physical_batch_size,
                 optimizer=self.optimizer,
             ),
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
+            **worker_options(loader),
         )
