@@ -292,3 +292,24 @@ def test_hutchpp_per_unit_norms_match_the_oracle() -> None:
     crit = DPLossRandomizedClipping(m, opt, nn.CrossEntropyLoss(), "mean")
     unit_step(m, crit, x, y, UNITS)
     torch.testing.assert_close(m.per_sample_gradient_norms, oracle, rtol=RTOL, atol=0)
+
+
+def test_each_unit_and_each_step_gets_its_own_probe() -> None:
+    """Two units with the same content (one sequence each, identical) in one batch: with one
+    fresh probe draw per unit their sketched norms differ (k = 8, the sketched Linears give a
+    relative spread of about sqrt(2/8) = 0.5 of their share, and two independent Gaussian draws
+    coincide with probability 0); a probe reused across units would give equal norms. The next
+    step's draw differs again (no reuse across steps)."""
+    model = TokenModel()
+    x, y = data(B=1)
+    x, y = x.repeat(2, 1), y.repeat(2, 1)
+    m, opt, crit = private(model, k=8)
+    units = torch.tensor([0, 1])
+    unit_step(m, crit, x, y, units)
+    first = m.per_sample_gradient_norms.clone()
+    assert first.shape == (2,)
+    assert (first[0] - first[1]).abs() > 1e-6 * first.abs().max()
+    opt.zero_grad()
+    unit_step(m, crit, x, y, units)
+    second = m.per_sample_gradient_norms.clone()
+    assert ((second - first).abs() > 1e-6 * first.abs().max()).all()
