@@ -32,15 +32,22 @@ randomized-clipping module runs on every submodule before attaching hooks
 whose forward takes optional or non-tensor inputs (``nn.EmbeddingBag(input, offsets,
 per_sample_weights)``), the function that turns one call's inputs into the list of tensors that
 is stored for the backward hook (and read by that type's sampler).
+
+Each table is an :class:`~opacus_rc.registry.TypeRegistry` (the package's one registry helper,
+a ``dict`` from exact module type to function): ``table[nn.Linear]``, ``type in table`` and
+``table.get(type)`` (``None`` when unregistered) behave as on a ``dict``, and every
+``register_*`` function is that registry's :meth:`~opacus_rc.registry.TypeRegistry.register_types`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from opacus_rc.registry import TypeRegistry
 
 __all__ = [
     "CLIPPED_SUM_FUNCTIONS",
@@ -77,7 +84,9 @@ class SketchedNormSampler(Protocol):
 
 #: Exact module type -> sketched norm sampler. Lookup is by ``type(module)``, as in Opacus, so
 #: subclasses of a registered type are not matched (they fall back to exact norms).
-SKETCHED_NORM_SAMPLERS: dict[type[nn.Module], SketchedNormSampler] = {}
+SKETCHED_NORM_SAMPLERS: TypeRegistry[SketchedNormSampler] = TypeRegistry(
+    "sketched norm sampler", base=nn.Module, base_name="nn.Module"
+)
 
 
 #: The types of :data:`SKETCHED_NORM_SAMPLERS` whose sampler is exact (registered with
@@ -115,7 +124,7 @@ def register_sketched_norm_sampler(
     """
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
-    register = _registration(SKETCHED_NORM_SAMPLERS, module_types, force, "a sketched norm sampler")
+    register = SKETCHED_NORM_SAMPLERS.register_types(*module_types, force=force)
 
     def decorator(fn: SketchedNormSampler) -> SketchedNormSampler:
         register(fn)
@@ -149,7 +158,9 @@ class ClippedSumFunction(Protocol):
 #: Exact module type -> clipped-sum function. Used for module types whose norms come from
 #: :data:`SKETCHED_NORM_SAMPLERS`: a sketched type without an entry here makes the randomized-
 #: clipping module fall back to two backward passes.
-CLIPPED_SUM_FUNCTIONS: dict[type[nn.Module], ClippedSumFunction] = {}
+CLIPPED_SUM_FUNCTIONS: TypeRegistry[ClippedSumFunction] = TypeRegistry(
+    "clipped-sum function", base=nn.Module, base_name="nn.Module"
+)
 
 
 def register_clipped_sum(
@@ -189,7 +200,7 @@ def register_clipped_sum(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has a function and ``force`` is ``False``.
     """
-    return _registration(CLIPPED_SUM_FUNCTIONS, module_types, force, "a clipped-sum function")
+    return CLIPPED_SUM_FUNCTIONS.register_types(*module_types, force=force)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +216,9 @@ class ModuleCheck(Protocol):
 
 #: Exact module type -> check that raises for a configuration of that type which randomized
 #: clipping cannot make private (e.g. ``nn.Embedding(max_norm=...)``).
-MODULE_CHECKS: dict[type[nn.Module], ModuleCheck] = {}
+MODULE_CHECKS: TypeRegistry[ModuleCheck] = TypeRegistry(
+    "module check", base=nn.Module, base_name="nn.Module"
+)
 
 
 def register_module_check(
@@ -234,7 +247,7 @@ def register_module_check(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has a check and ``force`` is ``False``.
     """
-    return _registration(MODULE_CHECKS, module_types, force, "a module check")
+    return MODULE_CHECKS.register_types(*module_types, force=force)
 
 
 def check_modules(module: nn.Module) -> None:
@@ -266,7 +279,9 @@ class ForwardInputAdapter(Protocol):
 
 #: Exact module type -> forward-input adapter. Types without one store their positional tensor
 #: inputs unchanged (Opacus' behaviour).
-FORWARD_INPUT_ADAPTERS: dict[type[nn.Module], ForwardInputAdapter] = {}
+FORWARD_INPUT_ADAPTERS: TypeRegistry[ForwardInputAdapter] = TypeRegistry(
+    "forward-input adapter", base=nn.Module, base_name="nn.Module"
+)
 
 
 def register_forward_input_adapter(
@@ -296,40 +311,4 @@ def register_forward_input_adapter(
         TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
         ValueError: If a type already has an adapter and ``force`` is ``False``.
     """
-    return _registration(FORWARD_INPUT_ADAPTERS, module_types, force, "a forward-input adapter")
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _registration(
-    table: dict[type[nn.Module], Any],
-    module_types: tuple[type[nn.Module], ...],
-    force: bool,
-    what: str,
-) -> Callable[[_F], _F]:
-    """The decorator of both ``register_*`` functions: validate, then put ``fn`` in ``table``.
-
-    Raises:
-        TypeError: If no module type is given or one is not an ``nn.Module`` subclass.
-        ValueError: (when decorating) if a type already has an entry and ``force`` is False.
-    """
-    if not module_types:
-        raise TypeError(f"registering {what} needs at least one module type")
-    for module_type in module_types:
-        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise TypeError(f"expected an nn.Module subclass, got {module_type!r}")
-
-    def decorator(fn: _F) -> _F:
-        if not force:
-            taken = [t for t in module_types if t in table]
-            if taken:
-                names = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in taken)
-                raise ValueError(
-                    f"duplicate registration of {what} for {names}; pass force=True to replace it"
-                )
-        for module_type in module_types:
-            table[module_type] = fn
-        return fn
-
-    return decorator
+    return FORWARD_INPUT_ADAPTERS.register_types(*module_types, force=force)

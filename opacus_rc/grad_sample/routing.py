@@ -45,6 +45,7 @@ from typing import Any
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from torch import nn
 
+from opacus_rc.registry import TypeRegistry
 from opacus_rc.sketching import SketchSpec
 
 __all__ = [
@@ -82,12 +83,11 @@ def _layer_norm_without_bias(layer: nn.Module) -> str | None:
 #: grad sampler of that type is not faithful (found by the oracle sweep,
 #: tests/reliability/test_round3_grad_samplers.py). Such a module takes the functorch path,
 #: whose per-sample gradients replay the module's own forward.
-OPACUS_SAMPLER_LIMITS: dict[type[nn.Module], Callable[[nn.Module], str | None]] = {
-    nn.Conv1d: _conv_padding_mode,
-    nn.Conv2d: _conv_padding_mode,
-    nn.Conv3d: _conv_padding_mode,
-    nn.LayerNorm: _layer_norm_without_bias,
-}
+OPACUS_SAMPLER_LIMITS: TypeRegistry[Callable[[nn.Module], str | None]] = TypeRegistry(
+    "sampler limit", base=nn.Module, base_name="nn.Module"
+)
+OPACUS_SAMPLER_LIMITS.register_types(nn.Conv1d, nn.Conv2d, nn.Conv3d)(_conv_padding_mode)
+OPACUS_SAMPLER_LIMITS.register(nn.LayerNorm, _layer_norm_without_bias)
 
 
 class UnsupportedModuleError(NotImplementedError):

@@ -50,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc._compat.opacus import wrapped_module
+from opacus_rc.registry import qualified_name
 
 __all__ = [
     "TOKENWISE_TYPES",
@@ -66,7 +67,8 @@ _DISTRIBUTED = (DistributedDataParallel, DifferentiallyPrivateDistributedDataPar
 #: Qualified names (``module.qualname``) of module types whose forward acts on each position
 #: independently with shared parameters, so that packing a unit's sequences along the position
 #: axis gives the unit's summed gradient (see the module docstring). Extend with
-#: :func:`register_tokenwise`. Names, not classes, so that ``transformers`` is not imported.
+#: :func:`register_tokenwise`. Names, not classes, so that ``transformers`` is not imported: a
+#: set of :func:`~opacus_rc.registry.qualified_name` strings, not a registry of functions.
 TOKENWISE_TYPES: set[str] = {
     "torch.nn.modules.linear.Linear",
     "torch.nn.modules.sparse.Embedding",
@@ -83,10 +85,6 @@ TOKENWISE_TYPES: set[str] = {
 }
 
 
-def _type_name(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
 def register_tokenwise(module_type: type[nn.Module]) -> type[nn.Module]:
     """Declare ``module_type`` token-wise (usable as a class decorator).
 
@@ -97,7 +95,7 @@ def register_tokenwise(module_type: type[nn.Module]) -> type[nn.Module]:
     Returns:
         ``module_type``, unchanged.
     """
-    TOKENWISE_TYPES.add(_type_name(module_type))
+    TOKENWISE_TYPES.add(qualified_name(module_type))
     return module_type
 
 
@@ -115,7 +113,7 @@ def check_unit_routes(model: nn.Module) -> None:
         f"'{name or '<root>'}' ({type(m).__name__})"
         for name, m in model.named_modules()
         if any(p.requires_grad for p in m.parameters(recurse=False))
-        and _type_name(type(m)) not in TOKENWISE_TYPES
+        and qualified_name(type(m)) not in TOKENWISE_TYPES
     ]
     if bad:
         raise NotImplementedError(

@@ -1,0 +1,122 @@
+"""The one registry helper (opacus_rc.registry): name-keyed, type-keyed and pair-keyed tables."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from opacus_rc.grad_sample import (
+    CLIPPED_SUM_FUNCTIONS,
+    FORWARD_INPUT_ADAPTERS,
+    MODULE_CHECKS,
+    SKETCHED_NORM_SAMPLERS,
+    register_module_check,
+)
+from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
+from opacus_rc.grad_sample.routing import OPACUS_SAMPLER_LIMITS
+from opacus_rc.optimizers import (
+    OPTIMIZERS,
+    RandomizedClipOptimizer,
+    get_optimizer_class,
+    register_optimizer,
+)
+from opacus_rc.registry import Registry, TypeRegistry, qualified_name
+
+
+def _fn() -> None:
+    return None
+
+
+def test_type_registry_is_exact_type_and_misses_return_none() -> None:
+    table: TypeRegistry = TypeRegistry("layer check", base=nn.Module, base_name="nn.Module")
+
+    class Sub(nn.Linear):
+        pass
+
+    table.register_types(nn.Linear, nn.Conv1d)(_fn)
+    assert table[nn.Linear] is _fn and table.get(nn.Conv1d) is _fn
+    # Exact type, not the MRO: a subclass may change forward, so it is not matched.
+    assert table.get(Sub) is None and Sub not in table
+    assert table.get(nn.ReLU, "fallback") == "fallback"
+    assert list(table) == [nn.Linear, nn.Conv1d]
+
+
+def test_type_registry_refuses_and_registers_nothing_on_a_clash() -> None:
+    table: TypeRegistry = TypeRegistry("layer check", base=nn.Module, base_name="nn.Module")
+    table.register(nn.Linear, _fn)
+    with pytest.raises(TypeError, match=r"layer check is registered for nn.Module subclasses"):
+        table.register_types(nn.Conv1d, int)
+    with pytest.raises(TypeError, match="at least one module type"):
+        table.register_types()
+    with pytest.raises(TypeError, match="layer check must be callable, got int"):
+        table.register_types(nn.Conv1d)(3)  # type: ignore[type-var]
+    other = lambda m: None  # noqa: E731
+    with pytest.raises(
+        ValueError,
+        match=r"duplicate registration for layer check torch\.nn\.modules\.linear\.Linear "
+        r"\(already registered\); pass force=True",
+    ):
+        table.register_types(nn.Conv1d, nn.Linear)(other)
+    assert nn.Conv1d not in table and table[nn.Linear] is _fn  # all or none
+    table.register_types(nn.Conv1d, nn.Linear, force=True)(other)
+    assert table[nn.Linear] is other and table[nn.Conv1d] is other
+
+
+def test_name_registry_messages_are_unchanged() -> None:
+    laws: Registry = Registry("law", option="law")
+    laws.register("flat", _fn)
+    with pytest.raises(ValueError, match=r"^unknown law 'steep'; allowed: 'flat'$"):
+        laws.get("steep")
+    with pytest.raises(ValueError, match=r"^duplicate registration for law 'flat' \(already"):
+        laws.register("flat", _fn)
+    with pytest.raises(TypeError, match="law name must be a non-empty str"):
+        laws.register("", _fn)
+
+
+def test_every_grad_sample_table_is_the_type_registry() -> None:
+    for table in (
+        SKETCHED_NORM_SAMPLERS,
+        CLIPPED_SUM_FUNCTIONS,
+        MODULE_CHECKS,
+        FORWARD_INPUT_ADAPTERS,
+        STASH_GRAD_SAMPLERS,
+        OPACUS_SAMPLER_LIMITS,
+    ):
+        assert isinstance(table, TypeRegistry), table
+    assert set(OPACUS_SAMPLER_LIMITS) == {nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm}
+    assert set(STASH_GRAD_SAMPLERS) == {nn.Linear}
+
+
+def test_register_module_check_through_the_helper() -> None:
+    class Mine(nn.Linear):
+        pass
+
+    try:
+        register_module_check(Mine)(_fn)
+        assert MODULE_CHECKS.get(Mine) is _fn
+        with pytest.raises(ValueError, match=rf"duplicate registration.*{qualified_name(Mine)}"):
+            register_module_check(Mine)(_fn)
+    finally:
+        MODULE_CHECKS.pop(Mine, None)
+
+
+def test_optimizer_registry_keys_and_errors() -> None:
+    assert get_optimizer_class("randomized", distributed=0) is RandomizedClipOptimizer  # type: ignore[arg-type]
+    assert OPTIMIZERS[("randomized", False)] is RandomizedClipOptimizer
+    # Re-registering the registered class is a no-op; another class needs force=True.
+    register_optimizer("randomized", distributed=False)(RandomizedClipOptimizer)
+    with pytest.raises(
+        ValueError,
+        match=r"duplicate registration for DP optimizer \(clipping='randomized', "
+        r"distributed=False\) \(already registered\); pass force=True",
+    ):
+        register_optimizer("randomized", distributed=False)(type("Other", (), {}))
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown DP optimizer \(clipping='ghost', distributed=False\); allowed: "
+        r"\(clipping='randomized', distributed=False\)",
+    ):
+        get_optimizer_class("ghost", distributed=False)
+    with pytest.raises(TypeError, match="registered for \\(clipping: str"):
+        register_optimizer("", distributed=False)
+    assert OPTIMIZERS[("randomized", False)] is RandomizedClipOptimizer
