@@ -21,6 +21,12 @@ The Opacus-compatible ``history`` of :class:`~opacus_rc.accountants.rc.RCAccount
 plain tuples (safe for ``torch.load(weights_only=True)``); :func:`event_from_history_entry` is
 the one place where such a tuple, including Opacus' own ``(noise_multiplier, sample_rate,
 steps)``, becomes an event, and :func:`history_entry` the inverse.
+
+:func:`accounted_threat_model` is the one place where the threat model of a step is chosen from
+its sketch (the optimizer's :meth:`~opacus_rc.optimizers.RandomizedClipOptimizer.dp_event`, the
+event's own check, the history adapter and
+:meth:`~opacus_rc.accountants.rc.RCAccountant.threat_model_for` all call it), and
+:func:`optimizer_step_event` the one place where the step of an optimizer becomes an event.
 """
 
 from __future__ import annotations
@@ -37,10 +43,47 @@ from opacus_rc.validation import validate_choice, validate_noise_multiplier, val
 
 __all__ = [
     "RandomizedClipDpEvent",
+    "accounted_threat_model",
     "event_from_history_entry",
     "history_entry",
+    "optimizer_step_event",
     "sketch_spec_from",
 ]
+
+
+def accounted_threat_model(sketch_spec: SketchSpec | None, *, requested: str = "hidden") -> str:
+    """The threat model a step with ``sketch_spec`` is accounted under when ``requested`` is asked.
+
+    (docs/privacy/threat_models.md#threat-models):
+
+    * exact clipping (``sketch_spec=None``): ``"hidden"``; ``S = 1`` and both models coincide;
+    * a sketch that is shared across samples or not secret (``supports_hidden`` False):
+      ``"revealed"``, the only model that holds for it;
+    * otherwise ``requested``.
+
+    Example:
+        >>> from opacus_rc.sketching import SketchSpec
+        >>> spec = SketchSpec("hutchinson", 32)
+        >>> accounted_threat_model(spec), accounted_threat_model(spec, requested="revealed")
+        ('hidden', 'revealed')
+        >>> accounted_threat_model(None, requested="revealed")
+        'hidden'
+
+    Args:
+        sketch_spec: The step's sketch, or ``None`` for exact clipping.
+        requested: ``"hidden"`` (default, the strongest the sketch may support) or
+            ``"revealed"``, e.g. the accountant's ``threat_model``.
+
+    Returns:
+        ``"hidden"`` or ``"revealed"``.
+
+    Raises:
+        ValueError: If ``requested`` is not a threat model (:data:`THREAT_MODELS`).
+    """
+    validate_choice("threat_model", requested, THREAT_MODELS)
+    if sketch_spec is None:
+        return "hidden"
+    return requested if sketch_spec.supports_hidden else "revealed"
 
 
 def sketch_spec_from(value: SketchSpec | Mapping[str, Any] | None) -> SketchSpec | None:
@@ -98,10 +141,10 @@ class RandomizedClipDpEvent:
         object.__setattr__(self, "sample_rate", validate_sample_rate(self.sample_rate))
         spec = sketch_spec_from(self.sketch_spec)
         object.__setattr__(self, "sketch_spec", spec)
-        validate_choice("threat_model", self.threat_model, THREAT_MODELS)
+        mode = accounted_threat_model(spec, requested=self.threat_model)
         if spec is None:
-            object.__setattr__(self, "threat_model", "hidden")
-        elif self.threat_model == "hidden" and not spec.supports_hidden:
+            object.__setattr__(self, "threat_model", mode)
+        elif mode != self.threat_model:  # "hidden" asked for a sketch that only has "revealed"
             raise ValueError(
                 "the 'hidden' threat model needs per-sample, secret sketches "
                 "(docs/privacy/threat_models.md#threat-models); "
@@ -168,8 +211,41 @@ def event_from_history_entry(
         or int(steps) != steps
     ):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")
-    mode = threat_model if spec is None or spec.supports_hidden else "revealed"
+    mode = accounted_threat_model(spec, requested=threat_model)
     event = RandomizedClipDpEvent(
         noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
     )
     return event, int(steps)
+
+
+def optimizer_step_event(optimizer: Any, *, sample_rate: float) -> RandomizedClipDpEvent:
+    """The event of the step an Opacus ``DPOptimizer`` just took (what its accountant composes).
+
+    An optimizer that emits its step's event (``optimizer.dp_event(sample_rate=...)``, as
+    :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` does) is asked for it. Any other (a
+    plain Opacus ``DPOptimizer``) is read through Opacus' public optimizer interface, as Opacus'
+    own accountant hook reads it: ``sigma = optimizer.noise_multiplier``,
+    ``q = sample_rate * optimizer.accumulated_iterations``, the sketch its ``sketch_spec``
+    attribute (``None``, exact clipping, if it has none), the threat model
+    :func:`accounted_threat_model` of that sketch.
+
+    Args:
+        optimizer: The optimizer (``DPOptimizer`` or anything with ``dp_event``).
+        sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``.
+
+    Returns:
+        The step's event.
+
+    Raises:
+        ValueError: On an invalid noise multiplier or sample rate (as the event).
+    """
+    emit = getattr(optimizer, "dp_event", None)
+    if emit is not None:
+        return emit(sample_rate=sample_rate)
+    spec = sketch_spec_from(getattr(optimizer, "sketch_spec", None))
+    return RandomizedClipDpEvent(
+        noise_multiplier=optimizer.noise_multiplier,
+        sample_rate=sample_rate * optimizer.accumulated_iterations,
+        sketch_spec=spec,
+        threat_model=accounted_threat_model(spec),
+    )

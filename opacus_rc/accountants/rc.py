@@ -41,8 +41,10 @@ from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compu
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.accountants.events import (
     RandomizedClipDpEvent,
+    accounted_threat_model,
     event_from_history_entry,
     history_entry,
+    optimizer_step_event,
     sketch_spec_from,
 )
 from opacus_rc.sketching import SketchSpec
@@ -197,18 +199,6 @@ class RCAccountant(IAccountant):
                 UserWarning,
                 stacklevel=2,
             )
-        self._record_step(
-            noise_multiplier=noise_multiplier, sample_rate=sample_rate, sketch_spec=sketch_spec
-        )
-
-    def _record_step(
-        self,
-        *,
-        noise_multiplier: float,
-        sample_rate: float,
-        sketch_spec: SketchSpec | Mapping[str, Any] | None,
-    ) -> None:
-        """:meth:`step` without its warning (the optimizer hook reports what it clipped with)."""
         spec = sketch_spec_from(sketch_spec)
         event = RandomizedClipDpEvent(
             noise_multiplier=noise_multiplier,
@@ -298,26 +288,19 @@ class RCAccountant(IAccountant):
         return self
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
-        """Step hook for an Opacus ``DPOptimizer``: reports sigma, ``q`` and the sketch spec.
+        """Step hook for an Opacus ``DPOptimizer``: composes the event of the step it took.
 
-        An optimizer that emits its step's event (``optim.dp_event(sample_rate=...)``, as
-        :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` does) has that event composed
-        (:meth:`record`); nothing else of the optimizer is read. For any other (a plain Opacus
-        optimizer): ``q = sample_rate * optim.accumulated_iterations`` as in Opacus, and the
-        sketch spec is the optimizer's ``sketch_spec`` attribute (``None``, exact clipping, if
-        it has none).
+        The event is the optimizer's own
+        (:func:`~opacus_rc.accountants.events.optimizer_step_event`:
+        ``optim.dp_event(sample_rate=...)``, as
+        :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` emits it; for a plain Opacus
+        optimizer, the event of its ``noise_multiplier``, ``sample_rate *
+        accumulated_iterations`` and exact clipping, as Opacus' hook reads them), and is
+        composed by :meth:`record`; the accountant reads nothing else of the optimizer.
         """
 
         def hook_fn(optim: Any) -> None:
-            emit = getattr(optim, "dp_event", None)
-            if emit is not None:
-                self.record(emit(sample_rate=sample_rate))
-                return
-            self._record_step(
-                noise_multiplier=optim.noise_multiplier,
-                sample_rate=sample_rate * optim.accumulated_iterations,
-                sketch_spec=getattr(optim, "sketch_spec", None),
-            )
+            self.record(optimizer_step_event(optim, sample_rate=sample_rate))
 
         return hook_fn
 
@@ -329,8 +312,9 @@ class RCAccountant(IAccountant):
     def threat_model_for(self, sketch_spec: SketchSpec | None, *, warn: bool = False) -> str:
         """The threat model this accountant accounts a step with sketch ``sketch_spec`` under.
 
-        The constructor's ``threat_model`` for a sketch that supports it, ``"revealed"`` for a
-        sketch that is shared across samples or not secret (``supports_hidden`` is False), and
+        :func:`~opacus_rc.accountants.events.accounted_threat_model` with the constructor's
+        ``threat_model`` requested: that model for a sketch that supports it, ``"revealed"`` for
+        a sketch that is shared across samples or not secret (``supports_hidden`` is False), and
         ``"hidden"`` for exact clipping (``sketch_spec=None``, where both models coincide).
 
         Args:
@@ -343,18 +327,17 @@ class RCAccountant(IAccountant):
             :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` :meth:`compose`
             accepts for this sketch.
         """
-        spec = sketch_spec
-        if spec is None or self.threat_model == "revealed" or spec.supports_hidden:
-            return self.threat_model if spec is not None else "hidden"
-        if warn and not self._warned_revealed:
+        mode = accounted_threat_model(sketch_spec, requested=self.threat_model)
+        downgraded = sketch_spec is not None and mode != self.threat_model
+        if downgraded and warn and not self._warned_revealed:
             logger.warning(
                 "a step used a sketch that is shared across samples or not secret (%s); its "
                 "privacy is accounted with the 'revealed' threat model "
                 "(docs/privacy/threat_models.md#threat-models)",
-                spec.to_dict(),
+                sketch_spec.to_dict(),
             )
             self._warned_revealed = True
-        return "revealed"
+        return mode
 
     def clear(self) -> None:
         """Empty the ledger (``history``); the configuration is kept."""

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
-from opacus_rc.accountants.events import RandomizedClipDpEvent
+from opacus_rc.accountants.events import RandomizedClipDpEvent, accounted_threat_model
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
@@ -157,8 +157,10 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         ``sigma`` is :attr:`noise_multiplier` (what is accounted; Opacus' adaptive clipping
         may noise with more, never less), ``q = sample_rate * accumulated_iterations`` (as
         Opacus' accountants compute it), the sketch is :attr:`sketch_spec`, and the threat
-        model is the strongest the sketch supports (``"hidden"`` for per-sample, secret
-        sketches, else ``"revealed"``; an accountant built for ``"revealed"`` accounts it so).
+        model is the strongest the sketch supports
+        (:func:`~opacus_rc.accountants.events.accounted_threat_model`: ``"hidden"`` for
+        per-sample, secret sketches, else ``"revealed"``; an accountant built for
+        ``"revealed"`` accounts it so).
 
         Args:
             sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``.
@@ -175,7 +177,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             noise_multiplier=self.noise_multiplier,
             sample_rate=sample_rate * self.accumulated_iterations,
             sketch_spec=spec,
-            threat_model="hidden" if spec is None or spec.supports_hidden else "revealed",
+            threat_model=accounted_threat_model(spec),
         )
 
     @property

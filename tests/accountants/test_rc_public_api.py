@@ -64,3 +64,41 @@ def test_clear_empties_the_ledger_only() -> None:
 def test_state_dict_stores_config() -> None:
     acc = RCAccountant(sketch_dim=3, threat_model="revealed")
     assert acc.state_dict()["rc_config"] == acc.config()
+
+
+@pytest.mark.parametrize("requested", ["hidden", "revealed"])
+@pytest.mark.parametrize(
+    "spec", [None, SECRET, SEEDED, SHARED], ids=["exact", "secret", "seeded", "shared"]
+)
+def test_every_threat_model_choice_is_the_one_function(
+    requested: str, spec: SketchSpec | None
+) -> None:
+    """The optimizer's event, the history adapter, the accountant and a plain optimizer's event
+    all choose the threat model by accounted_threat_model (one rule, one place)."""
+    from types import SimpleNamespace
+
+    from opacus_rc.accountants.events import (
+        accounted_threat_model,
+        event_from_history_entry,
+        optimizer_step_event,
+    )
+    from opacus_rc.optimizers import RandomizedClipOptimizer
+
+    # The rule, written out: exact clipping is "hidden"; a non-secret or shared sketch only
+    # has "revealed"; otherwise the requested model.
+    expected = "hidden" if spec is None else (requested if spec is SECRET else "revealed")
+    assert accounted_threat_model(spec, requested=requested) == expected
+    assert RCAccountant(threat_model=requested).threat_model_for(spec) == expected
+    entry = (1.0, 0.01, 3, None if spec is None else spec.to_dict())
+    event, _ = event_from_history_entry(entry, default_spec=None, threat_model=requested)
+    assert event.threat_model == expected
+    optim = SimpleNamespace(noise_multiplier=1.0, accumulated_iterations=2, sketch_spec=spec)
+    strongest = accounted_threat_model(spec)
+    emitted = RandomizedClipOptimizer.dp_event(optim, sample_rate=0.01)  # type: ignore[arg-type]
+    assert (emitted.threat_model, emitted.sample_rate) == (strongest, 0.02)
+    plain = optimizer_step_event(SimpleNamespace(**vars(optim)), sample_rate=0.01)
+    assert plain == emitted
+    emitter = SimpleNamespace(dp_event=lambda *, sample_rate: (emitted, sample_rate))
+    assert optimizer_step_event(emitter, sample_rate=0.5) == (emitted, 0.5)  # asked, not read
+    with pytest.raises(ValueError, match="threat_model must be one of"):
+        accounted_threat_model(spec, requested="secret")
