@@ -256,6 +256,7 @@ def run_canary_audit(
         The counts; call :meth:`CanaryAuditResult.lower_bound` for epsilon lower bounds.
     """
     from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
+    from opacus_rc.grad_sample.clip import clip_factors
     from opacus_rc.optimizers import (
         DPLossRandomizedClipping,
         RandomizedClipOptimizer,
@@ -309,7 +310,7 @@ def run_canary_audit(
             x[m:, 0, 1:] = torch.randn(background, in_features - 1, generator=data_gen)
             target[m:, 0] = torch.randn(background, 2 * m, generator=data_gen)
             crit(gsm(x), target).backward()
-            contribution = (C / (gsm.per_sample_gradient_norms[:m] + 1e-6)).clamp(max=1.0)
+            contribution = clip_factors(gsm.per_sample_gradient_norms[:m], max_grad_norm=C)
             contribution = contribution * canary_norm / C
             total += float(contribution.sum())
             largest = max(largest, float(contribution.max()))

@@ -1,7 +1,9 @@
-"""Where the clip factors are applied: one function, :func:`apply_clip_factors`.
+"""The clip factor: made by :func:`clip_factors`, applied by :func:`apply_clip_factors`.
 
-The clip factors ``c_i = min(1, C / (n_hat_i + 1e-6))`` are made in one place
-(:meth:`~opacus_rc.grad_sample.step.StepState.issue_clip_factors`) and applied in this one: the
+The clip factors ``c_i = min(1, C / (n_hat_i + 1e-6))`` are computed by one function,
+:func:`clip_factors` (called when a step issues them,
+:meth:`~opacus_rc.grad_sample.step.StepState.issue_clip_factors`, and by the canary audit,
+:func:`~opacus_rc.auditing.run_canary_audit`), and applied by one, :func:`apply_clip_factors`: the
 two-pass loss weights its per-sample losses (``sum_i c_i loss_i``,
 :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`), and book-keeping weights each layer's
 per-sample tensors (the output gradients of ``nn.Linear`` and ``nn.Embedding``, the per-id
@@ -17,7 +19,32 @@ import torch
 
 from opacus_rc.sketching import autocast_off
 
-__all__ = ["apply_clip_factors"]
+__all__ = ["CLIP_EPSILON", "apply_clip_factors", "clip_factors"]
+
+#: Added to the norm before dividing, as Opacus does (``max_grad_norm / (norm + 1e-6)`` in
+#: ``opacus.optimizers.DPOptimizer.clip_and_accumulate``): a zero norm gets a finite factor, 1.
+CLIP_EPSILON = 1e-6
+
+
+def clip_factors(norms: torch.Tensor, *, max_grad_norm: float) -> torch.Tensor:
+    """The clip factors ``c_i = min(1, C / (n_hat_i + 1e-6))`` of per-sample norms.
+
+    Opacus' formula (``DPOptimizer.clip_and_accumulate``); with it ``c_i n_hat_i <= C`` for
+    every sample, so the clipped contribution of the norm the step measured is at most ``C``.
+
+    Example:
+        >>> clip_factors(torch.tensor([0.5, 2.0, 0.0], dtype=torch.float64), max_grad_norm=1.0)
+        tensor([1.0000, 0.5000, 1.0000], dtype=torch.float64)
+
+    Args:
+        norms: ``n_hat``, shape ``(B,)``, the per-sample gradient norms (not squared), finite
+            and >= 0.
+        max_grad_norm: ``C`` > 0.
+
+    Returns:
+        ``(B,)`` factors in ``(0, 1]``, in the dtype of ``norms``.
+    """
+    return (max_grad_norm / (norms + CLIP_EPSILON)).clamp(max=1.0)
 
 
 def apply_clip_factors(

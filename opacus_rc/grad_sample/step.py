@@ -31,6 +31,7 @@ from torch import nn
 
 from opacus_rc._compat.torch import in_backward
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
+from opacus_rc.grad_sample.clip import clip_factors
 
 __all__ = ["StepPhase", "StepProtocolError", "StepState"]
 
@@ -322,7 +323,7 @@ class StepState:
                     f"book-keeping: parameters {lacking[:5]} have a per-sample norm but no "
                     "stored tensors for their clipped gradient sum; this step cannot be clipped"
                 )
-        coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = clip_factors(norm, max_grad_norm=max_grad_norm)
         self.per_sample_gradient_norms = norm
         self.last_norm_samples = dict(self._norms)
         self._clipped = frozenset(id(p) for p in self._norms)

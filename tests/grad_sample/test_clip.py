@@ -1,5 +1,7 @@
-"""The clip factors are applied by one function (opacus_rc/grad_sample/clip.py).
+"""The clip factors are made by one function and applied by one (opacus_rc/grad_sample/clip.py).
 
+* :func:`clip_factors` against a float64 oracle and bit for bit against the expression the
+  step and the canary audit each wrote before;
 * its arithmetic against float64 oracles (scale, batch sum, rows of a sample, in place for
   ``B = 1``) and the expressions each caller used before (bit for bit);
 * one path: with every caller's ``apply_clip_factors`` replaced by one that applies ``c = 0``,
@@ -20,10 +22,25 @@ import torch
 from torch import nn
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.grad_sample.clip import apply_clip_factors
+from opacus_rc.grad_sample.clip import CLIP_EPSILON, apply_clip_factors, clip_factors
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
+
+
+def test_clip_factors_against_float64_oracle_and_the_former_expression() -> None:
+    g = torch.Generator().manual_seed(4)
+    norms = torch.cat([torch.zeros(1), torch.rand(7, generator=g) * 3.0]).double()
+    C = 1.3
+    oracle = [min(1.0, C / (float(n) + 1e-6)) for n in norms]  # Opacus' min(1, C / (n + 1e-6))
+    out = clip_factors(norms, max_grad_norm=C)
+    assert out.dtype == torch.float64 and CLIP_EPSILON == 1e-6
+    assert out.tolist() == pytest.approx(oracle, rel=1e-15, abs=0)
+    assert out[0] == 1.0 and bool((out * norms <= C).all())  # c_i n_i <= C, zero norm finite
+    # Bit for bit what step.py and auditing.py computed inline before.
+    assert torch.equal(out, (C / (norms + 1e-6)).clamp(max=1.0))
+    f32 = norms.float()
+    assert torch.equal(clip_factors(f32, max_grad_norm=C), (C / (f32 + 1e-6)).clamp(max=1.0))
 
 
 def test_scale_and_sum_against_float64_oracle() -> None:
