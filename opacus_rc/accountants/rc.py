@@ -22,13 +22,22 @@ weights_only=True)`` checkpoints work) and read back as typed events by
 
 RDP and GDP are never used: the RDP of randomized clipping is infinite
 (docs/privacy/heavy_tails.md#heavy-tails-rdp).
+
+Why one module: it holds one concept, the Opacus ``IAccountant`` of mechanism ``"rc"``, whose
+methods Opacus' interface fixes (``step``, ``get_epsilon``, ``get_optimizer_hook_fn``,
+``state_dict`` / ``load_state_dict``, ``mechanism``, ``len``) and which all read or write the
+one ledger, ``history``. Each method is a thin layer over the module that owns its concept:
+the events and the threat-model choice are :mod:`~opacus_rc.accountants.events`, the epsilon
+(both directions, and the replace-one conversion) is
+:mod:`~opacus_rc.accountants.analysis.epsilon`, the composition is
+:mod:`~opacus_rc.accountants.analysis.compose`; what stays here is the ledger's bookkeeping
+(recording, merging, reading back, checkpointing) and the one-time warnings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -37,7 +46,12 @@ from typing import Any
 from opacus.accountants.accountant import IAccountant
 
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
-from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compute_epsilon
+from opacus_rc.accountants.analysis.epsilon import (
+    EpsilonReport,
+    Segment,
+    compute_epsilon,
+    compute_epsilon_replace_one,
+)
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
 from opacus_rc.accountants.events import (
     RandomizedClipDpEvent,
@@ -448,18 +462,10 @@ class RCAccountant(IAccountant):
     ) -> float:
         """An upper bound on epsilon under *replace-one* adjacency (one record's value changed).
 
-        A conversion from the add/remove accounting, valid for any mechanism (docs/privacy/
-        adjacency.md#adjacency-replace-one): replacing ``x`` by ``x'`` is removing ``x``, then
-        adding ``x'``. If the remove direction is ``(eps_R, delta_1)``-DP and the add direction
-        ``(eps_A, delta_2)``-DP, then for every output set ``S``
-
-            P[M(D) in S] <= e^{eps_R} P[M(D - x) in S] + delta_1
-                         <= e^{eps_R + eps_A} P[M(D - x + x') in S] + e^{eps_R} delta_2 + delta_1,
-
-        (and symmetrically from ``D'``), so the run is ``(eps_R + eps_A, delta)``-DP under
-        replace-one with ``delta_1 = delta / 2`` and ``delta_2 = delta / (2 e^{eps_R})``.
-        Both are the guaranteed upper bounds of :meth:`get_epsilon_report`. The bound is
-        valid but not tight: at ``q = 0.01``, ``sigma = 1``, 1000 steps, ``delta = 1e-5``
+        The conversion from the add/remove accounting of
+        :func:`~opacus_rc.accountants.analysis.epsilon.compute_epsilon_replace_one` (remove
+        ``x``, then add ``x'``: ``eps_R + eps_A``; docs/privacy/adjacency.md#adjacency-replace-one).
+        Valid but not tight: at ``q = 0.01``, ``sigma = 1``, 1000 steps, ``delta = 1e-5``
         (exact clipping) it is 3.55, against the exact 2.84 (and 1.84 under add/remove).
 
         Args:
@@ -471,19 +477,13 @@ class RCAccountant(IAccountant):
         Raises:
             Those of :meth:`get_epsilon_report`.
         """
-        delta = validate_delta(delta)
-        if delta_error is not None and not 0.0 < delta_error < delta / 2.0:
-            raise ValueError(f"delta_error must be in (0, delta / 2), got {delta_error!r}")
-        first = self.get_epsilon_report(delta / 2.0, eps_error=eps_error, delta_error=delta_error)
-        eps_r = first.remove[2]
-        if not math.isfinite(eps_r):
-            return math.inf
-        delta_2 = delta / (2.0 * math.exp(eps_r))
-        if delta_2 <= 0.0:
-            return math.inf
-        err_2 = None if delta_error is None else min(delta_error, delta_2 / 2.0)
-        second = self.get_epsilon_report(delta_2, eps_error=eps_error, delta_error=err_2)
-        return eps_r + second.add[2]
+        return compute_epsilon_replace_one(
+            self.segments(),
+            delta=delta,
+            envelope=self.envelope,
+            eps_error=self.eps_error if eps_error is None else eps_error,
+            delta_error=delta_error,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def config(self) -> dict[str, Any]:

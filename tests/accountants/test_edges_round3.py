@@ -22,7 +22,7 @@ from opacus_rc.accountants import (
     RCAccountant,
     get_noise_multiplier,
 )
-from opacus_rc.accountants.analysis import compose, discrete
+from opacus_rc.accountants.analysis import blocks, discrete
 from opacus_rc.accountants.analysis.epsilon import Segment, choose_eta, compute_epsilon
 from opacus_rc.accountants.analysis.prv import RandomizedClippingPRV, choose_t_cap
 from opacus_rc.sketching import SketchSpec
@@ -266,7 +266,7 @@ def _planned_fft_fraction(sigma: float, q: float, steps: int, k: int | None) -> 
         tail = min(discrete.STEP_TAIL, 1e-4 * beta / steps)
         span = discrete.upper_end(prv, tail)[0] - discrete.lower_end(prv, tail)
         mgf = discrete.discretise(prv, span / 2**15, 0.0, 0, 1, tail)[1]
-        _, points = compose._choose_plan([steps], [span], [mgf], 0.01, math.log(1 / beta), 0.0)
+        _, points = blocks.choose_plan([steps], [span], [mgf], 0.01, math.log(1 / beta), 0.0)
         worst = max(worst, points / discrete.MAX_FFT_POINTS)
     return worst
 

@@ -10,9 +10,14 @@
   (docs/privacy/prv.md#prv-numerics: the quadrature, the tail cap, the domain).
 * :mod:`.compose`: discretisation and composition with an explicit error bound, long horizons
   (docs/privacy/prv.md#prv-composition; docs/privacy/error_budget.md).
+* :mod:`.blocks`: the plan of levels and meshes of a long horizon, and the composition level
+  by level (run by :mod:`.compose`).
+* :mod:`.tilting`: the exponential tilt of a composition and the roots of ``delta(eps)`` on the
+  tilted result (run by :mod:`.compose`).
 * :mod:`.discrete`: tilted discrete laws on a grid: discretisation, FFT products,
   re-discretisation, Chernoff windows (the pieces of :mod:`.compose`).
-* :mod:`.epsilon`: the epsilon of a history: budgets, both directions.
+* :mod:`.epsilon`: the epsilon of a history: budgets, both directions, the replace-one
+  conversion.
 * :mod:`.errors`: what the accountant raises when it cannot answer.
 """
 

@@ -40,6 +40,14 @@ How (docs/privacy/error_budget.md has the derivation):
 itself; ``lower`` solves ``delta + delta_error`` plus the numerical term, minus ``eps_error``
 (a lower bound for the capped PRVs, not for the moves of item 1).
 
+Where each part lives: the plan of levels and meshes and the level-by-level composition
+(items 3 and 4) in :mod:`~opacus_rc.accountants.analysis.blocks`; the choice of the tilt and the
+evaluation and inversion of ``delta(eps)`` (item 5) in
+:mod:`~opacus_rc.accountants.analysis.tilting`; the discretisation (items 1 and 2) in
+:mod:`~opacus_rc.accountants.analysis.discrete`. This module runs them: it checks the
+arguments, retries with another tilt when the tail is not resolved, and turns the roots into
+the bounds above (or a :class:`NumericalLimitError` with advice).
+
 Pure numpy/scipy; no Opacus import.
 """
 
@@ -50,23 +58,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import signal
 
 from opacus_rc.accountants.analysis import discrete
-from opacus_rc.accountants.analysis.discrete import (
-    WINDOW_TAIL,
-    MgfBound,
-    StepMgf,
-    TiltedPmf,
-    chernoff_window,
-    coarsen,
-    discretise,
-    lower_end,
-    product,
-    upper_end,
-)
+from opacus_rc.accountants.analysis.blocks import MAX_LEVELS, Plan, choose_plan, compose_levels
+from opacus_rc.accountants.analysis.discrete import WINDOW_TAIL, discretise, lower_end, upper_end
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
 from opacus_rc.accountants.analysis.prv import RandomizedClippingPRV
+from opacus_rc.accountants.analysis.tilting import (
+    TILTS,
+    delta_solver,
+    saddle_epsilon,
+    smallest_root,
+    tilt_for,
+    tilt_reference,
+)
 from opacus_rc.validation import validate_delta
 
 __all__ = [
@@ -76,175 +81,9 @@ __all__ = [
     "compose_epsilon",
 ]
 
-#: Most levels of blocks (item 3 of the module docstring).
-MAX_LEVELS = 3
 _U = np.finfo(np.float64).eps
-_EXP_MAX = 600.0  # largest exponent kept in the final sums (e^600 ~ 1e260)
 
 
-# =====================================================================================
-# Plan: levels and meshes
-# =====================================================================================
-@dataclass(frozen=True)
-class _Plan:
-    levels: int
-    branching: int
-    mesh0: float
-    meshes: tuple[float, ...]  # h_0, ..., h_L
-    nu2_over_h0: float
-
-
-def _digits(n: int, branching: int, levels: int) -> list[int]:
-    """``n = sum_l d_l branching^l`` with ``d_l < branching`` for ``l < levels``."""
-    out = []
-    for _ in range(levels):
-        out.append(n % branching)
-        n //= branching
-    out.append(n)
-    return out
-
-
-def _nu2_ratio(counts: Sequence[int], branching: int, levels: int) -> float:
-    """``nu2 / h_0^2`` of :func:`_compose_levels` with ``h_l^2 = branching^l h_0^2``."""
-    if levels == 0:
-        return float(sum(counts))
-    unit = [1.0]  # nu2(unit_l) / h_0^2
-    for lv in range(1, levels + 1):
-        unit.append(branching * unit[-1] + branching**lv)
-    total = 0.0
-    for n in counts:
-        d = _digits(int(n), branching, levels)
-        partial = 0.0
-        for lv in range(1, levels + 1):
-            if d[lv - 1] or partial:
-                partial = d[lv - 1] * unit[lv - 1] + partial + branching**lv
-        total += d[levels] * unit[levels] + partial
-    return total
-
-
-def _width(mgfs: Sequence[StepMgf], counts: Sequence[float], lam: float) -> float:
-    lo, hi = chernoff_window(MgfBound(tuple(counts)), mgfs, lam, -math.log(WINDOW_TAIL))
-    return hi - lo
-
-
-def _choose_plan(
-    counts: Sequence[int],
-    spans: Sequence[float],
-    mgfs: Sequence[StepMgf],
-    eps_error: float,
-    log_beta: float,
-    lam: float,
-) -> tuple[_Plan, float]:
-    """The fewest levels whose largest FFT fits, else the one with the smallest largest FFT.
-
-    Returns the plan and its estimated largest FFT length.
-    """
-    n_max = max(counts)
-    best = None
-    for levels in range(MAX_LEVELS + 1):
-        branching = max(2, int(math.ceil(n_max ** (1.0 / (levels + 1)) - 1e-9)))
-        if levels and branching**levels > n_max:
-            break
-        ratio = _nu2_ratio(counts, branching, levels)
-        h0 = eps_error / math.sqrt(ratio * log_beta / 2.0)
-        meshes = tuple(h0 * math.sqrt(branching**lv) for lv in range(levels + 1))
-        points = max(spans) / h0
-        for lv in range(levels):  # the products that build the units of level lv + 1
-            for j, n in enumerate(counts):
-                vec = [0.0] * len(counts)
-                vec[j] = float(min(branching ** (lv + 1), n))
-                points = max(points, _width(mgfs, vec, lam) / meshes[lv])
-        points = max(points, _width(mgfs, [float(n) for n in counts], lam) / meshes[-1])
-        plan = _Plan(levels, branching, h0, meshes, ratio)
-        if points <= discrete.MAX_FFT_POINTS / 2:
-            return plan, points
-        if best is None or points < best[1]:
-            best = (plan, points)
-    return best
-
-
-# =====================================================================================
-# delta(eps) of the result and the roots
-# =====================================================================================
-def _solver(pmf: TiltedPmf, reference: float):
-    """``(finite_part, grid, lo_eps)``: the finite part of ``delta(eps)`` of ``pmf``.
-
-    ``delta_hat(eps) = p_inf + sum_{t_k >= eps} p_k (1 - e^{eps - t_k})`` with ``p_k`` from the
-    tilted vector (negative round-off clipped to 0, which can only raise it), evaluated on
-    ``eps >= lo_eps`` where the untilting factors stay below ``e^600``.
-
-    No factor can overflow at any ``eps``: with ``a_k = p_k e^{-log_scale}`` and ``i`` the
-    first grid point ``>= eps``, the sum is ``e^{log_scale} (A_i - e^{eps - t_i} B_i)``, where
-    ``A_i = sum_{k >= i} a_k`` and ``B_i = sum_{k >= i} a_k e^{-(t_k - t_i)}`` (the reverse
-    recursion ``B_i = a_i + e^{-mesh} B_{i+1}``, every term in ``[0, A_i]``), and
-    ``e^{eps - t_i} <= 1``; the product with ``e^{log_scale}`` is formed as a sum of
-    logarithms. A large epsilon (far above the tilted mean ``reference``) is therefore as
-    exact as a small one.
-    """
-    lam = pmf.lam
-    t = pmf.offset + pmf.mesh * np.arange(pmf.v.size)
-    v = np.maximum(pmf.v, 0.0)
-    reach = 0.5 * _EXP_MAX / max(lam, 1.0)  # the untilting factor below e^300
-    first = int(np.searchsorted(t, reference - reach))
-    t, v = t[first:], v[first:]
-    with np.errstate(under="ignore"):
-        a = v * np.exp(-lam * (t - reference))
-    s1 = np.cumsum(a[::-1])[::-1]
-    # B_i = a_i + r B_{i+1}, r = e^{-mesh}: an exact first-order recursion, run backwards
-    s2 = signal.lfilter([1.0], [1.0, -math.exp(-pmf.mesh)], a[::-1])[::-1]
-    log_scale = pmf.log_mgf - lam * reference
-
-    def finite_part(eps: float) -> float:
-        i = int(np.searchsorted(t, eps, side="left"))
-        if i >= t.size:
-            return 0.0
-        val = s1[i] - math.exp(min(eps - float(t[i]), 0.0)) * s2[i]
-        return math.exp(min(log_scale + math.log(val), 700.0)) if val > 0.0 else 0.0
-
-    lo_eps = float(t[0]) if first > 0 else -math.inf
-    return finite_part, t, lo_eps
-
-
-def _root(finite_part, p_inf: float, grid: np.ndarray, err, target: float, lo_eps: float) -> float:
-    """Smallest ``eps`` with ``p_inf + finite_part(eps) + err(eps) <= target`` (monotone)."""
-
-    def f(eps: float) -> float:
-        return p_inf + finite_part(eps) + err(eps) - target
-
-    if f(float(grid[-1]) + 1e-9) > 0.0:
-        return math.inf  # not reached inside the window: the caller re-tilts
-    # bracket on the grid
-    lo_i, hi_i = 0, grid.size - 1
-    if f(float(grid[0])) <= 0.0:
-        if lo_eps > -math.inf:
-            return math.nan  # below the resolved range: the caller re-tilts
-        lo, hi = float(grid[0]) - 1.0, float(grid[0])
-        while f(lo) <= 0.0:
-            lo, hi = lo - 2.0 * (hi - lo), lo
-            if lo < -1e6:
-                return lo
-    else:
-        while hi_i - lo_i > 1:
-            mid = (lo_i + hi_i) // 2
-            if f(float(grid[mid])) > 0.0:
-                lo_i = mid
-            else:
-                hi_i = mid
-        lo, hi = float(grid[lo_i]), float(grid[hi_i])
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if f(mid) > 0.0:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-12 * max(1.0, abs(hi)):
-            break
-    return hi
-
-
-# =====================================================================================
-# The composition
-# =====================================================================================
 @dataclass(frozen=True)
 class Composition:
     """Epsilon bounds of a composition and how they were computed.
@@ -279,87 +118,6 @@ class Composition:
 
     def as_tuple(self) -> tuple[float, float, float]:
         return (self.lower, self.estimate, self.upper)
-
-
-def _compose_levels(
-    steps: Sequence[TiltedPmf],
-    counts: Sequence[int],
-    plan: _Plan,
-    mgfs: Sequence[StepMgf],
-    log_tail: float,
-) -> TiltedPmf:
-    """``sum_j counts[j]`` steps composed level by level (item 3 of the module docstring).
-
-    Per segment, with ``n = sum_l d_l b^l``: ``unit_l = coarsen(unit_{l-1}^{*b}, h_l)`` and
-    ``partial_l = coarsen(unit_{l-1}^{*d_{l-1}} * partial_{l-1}, h_l)``; the result is
-    ``prod_j unit_L^{*d_L} * partial_L`` on the mesh ``h_L``.
-    """
-    tops: list[tuple[TiltedPmf, int]] = []
-    for step, n in zip(steps, counts):
-        if plan.levels == 0:
-            tops.append((step, n))
-            continue
-        d = _digits(int(n), plan.branching, plan.levels)
-        unit, partial = step, None
-        for lv in range(1, plan.levels + 1):
-            parts = [(unit, d[lv - 1])] if d[lv - 1] else []
-            if partial is not None:
-                parts.append((partial, 1))
-            if parts:
-                partial = coarsen(product(parts, mgfs, log_tail), plan.meshes[lv])
-            if n >= plan.branching**lv:
-                unit = coarsen(product([(unit, plan.branching)], mgfs, log_tail), plan.meshes[lv])
-        if d[plan.levels]:
-            tops.append((unit, d[plan.levels]))
-        if partial is not None:
-            tops.append((partial, 1))
-    return product(tops, mgfs, log_tail)
-
-
-_LAMS = np.concatenate([[0.0], np.geomspace(1e-5, 1e4, 181)])
-
-
-def _cumulants(
-    mgfs: Sequence[StepMgf], counts: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(K, K', K'')`` of the composition on the tilt grid ``_LAMS`` (approximate)."""
-    k = np.zeros(_LAMS.size)
-    k1 = np.zeros(_LAMS.size)
-    k2 = np.zeros(_LAMS.size)
-    for s, n in zip(mgfs, counts):
-        a, b, c = s.moments(_LAMS)
-        k, k1, k2 = k + n * a, k1 + n * b, k2 + n * c
-    return k, k1, k2
-
-
-def _saddle_epsilon(mgfs: Sequence[StepMgf], counts: Sequence[int], target: float) -> float:
-    """A first guess of the epsilon at which the finite part of delta equals ``target``.
-
-    ``log delta(eps) ~ K(l) - l K'(l) - log(l (1 + l) sqrt(2 pi K''(l)))`` at ``K'(l) = eps``
-    (a saddle-point approximation of the hockey-stick divergence), solved for ``l > 0``.
-    """
-    k, k1, k2 = _cumulants(mgfs, counts)
-    goal = math.log(max(target, 1e-300))
-    lams = _LAMS[1:]
-    approx = k[1:] - lams * k1[1:] - np.log(lams * (1.0 + lams) * np.sqrt(2.0 * math.pi * k2[1:]))
-    below = np.nonzero(approx <= goal)[0]
-    i = int(below[0]) if below.size else lams.size - 1
-    return float(k1[1:][i])
-
-
-def _tilt_for(mgfs: Sequence[StepMgf], counts: Sequence[int], eps: float, log_goal: float) -> float:
-    """The smallest tilt whose Chernoff factor ``e^{K(l) - l eps}`` is at most ``e^log_goal``.
-
-    Round-off and cut window tails of the tilted computation enter delta multiplied by this
-    factor (module docstring, item 5). The smallest sufficient tilt (0 for moderate deltas)
-    distorts the law least, which keeps heavy-tailed steps on small windows; if none
-    suffices, the saddle point ``K'(l) = eps`` minimises the factor.
-    """
-    k, k1, _ = _cumulants(mgfs, counts)
-    saddle = int(min(np.searchsorted(k1, eps), _LAMS.size - 1))
-    factor = k[: saddle + 1] - _LAMS[: saddle + 1] * eps
-    ok = np.nonzero(factor <= log_goal)[0]
-    return float(_LAMS[int(ok[0]) if ok.size else saddle])
 
 
 def compose_prvs(
@@ -418,8 +176,8 @@ def compose_prvs(
     spans = [upper_end(p, lower_tail)[0] - lower_end(p, lower_tail) for p in prvs]
     plan_mesh = max(spans) / 2**15
     mgfs = [discretise(p, plan_mesh, 0.0, j, len(prvs), lower_tail)[1] for j, p in enumerate(prvs)]
-    eps0 = _saddle_epsilon(mgfs, counts, delta - beta - p_inf)
-    plan, points = _choose_plan(counts, spans, mgfs, eps_error, log_beta, 0.0)
+    eps0 = saddle_epsilon(mgfs, counts, delta - beta - p_inf)
+    plan, points = choose_plan(counts, spans, mgfs, eps_error, log_beta, 0.0)
     if points > discrete.MAX_FFT_POINTS:
         raise NumericalLimitError(
             f"composing {sum(counts)} steps at eps_error={eps_error:g} needs FFTs of about "
@@ -429,10 +187,10 @@ def compose_prvs(
         )
     plans = {0.0: plan}
 
-    def plan_for(lam: float) -> _Plan | None:
+    def plan_for(lam: float) -> Plan | None:
         """The plan at tilt ``lam``, or None if its FFTs do not fit (a heavy tail tilted)."""
         if lam not in plans:
-            found, size = _choose_plan(counts, spans, mgfs, eps_error, log_beta, lam)
+            found, size = choose_plan(counts, spans, mgfs, eps_error, log_beta, lam)
             plans[lam] = found if size <= discrete.MAX_FFT_POINTS else None
         return plans[lam]
 
@@ -440,7 +198,7 @@ def compose_prvs(
         """``lam``, or the largest smaller tilt on the grid whose plan fits (0 always does)."""
         if plan_for(lam) is not None:
             return lam
-        lams = _LAMS
+        lams = TILTS
         for cand in lams[(lams < lam) & (lams > 0.0)][::-1][::8]:
             if plan_for(float(cand)) is not None:
                 return float(cand)
@@ -448,7 +206,7 @@ def compose_prvs(
 
     stages = 1 + plan.levels * plan.branching * len(prvs)
     moved_guess = _moved(stages, points, stages)
-    lam = feasible_tilt(_tilt_for(mgfs, counts, eps0, math.log(0.01 * beta / moved_guess)))
+    lam = feasible_tilt(tilt_for(mgfs, counts, eps0, math.log(0.01 * beta / moved_guess)))
     tried: list[float] = []
     best: Composition | None = None
     for _ in range(4):
@@ -459,7 +217,7 @@ def compose_prvs(
                 discretise(p, plan.mesh0, lam, j, len(prvs), lower_tail) for j, p in enumerate(prvs)
             ]
             mgfs = [m for _, m in pieces]
-            final = _compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
+            final = compose_levels([s for s, _ in pieces], counts, plan, mgfs, log_tail)
         except NumericalLimitError as err:
             if err.factor is None:
                 raise
@@ -469,21 +227,25 @@ def compose_prvs(
                 factor=err.factor,
             ) from err
         eta_eps = math.sqrt(final.nu2 * log_beta / 2.0)
-        finite_part, grid, lo_eps = _solver(final, _tilt_reference(mgfs, counts, lam))
+        finite_part, grid, lo_eps = delta_solver(final, tilt_reference(mgfs, counts, lam))
         moved = 2.0 * final.misplaced + _moved(final.ops, final.v.size, 0)
 
         def err(eps: float, final=final, moved=moved) -> float:
             return math.exp(min(final.log_mgf - final.lam * eps, 700.0)) * moved
 
-        up = _root(finite_part, final.p_inf, grid, err, delta - beta, lo_eps)
+        up = smallest_root(finite_part, final.p_inf, grid, err, delta - beta, lo_eps)
         if math.isfinite(up) and err(up) <= 0.5 * (delta - beta - final.p_inf):
-            est = _root(finite_part, final.p_inf, grid, _constant(0.0), delta, lo_eps)
+            est = smallest_root(finite_part, final.p_inf, grid, _constant(0.0), delta, lo_eps)
             est = up if not math.isfinite(est) else est
             # lower: delta_hat(eps) - err(eps) = delta + beta, err frozen at the first root
-            low = _root(finite_part, final.p_inf, grid, _constant(0.0), delta + beta, lo_eps)
+            low = smallest_root(
+                finite_part, final.p_inf, grid, _constant(0.0), delta + beta, lo_eps
+            )
             if math.isfinite(low) and err(low) < beta:
                 slack = err(low)
-                low = _root(finite_part, final.p_inf, grid, _constant(-slack), delta + beta, lo_eps)
+                low = smallest_root(
+                    finite_part, final.p_inf, grid, _constant(-slack), delta + beta, lo_eps
+                )
             else:
                 low = -math.inf  # not resolved: 0 is a valid lower bound
             result = Composition(
@@ -512,7 +274,7 @@ def compose_prvs(
             where = float(grid[-1])
         else:
             where = up
-        lam = feasible_tilt(_tilt_for(mgfs, counts, where, math.log(0.01 * beta / moved)))
+        lam = feasible_tilt(tilt_for(mgfs, counts, where, math.log(0.01 * beta / moved)))
         if any(abs(lam - old) <= 1e-9 * max(1.0, old) for old in tried):
             break
     if best is not None:
@@ -563,14 +325,6 @@ def _moved(stages: float, points: float, cuts: float) -> float:
     """Tilted mass a computation may misplace: round-off ``64 u sqrt(points)`` per FFT stage
     (a heuristic allowance, about 40 times the measured error) plus ``cuts`` window tails."""
     return 64.0 * _U * math.sqrt(max(points, 1.0)) * max(stages, 1.0) + 2.0 * cuts * WINDOW_TAIL
-
-
-def _tilt_reference(mgfs: Sequence[StepMgf], counts: Sequence[int], lam: float) -> float:
-    """``K'(lambda)``: the mean of the tilted composition (where the tilted vector peaks)."""
-    total = 0.0
-    for s, n in zip(mgfs, counts):
-        total += n * float(s.moments(np.array([lam]))[1][0])
-    return total
 
 
 def compose_epsilon(

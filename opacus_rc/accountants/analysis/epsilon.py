@@ -32,7 +32,14 @@ from opacus_rc.validation import (
     validate_sample_rate,
 )
 
-__all__ = ["ETA_DELTA_FRACTION", "EpsilonReport", "Segment", "choose_eta", "compute_epsilon"]
+__all__ = [
+    "ETA_DELTA_FRACTION",
+    "EpsilonReport",
+    "Segment",
+    "choose_eta",
+    "compute_epsilon",
+    "compute_epsilon_replace_one",
+]
 
 #: The envelope's revealing tail may spend at most this fraction of delta over all steps.
 ETA_DELTA_FRACTION = 1e-4
@@ -212,6 +219,63 @@ def compute_epsilon(
                 f"{direction} direction (docs/privacy/adjacency.md), {total} steps: {err}"
             ) from err
     return EpsilonReport(remove=out["remove"], add=out["add"], delta=delta)
+
+
+def compute_epsilon_replace_one(
+    segments: Sequence[Segment],
+    *,
+    delta: float,
+    envelope: str = "chi2",
+    eps_error: float = 0.01,
+    delta_error: float | None = None,
+) -> float:
+    """An upper bound on epsilon under *replace-one* adjacency (one record's value changed).
+
+    A conversion from the add/remove accounting, valid for any mechanism (docs/privacy/
+    adjacency.md#adjacency-replace-one): replacing ``x`` by ``x'`` is removing ``x``, then
+    adding ``x'``. If the remove direction is ``(eps_R, delta_1)``-DP and the add direction
+    ``(eps_A, delta_2)``-DP, then for every output set ``S``
+
+        P[M(D) in S] <= e^{eps_R} P[M(D - x) in S] + delta_1
+                     <= e^{eps_R + eps_A} P[M(D - x + x') in S] + e^{eps_R} delta_2 + delta_1,
+
+    (and symmetrically from ``D'``), so the run is ``(eps_R + eps_A, delta)``-DP under
+    replace-one with ``delta_1 = delta / 2`` and ``delta_2 = delta / (2 e^{eps_R})``. Both are
+    the guaranteed upper bounds of :func:`compute_epsilon`.
+
+    Args:
+        segments: The runs of steps.
+        delta: Target delta in ``(0, 1)``.
+        envelope: As :func:`compute_epsilon`.
+        eps_error: Discretisation error in epsilon of each of the two computations.
+        delta_error: Error in delta of each of the two computations; default ``delta / 1000``
+            of each one's delta.
+
+    Returns:
+        ``eps_R + eps_A`` (``inf`` if ``eps_R`` is infinite or ``delta_2`` underflows).
+
+    Raises:
+        ValueError: On ``delta`` outside ``(0, 1)`` or ``delta_error`` outside
+            ``(0, delta / 2)``.
+        EpsilonOutOfRangeError, NumericalLimitError: As :func:`compute_epsilon`.
+    """
+    delta = validate_delta(delta)
+    if delta_error is not None and not 0.0 < delta_error < delta / 2.0:
+        raise ValueError(f"delta_error must be in (0, delta / 2), got {delta_error!r}")
+    first = compute_epsilon(
+        segments, delta=delta / 2.0, envelope=envelope, eps_error=eps_error, delta_error=delta_error
+    )
+    eps_r = first.remove[2]
+    if not math.isfinite(eps_r):
+        return math.inf
+    delta_2 = delta / (2.0 * math.exp(eps_r))
+    if delta_2 <= 0.0:
+        return math.inf
+    err_2 = None if delta_error is None else min(delta_error, delta_2 / 2.0)
+    second = compute_epsilon(
+        segments, delta=delta_2, envelope=envelope, eps_error=eps_error, delta_error=err_2
+    )
+    return eps_r + second.add[2]
 
 
 def _noiseless_report(noiseless: dict[float, int], delta: float) -> EpsilonReport:
