@@ -31,8 +31,10 @@ vice versa: a sketched norm is off by ~2%, far above ``EXACT_RTOL``). Generators
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +55,9 @@ from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimiz
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiny_hf_models as hf  # noqa: E402
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),  # seeded
     pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated"),
@@ -65,70 +70,21 @@ EXACT_RTOL = 2e-5  # float32 rounding of a per-sample gradient's norm against fl
 
 
 def tiny_llama(layers: int = 2, *, tie: bool = False) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        use_cache=False,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config).train()
+    return hf.llama(vocab=VOCAB, tie=tie, layers=layers).train()
 
 
 def tiny_qwen2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        use_cache=False,
-        tie_word_embeddings=False,
-    )
-    return transformers.Qwen2ForCausalLM(config).train()
+    return hf.qwen2(vocab=VOCAB).train()
 
 
 def tiny_gpt2(*, tie: bool) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        tie_word_embeddings=tie,
-    )
-    model = transformers.GPT2LMHeadModel(config).train()
+    model = hf.gpt2(vocab=VOCAB, tie=tie).train()
     assert (model.lm_head.weight is model.transformer.wte.weight) is tie
     return model
 
 
 def tiny_bert() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2,
-    )
-    return transformers.BertForSequenceClassification(config).train()
+    return hf.bert_classifier(vocab=VOCAB).train()
 
 
 @dataclass(frozen=True)

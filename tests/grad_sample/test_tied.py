@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +48,9 @@ from opacus_rc.sketching import draw_gaussian_probes
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiny_hf_models as hf  # noqa: E402
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),  # seeded
     pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated"),
@@ -57,42 +62,14 @@ RTOL = 0.06  # > 5 standard deviations of the norm at k = 4096 (module docstring
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = hf.llama(vocab=V, tie=True, pad_token_id=0).train()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.embed_tokens.padding_idx == 0
     return model
 
 
 def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=V,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=1,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).train()
+    model = hf.gpt2(vocab=V, tie=True, bos_token_id=1, eos_token_id=1).train()
     assert model.lm_head.weight is model.transformer.wte.weight
     return model
 

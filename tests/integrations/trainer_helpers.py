@@ -7,11 +7,16 @@ training run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiny_hf_models as hf  # noqa: E402
 
 VOCAB = 64
 PAD = 0
@@ -19,20 +24,7 @@ PAD = 0
 
 def tiny_llama(*, seed: int = 0, tie: bool = True) -> nn.Module:
     """A one-block ``LlamaForCausalLM`` (d = 16), tied embedding / head by default."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        pad_token_id=PAD,
-        use_cache=False,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg)
+    return hf.llama(vocab=VOCAB, tie=tie, intermediate_size=32, seed=seed, pad_token_id=PAD)
 
 
 def tiny_gpt2_exact(*, seed: int = 0) -> nn.Module:
@@ -42,23 +34,9 @@ def tiny_gpt2_exact(*, seed: int = 0) -> nn.Module:
     LayerNorms exact norms; the LM head (the only ``nn.Linear``, whose norm would be sketched)
     is untied and frozen. Dropout is off.
     """
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        tie_word_embeddings=False,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=2,
-        use_cache=False,
+    model = hf.gpt2(
+        vocab=VOCAB, tie=False, seed=seed, pad_token_id=PAD, bos_token_id=1, eos_token_id=2
     )
-    torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(cfg)
     model.lm_head.weight.requires_grad_(False)
     return model
 

@@ -10,6 +10,8 @@ is off by more than ``RTOL``: the checks can fail.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,9 @@ from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 
 transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiny_hf_models as hf  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),
@@ -33,37 +38,11 @@ UNITS = torch.tensor([1, 0, 1, 0, 2])  # sizes 2, 2, 1; interleaved
 
 
 def tiny_llama(tied: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        use_cache=False,
-        tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(cfg).train()
+    return hf.llama(vocab=V, tie=tied, pad_token_id=0).train()
 
 
 def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=V,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
-    return transformers.GPT2LMHeadModel(cfg).train()
+    return hf.gpt2(vocab=V, tie=True).train()
 
 
 def token_ids() -> torch.Tensor:
