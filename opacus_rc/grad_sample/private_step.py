@@ -24,6 +24,16 @@ Anything that raises on the way leaves no gradient behind (:meth:`StepPeer.disca
 drops every stored tensor and marks the step failed (:meth:`abort_step`): ``optimizer.step()``
 then refuses until ``zero_grad()``.
 
+Book-keeping policy (``RandomizedClippingConfig.bookkeeping``): ``True`` (default) runs one
+backward pass per step wherever every route supports it and the model is not distributed, with
+activation checkpointing too (HF ``gradient_checkpointing_enable()``, either ``use_reentrant``,
+or ``torch.utils.checkpoint``): in a checkpointed step each ``nn.Linear`` keeps whichever is
+smaller for its clipped sum, its per-sample gradients (``p d + p`` floats per sample; its norm
+is then exact) or its input and output gradient (``T (p + d)``), so the stored tensors do not
+undo checkpointing's memory saving (:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied
+weight's embedding side keep their ids and output gradient. ``"always"`` keeps every layer's
+input and output gradient, checkpointed or not; ``False`` runs two backward passes.
+
 The remaining methods of :class:`PrivateBackwardMixin` are the step's parts, public because
 Opacus' own ``DPLossFastGradientClipping`` (two passes) drives them itself: it calls
 :meth:`get_clipping_coef` and runs its second pass with the hooks disabled.
@@ -444,9 +454,9 @@ class PrivateBackwardMixin:
                 sub.activations = []
             if hasattr(sub, "max_batch_len"):
                 del sub.max_batch_len
-        call_kwargs: Any = self._call_kwargs  # type: ignore[attr-defined]
-        if call_kwargs is not None:
-            call_kwargs.clear()
+        inputs: Any = self._inputs  # type: ignore[attr-defined]
+        if inputs is not None:
+            inputs.clear()
         for _, p in trainable_parameters(wrapped_module(self)):
             reset_forward_counter(p)
             drop_current_grad_sample(p)
