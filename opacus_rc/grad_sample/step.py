@@ -15,6 +15,15 @@ Transitions (:class:`StepPhase`)::
     APPLIED --consume (optimizer.step / zero_grad)--> IDLE
     any --fail (an error inside the private backward)--> FAILED --consume (zero_grad)--> IDLE
 
+It also holds how the step's backward runs, decided by the forward hooks and the private
+backward (:meth:`StepState.mark_checkpointed`, :meth:`StepState.plan_backward`). Three records
+of a step keep their own owners, each cleared with the step's records by the grad-sample
+module's ``discard_recorded()``: the forward spans of
+:class:`~opacus_rc.grad_sample.checks.ParameterUseCheck` (hooks of their own), the partial joint
+sketches of :class:`~opacus_rc.grad_sample.tied.TiedSketches`, and the keyword arguments of
+hooked calls (:class:`~opacus_rc.grad_sample.forward_inputs.ForwardInputBinder`); Opacus keeps
+its activations and use counters on the modules and parameters.
+
 Anything out of order raises :class:`StepProtocolError` (a ``RuntimeError``) before noise is
 drawn or a step is accounted, and leaves the state as it was (or, for a failed backward,
 FAILED with every stored tensor dropped).

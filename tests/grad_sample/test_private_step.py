@@ -174,3 +174,25 @@ def test_a_clip_result_of_another_sketch_is_refused() -> None:
     with pytest.raises(RuntimeError, match="no clip factors were computed"):
         opt_other.step()
     gsm_other.cleanup()
+
+
+def test_the_step_flags_live_in_the_step_state() -> None:
+    """How a step's backward runs (checkpointed forward, smaller stash) is step state: set
+    during the step, kept while it lasts (a forward recomputed inside its backward does not
+    reset it), and reset by the first hooked forward of the next step; the module's property
+    reads it from there."""
+    net = model()
+    gsm, opt, crit = private(net)
+    step = gsm.step_state
+    x, y = batch()
+    out = gsm(x)
+    step.mark_checkpointed()
+    step.plan_backward(full_first_pass=True, smaller_stash=True)
+    assert step.checkpointed and step.full_first_pass and gsm.step_smaller_stash
+    gsm.discard_recorded()
+    opt.zero_grad()
+    assert step.checkpointed and gsm.step_smaller_stash
+    out = gsm(x)  # the next step's first hooked forward
+    assert not step.checkpointed and not gsm.step_smaller_stash
+    crit(out, y).backward()  # and its private backward plans afresh
+    assert not step.full_first_pass and not gsm.step_smaller_stash
