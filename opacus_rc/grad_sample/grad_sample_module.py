@@ -105,7 +105,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.grad_sample.units import pack_for_units
+from opacus_rc.grad_sample.units import drop_open_unit, pack_for_units, write_split_clipped_sums
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -278,6 +278,7 @@ class _RandomizedClippingMixin:
                     UserWarning,
                     stacklevel=3,
                 )
+            self._estimator = estimator  # also the norm of a unit cut across batches (units.py)
             self._step = StepState(name_of=self._name_of)
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(
@@ -615,10 +616,25 @@ class _RandomizedClippingMixin:
                 "run the second backward pass of sum_i c_i loss_i instead"
             )
         ready = self.step_state.take_stashes()
+        layout = self.step_state.units
         try:
-            write_clipped_sums(
-                ready, coef, clipped_sums=self.CLIPPED_SUM_FUNCTIONS, name_of=self._name_of
-            )
+            if layout is not None and layout.split is not None:
+                # A unit cut across physical batches (docs/privacy/units.md#units-split).
+                self.step_state.per_sample_gradient_norms = write_split_clipped_sums(
+                    self,
+                    ready,
+                    coef,
+                    layout,
+                    clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
+                    max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
+                    estimator=self._estimator,
+                    sketch_dim=self._config.sketch_dim,
+                    generator_for=self.generator_for,
+                )
+            else:
+                write_clipped_sums(
+                    ready, coef, clipped_sums=self.CLIPPED_SUM_FUNCTIONS, name_of=self._name_of
+                )
         finally:
             ready.clear()
         self.step_state.mark_applied()
@@ -631,6 +647,7 @@ class _RandomizedClippingMixin:
         """The private backward failed: drop every stored tensor; ``step()`` refuses until
         ``zero_grad()``."""
         self.discard_recorded()
+        drop_open_unit(self)  # a unit cut across batches lost a part
         self.step_state.fail()
 
     def _drop_after_hook_error(self) -> None:
@@ -969,6 +986,7 @@ class _RandomizedClippingMixin:
             self._tied.clear()
         if self._reducer_off is not None:
             self._reducer_off.restore()
+        drop_open_unit(self)
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(wrapped_module(self))
 
