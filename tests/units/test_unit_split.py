@@ -211,10 +211,12 @@ def test_cut_and_whole_units_give_the_same_step_at_large_k() -> None:
     assert results[0][1].abs().max() > 1e-2  # the step moved the parameters
 
 
-def test_the_norm_of_a_cut_unit_has_the_law_of_the_batch_sketch() -> None:
+@pytest.mark.parametrize("kind", ["sketched", "tied"])
+def test_the_norm_of_a_cut_unit_has_the_law_of_the_batch_sketch(kind: str) -> None:
     """The sketched norm of a cut unit (taken from its summed gradient ``M``) and the batch
-    path's (from its factors, ``M = G^T A``) have the same law, that of ``n_hat = sum_i s_i^2
-    X_i / k`` with ``X_i`` iid chi2_k and ``s`` the singular values of ``M``: mean
+    path's (from its factors, ``M = G^T A``: the module's estimator for an ``nn.Linear``
+    weight, the ``d``-side sketch for a tied weight) have the same law, that of ``n_hat =
+    sum_i s_i^2 X_i / k`` with ``X_i`` iid chi2_k and ``s`` the singular values of ``M``: mean
     ``||M||_F^2``, variance ``(2 / k) sum s_i^4``.
 
     Tolerance: with ``N = 4000`` draws at ``k = 4`` the sample mean has standard error
@@ -231,12 +233,15 @@ def test_the_norm_of_a_cut_unit_has_the_law_of_the_batch_sketch() -> None:
     n, k = 4000, 4
     weight = nn.Parameter(M.clone())
     gen = torch.Generator().manual_seed(1)
-    batch = hutchinson_sqnorm(A.expand(n, -1, -1), G.expand(n, -1, -1), sketch_dim=k, generator=gen)
+    side = "input" if kind == "tied" else "auto"
+    batch = hutchinson_sqnorm(
+        A.expand(n, -1, -1), G.expand(n, -1, -1), sketch_dim=k, generator=gen, side=side
+    )
     cut = torch.stack(
         [
             _summed_gradient_norm(
                 {weight: M},
-                kinds={id(weight): "sketched"},
+                kinds={id(weight): kind},
                 estimator=hutchinson_sqnorm,
                 sketch_dim=k,
                 generator_for=lambda _d: gen,
@@ -403,3 +408,77 @@ def test_manager_split_run_equals_whole_units_and_accounts_the_same() -> None:
     torch.manual_seed(0)
     init = flat(nn.Sequential(nn.Embedding(V, C), nn.LayerNorm(C)))
     assert (results[0][0] - init).abs().max() > 1e-3  # the steps moved the parameters
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_cut_unit_of_a_tied_llama_matches_the_oracle(checkpointing: bool) -> None:
+    """A tiny Llama with its embedding tied to the LM head (the joint d-side sketch of the
+    shared weight, taken from the summed gradient for the cut unit), RMSNorm and padding-idx
+    embedding routes, with and without HF gradient checkpointing: units of 2 and 3 sequences
+    in physical batches of 2 ([0 0] [1 1] [1]), against the oracle."""
+    transformers = pytest.importorskip("transformers")
+    vocab, length = 48, 8
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        use_cache=False,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(cfg).train()
+    units = torch.tensor([0, 0, 1, 1, 1])
+    x = torch.randint(1, vocab, (5, length), generator=torch.Generator().manual_seed(1))
+    x[4] = x[2]  # unit 1: a repeated sequence (large cross term)
+    x[3, -2:] = 0  # pad ids
+
+    def logits_of(mod: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        return mod(input_ids=ids, position_ids=pos).logits[:, :-1]
+
+    ref = copy.deepcopy(model).double()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    G = []
+    for u in range(2):
+        ids = x[units == u]
+        out = logits_of(ref, ids)
+        loss = nn.functional.cross_entropy(
+            out.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        grads = torch.autograd.grad(loss.view(len(ids), -1).mean(1).sum(), params)
+        G.append(torch.cat([g.flatten() for g in grads]))
+    G = torch.stack(G)
+    oracle = G.norm(dim=1)
+    c = float(oracle.min()) / 2  # every unit clipped
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = flat(model)
+    m, opt, crit = private(model, c=c)
+    got = {}
+    batches = cuts(units, 2)
+    for i, (pos, part, split) in enumerate(batches):
+        opt.signal_skip_step(do_skip=i < len(batches) - 1)
+        ids = x[pos]
+        out = logits_of(m, ids)
+        crit(
+            out.reshape(-1, vocab),
+            ids[:, 1:].reshape(-1),
+            shape=out.shape,
+            units=part,
+            unit_split=split,
+        ).backward()
+        if not split.continues:
+            got[int(units[pos][-1])] = m.per_sample_gradient_norms[-1].clone()
+        opt.step()
+        opt.zero_grad()
+    norms = torch.stack([got[0], got[1]])
+    torch.testing.assert_close(norms, oracle, rtol=RTOL, atol=0)
+    factors = (c / (norms + 1e-6)).clamp(max=1.0)
+    want = (factors[:, None] * G).sum(0)
+    # expected_batch_size=1, lr=1: the update is the clipped sum
+    torch.testing.assert_close((before - flat(model)).double(), want, rtol=1e-3, atol=1e-6)
