@@ -33,6 +33,16 @@ Clip factors, norms and the per-unit losses are ``(U,)``. A module that is not t
 :data:`TOKENWISE_TYPES`) is refused when ``units=`` is passed (:func:`check_unit_routes`):
 concatenating its inputs would not give the unit's summed gradient.
 
+**A unit cut across physical batches** (virtual steps within a unit,
+``UnitBatchMemoryManager(split_units=True)``, the criterion's ``unit_split=``, a
+:class:`UnitSplit`; docs/privacy/units.md#units-split). The part of the *open* unit (begun, not
+finished) in each physical batch is computed from the book-keeping stash and added to an
+:class:`OpenUnit` buffer of unclipped summed gradients instead of the clipped sum; when its last
+sequence is in, its norm is taken from the buffer with the batch path's estimator and a fresh
+probe (:func:`unit_norm_kinds`), and ``c_u x buffer`` joins the clipped sum
+(:func:`write_split_clipped_sums`). The optimizer refuses to end a logical step with a unit open
+(:func:`check_no_open_unit`).
+
 Cost: the packed copies are ``U n_max T`` positions per layer instead of ``B T`` (no copy at
 all when every unit has the same number of sequences and they are contiguous in the batch, as
 :class:`~opacus_rc.unit_data_loader.UnitDataLoader` yields them); the work of every norm is
