@@ -106,7 +106,13 @@ def unit_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, units: torch.
 
 
 def private(
-    model: nn.Module, *, bookkeeping: Any = True, k: int = K, c: float = 0.5, seed: int = 0
+    model: nn.Module,
+    *,
+    bookkeeping: Any = True,
+    k: int = K,
+    c: float = 0.5,
+    seed: int = 0,
+    **options: Any,
 ) -> tuple[Any, Any, Any]:
     m = GradSampleModuleRandomizedClipping(
         model,
@@ -114,6 +120,7 @@ def private(
         sketch_dim=k,
         sketch_generator=torch.Generator().manual_seed(seed),
         bookkeeping=bookkeeping,
+        **options,
     )
     opt = RandomizedClipOptimizer(
         torch.optim.SGD(model.parameters(), lr=1.0),
@@ -191,6 +198,19 @@ def test_a_unit_cut_into_physical_batches_gives_the_oracle_update(
     assert factors.max() < 1  # every unit clipped: the factors matter
     want = (factors[:, None] * G).sum(0)
     torch.testing.assert_close((before - flat(model)).double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_cut_unit_with_hutchpp_matches_the_oracle() -> None:
+    """Hutch++ (an exact head of 4 directions plus a k-column Hutchinson tail, relative
+    variance again <= 2 / k, so RTOL holds) on the cut unit's summed gradient: norms within
+    RTOL of the oracle."""
+    model = TokenModel()
+    x, y = data()
+    oracle = unit_grads(model, x, y, UNITS).norm(dim=1)
+    m, opt, crit = private(model, sketch="hutch++", sketch_head_dim=4)
+    norms = run_split(m, opt, crit, x, y, UNITS, PHYSICAL)
+    got = torch.stack([norms[u] for u in range(3)])
+    torch.testing.assert_close(got, oracle, rtol=RTOL, atol=0)
 
 
 def test_cut_and_whole_units_give_the_same_step_at_large_k() -> None:
@@ -356,6 +376,33 @@ def test_the_manager_cuts_at_the_physical_size_and_says_where() -> None:
     assert [len(b[0]) for b in batches] == [4] * 9
     for (_, idx, units, split), (pos, part, want) in zip(batches, cuts(unit_of, 4)):
         assert split == want and torch.equal(units, part) and torch.equal(idx, index[pos])
+
+
+def test_dict_batches_get_a_unit_split_key() -> None:
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": torch.full((T,), i)}
+
+    loader = UnitDataLoader(Dicts(), unit_of=[5, 5, 5, 6, 6], sample_rate=1.0)
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(TokenModel().parameters(), lr=1.0),
+        grad_sample_module=GradSampleModuleRandomizedClipping(TokenModel(), max_grad_norm=1.0),
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+    )
+    with UnitBatchMemoryManager(
+        data_loader=loader, max_physical_batch_size=2, optimizer=opt, split_units=True
+    ) as mem:
+        batches = list(mem)
+    assert [b["units"].tolist() for b in batches] == [[0, 0], [0, 1], [0]]
+    assert [tuple(b["unit_split"]) for b in batches] == [
+        (False, True),
+        (True, True),
+        (True, False),
+    ]
 
 
 def test_manager_split_run_equals_whole_units_and_accounts_the_same() -> None:
