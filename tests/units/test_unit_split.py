@@ -170,7 +170,8 @@ def run_split(m, opt, crit, x, y, units, size: int) -> dict[int, torch.Tensor]:
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    """The trainable parameters, flattened (the oracle's order)."""
+    return torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize(
@@ -457,12 +458,15 @@ def test_manager_split_run_equals_whole_units_and_accounts_the_same() -> None:
     assert (results[0][0] - init).abs().max() > 1e-3  # the steps moved the parameters
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_cut_unit_of_a_tied_llama_matches_the_oracle(checkpointing: bool) -> None:
+@pytest.mark.parametrize(
+    ("variant", "checkpointing"), [("tied", False), ("tied", True), ("lora", False)]
+)
+def test_a_cut_unit_of_a_tiny_llama_matches_the_oracle(variant: str, checkpointing: bool) -> None:
     """A tiny Llama with its embedding tied to the LM head (the joint d-side sketch of the
     shared weight, taken from the summed gradient for the cut unit), RMSNorm and padding-idx
-    embedding routes, with and without HF gradient checkpointing: units of 2 and 3 sequences
-    in physical batches of 2 ([0 0] [1 1] [1]), against the oracle."""
+    embedding routes, with and without HF gradient checkpointing, and an untied one with LoRA
+    (peft) factors only: units of 2 and 3 sequences in physical batches of 2 ([0 0] [1 1]
+    [1]), against the oracle."""
     transformers = pytest.importorskip("transformers")
     vocab, length = 48, 8
     torch.manual_seed(0)
@@ -476,9 +480,17 @@ def test_a_cut_unit_of_a_tied_llama_matches_the_oracle(checkpointing: bool) -> N
         max_position_embeddings=32,
         pad_token_id=0,
         use_cache=False,
-        tie_word_embeddings=True,
+        tie_word_embeddings=variant == "tied",
     )
     model = transformers.LlamaForCausalLM(cfg).train()
+    if variant == "lora":
+        peft = pytest.importorskip("peft")
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, lora)
+        for name, p in model.named_parameters():  # B = 0 at init: move it so both factors matter
+            if "lora_B" in name:
+                with torch.no_grad():
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     units = torch.tensor([0, 0, 1, 1, 1])
     x = torch.randint(1, vocab, (5, length), generator=torch.Generator().manual_seed(1))
     x[4] = x[2]  # unit 1: a repeated sequence (large cross term)
