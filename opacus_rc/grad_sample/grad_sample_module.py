@@ -65,14 +65,11 @@ from opacus_rc._compat.opacus import (
     WRAPPED_MODULE_ATTR,
     SequenceBias,
     count_down_use,
-    drop_current_grad_sample,
     forward_count,
-    reset_forward_counter,
     wrapped_module,
     wrapped_module_if_built,
 )
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, in_backward, in_checkpointed_forward
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
@@ -86,6 +83,7 @@ from opacus_rc.grad_sample.checks import (
 from opacus_rc.grad_sample.distributed import ReducerOff
 from opacus_rc.grad_sample.functorch import FunctorchGradSampler
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
+from opacus_rc.grad_sample.private_step import PrivateBackwardMixin
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     EXACT_NORM_TYPES,
@@ -105,7 +103,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepPhase, StepState
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.grad_sample.units import drop_open_unit, pack_for_units, write_split_clipped_sums
+from opacus_rc.grad_sample.units import drop_open_unit, pack_for_units
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -165,7 +163,7 @@ def _module_device(m: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class _RandomizedClippingMixin:
+class _RandomizedClippingMixin(PrivateBackwardMixin):
     """Shared hooks of the wrapping and the hooks-only randomized-clipping classes.
 
     Must come before an Opacus ``...FastGradientClipping`` class in the bases.
@@ -184,7 +182,6 @@ class _RandomizedClippingMixin:
 
     # Class defaults for hooks that could fire before __init__ ends.
     _bookkeeping: bool = False
-    _step_smaller_stash: bool = False
     _reducer_off: ReducerOff | None = None
     #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
     #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
@@ -301,7 +298,6 @@ class _RandomizedClippingMixin:
                 m, name_of=self._name_of, active=lambda: self.hooks_enabled
             )
             self._uses.register(self.autograd_grad_sample_hooks)
-            self._full_first_pass = False
             self._call_kwargs = {}
             self._signatures: dict[type[nn.Module], inspect.Signature] = {}
             for sub in hooked:
@@ -320,8 +316,6 @@ class _RandomizedClippingMixin:
             self._log_norm_paths()
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
             self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
-            self._step_smaller_stash = False
-            self._step_checkpointed = False
             self._told_checkpointing = False
         except BaseException:
             self.cleanup()
@@ -420,7 +414,7 @@ class _RandomizedClippingMixin:
         checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`bookkeeping`).
         Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
         D: the step is accounted with the same sketch spec)."""
-        return self._step_smaller_stash
+        return self._step is not None and self._step.smaller_stash
 
     # ------------------------------------------------------------------------------------------
     # Construction-time decisions
@@ -468,215 +462,6 @@ class _RandomizedClippingMixin:
             _fallback_warning("forced by " + "; ".join(blockers[:5]))
             return False
         return True
-
-    # ------------------------------------------------------------------------------------------
-    # The private backward (called by the DP loss)
-    # ------------------------------------------------------------------------------------------
-
-    def begin_private_backward(self) -> None:
-        """Check that the step protocol allows a private backward now.
-
-        Raises:
-            StepProtocolError: See :meth:`StepState.begin_backward` (a ``RuntimeError``); this
-                forward's recorded activations are dropped, the earlier state is kept.
-        """
-        try:
-            self.step_state.begin_backward()
-        except BaseException:
-            self.discard_recorded()
-            raise
-
-    def check_parameter_uses(self, loss: torch.Tensor) -> None:
-        """Check, before the private backward of ``loss``, that every gradient can be clipped.
-
-        Raises if the set of trainable parameters changed since the hooks were attached
-        (:class:`~opacus_rc.grad_sample.checks.TrainableSetGuard`) or if a trainable parameter
-        reaches ``loss`` other than through its module's forward
-        (:class:`~opacus_rc.grad_sample.checks.ParameterUseCheck`). On error the recorded
-        activations are dropped.
-
-        Args:
-            loss: The loss about to be backpropagated (any shape).
-
-        Raises:
-            RuntimeError: See above.
-        """
-        try:
-            self._trainable.check()
-            self._full_first_pass = self._uses.check(loss)
-        except BaseException:
-            self.discard_recorded()
-            raise
-        checkpointed = self._step_checkpointed or self._full_first_pass
-        # Checkpointed: each layer keeps the smaller of its per-sample gradients and its input
-        # and output gradient (norms.py), unless bookkeeping="always" (inputs everywhere).
-        self._step_smaller_stash = (
-            self._bookkeeping and checkpointed and self._config.bookkeeping is True
-        )
-        if self._step_smaller_stash and not self._told_checkpointing:
-            self._told_checkpointing = True
-            logger.info(
-                "activation checkpointing: one backward pass; each layer keeps the smaller of "
-                "its per-sample gradients (then its norm is exact) and its input and output "
-                "gradient for the clipped sum; bookkeeping='always' keeps the inputs everywhere, "
-                "bookkeeping=False takes two passes"
-            )
-
-    def take_first_pass_inputs(self) -> list[GradientEdge | torch.Tensor] | None:
-        """The ``inputs`` of the book-keeping first backward pass (consumed), or None for all.
-
-        With book-keeping the parameters' own first-pass gradients are discarded (the clipped
-        sum replaces them), so the first pass only needs to reach every hooked module:
-        ``torch.autograd.backward(loss, inputs=...)`` then skips the weight-gradient products
-        ``G^T A`` of every layer whose input carries a gradient (Bu et al., ICML 2023, section
-        3). Modules whose inputs carry no gradient are reached through their parameters.
-        Through a reentrant activation-checkpoint region PyTorch allows no ``inputs``, and a
-        DDP reducer (turned off by :class:`~opacus_rc.grad_sample.distributed.ReducerOff`
-        unless the user turned it back on) expects every parameter's gradient: the pass then
-        reaches every leaf (None).
-        """
-        edges = self.step_state.take_first_pass_inputs()
-        reducer = self._reducer_off is not None and self._reducer_off.reducer_active
-        return None if self._full_first_pass or reducer else edges
-
-    def get_norm_sample(self) -> torch.Tensor:
-        """Per-sample gradient norm estimates of the whole model (issues nothing).
-
-        After a backward pass: the norms the step's clip factors will be made from. After the
-        clip factors: the norms they were made from, until the next hooked forward pass (as
-        Opacus' ``get_norm_sample`` is readable after ``backward()``). Not privatized.
-
-        Returns:
-            Tensor of shape ``(B,)``, float64.
-
-        Raises:
-            RuntimeError: No norms were computed since the last step.
-        """
-        pending = self.step_state.pending_norm(self.trainable_parameters)  # type: ignore[attr-defined]
-        if pending is not None:
-            return pending
-        issued = self.step_state.per_sample_gradient_norms
-        if issued is not None:
-            return issued
-        raise RuntimeError(
-            "no per-sample norms for this step: run a forward pass in training mode with "
-            "gradients enabled, then backward"
-        )
-
-    def get_clipping_coef(self) -> torch.Tensor:
-        """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
-
-        Called by the DP loss between the first backward pass and the clipped one. Consumes the
-        step's norms (:meth:`StepState.issue_clip_factors`); in secure mode the sketch
-        generators are reseeded from :mod:`secrets` afterwards.
-
-        Returns:
-            Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
-
-        Raises:
-            FloatingPointError: If any per-sample norm estimate is NaN or inf.
-            RuntimeError: See :meth:`StepState.issue_clip_factors`.
-        """
-        try:
-            if self._tied is not None:
-                try:
-                    self._tied.check_complete()  # never a partial norm of a tied weight
-                except RuntimeError:
-                    self.step_state.reset()
-                    raise
-            return self.step_state.issue_clip_factors(
-                max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
-                params=self.trainable_parameters,  # type: ignore[attr-defined]
-                bookkeeping=self._bookkeeping,
-            )
-        finally:
-            self._uses.clear()
-            if self._config.secure_mode:
-                self._generators.reseed()
-
-    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
-        """Write the clipped gradient sum into ``p.grad`` (book-keeping; no second backward).
-
-        Adds ``sum_i coef_i * grad_p loss_i`` to ``p.grad`` for every parameter reached by this
-        step's backward pass (:func:`~opacus_rc.grad_sample.bookkeeping.write_clipped_sums`):
-        what a second backward pass of ``sum_i coef_i loss_i`` accumulates. The stored tensors
-        are consumed. No random number is drawn.
-
-        Args:
-            coef: The clip factors of this step, shape ``(B,)``.
-
-        Raises:
-            RuntimeError: If book-keeping is off, or no stash was handed over by
-                :meth:`get_clipping_coef` of this step.
-            ValueError: If a clipped sum has the wrong shape or misses a parameter.
-        """
-        if not self._bookkeeping:
-            raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
-                "run the second backward pass of sum_i c_i loss_i instead"
-            )
-        ready = self.step_state.take_stashes()
-        layout = self.step_state.units
-        try:
-            if layout is not None and layout.split is not None:
-                # A unit cut across physical batches (docs/privacy/units.md#units-split).
-                self.step_state.per_sample_gradient_norms = write_split_clipped_sums(
-                    self,
-                    ready,
-                    coef,
-                    layout,
-                    clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
-                    max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
-                    estimator=self._estimator,
-                    sketch_dim=self._config.sketch_dim,
-                    generator_for=self.generator_for,
-                )
-            else:
-                write_clipped_sums(
-                    ready, coef, clipped_sums=self.CLIPPED_SUM_FUNCTIONS, name_of=self._name_of
-                )
-        finally:
-            ready.clear()
-        self.step_state.mark_applied()
-
-    def finish_clipped_pass(self) -> None:
-        """Mark the second (clipped) backward pass of a two-pass step as done."""
-        self.step_state.mark_applied()
-
-    def abort_step(self) -> None:
-        """The private backward failed: drop every stored tensor; ``step()`` refuses until
-        ``zero_grad()``."""
-        self.discard_recorded()
-        drop_open_unit(self)  # a unit cut across batches lost a part
-        self.step_state.fail()
-
-    def _drop_after_hook_error(self) -> None:
-        """A hook is about to raise: inside a backward (the recomputed forward of a checkpointed
-        region) gradients may already have been accumulated, so the step fails
-        (:meth:`abort_step`); in a forward nothing reached a gradient yet, so only the records
-        are dropped (:meth:`discard_recorded`)."""
-        if in_backward():
-            self.abort_step()
-        else:
-            self.discard_recorded()
-
-    def discard_recorded(self) -> None:
-        """Drop the activations and forward counters Opacus stored, and this step's records."""
-        for sub in wrapped_module(self).modules():
-            if hasattr(sub, "activations"):
-                sub.activations = []
-            if hasattr(sub, "max_batch_len"):
-                del sub.max_batch_len
-        if self._call_kwargs is not None:
-            self._call_kwargs.clear()
-        for _, p in trainable_parameters(wrapped_module(self)):
-            reset_forward_counter(p)
-            drop_current_grad_sample(p)
-            p.grad_sample = None
-        self._uses.clear()
-        if self._tied is not None:
-            self._tied.clear()
-        self.step_state.reset()
 
     # ------------------------------------------------------------------------------------------
     # Hooks
@@ -820,8 +605,6 @@ class _RandomizedClippingMixin:
                 # Once per step, at its first hooked forward: a parameter unfrozen, replaced or
                 # tied since make_private raises here, before Opacus' counters trip over it.
                 self._trainable.check()
-                self._step_checkpointed = False
-                self._step_smaller_stash = False
                 if self._tied is not None:
                     self._tied.clear()
             self._step.on_forward()
@@ -830,7 +613,7 @@ class _RandomizedClippingMixin:
                 module, forward_input, _forward_output if output_edge else None
             )
             if in_checkpointed_forward():
-                self._step_checkpointed = True
+                self._step.mark_checkpointed()
                 return  # the recomputation inside the backward records the inputs
         try:
             if tied:
@@ -941,7 +724,7 @@ class _RandomizedClippingMixin:
             backprops,
             step=self.step_state,
             bookkeeping=self._bookkeeping,
-            smaller_stash=self._step_smaller_stash,
+            smaller_stash=self.step_state.smaller_stash,
         )
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len

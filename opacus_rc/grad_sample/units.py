@@ -646,7 +646,9 @@ def write_split_clipped_sums(
     Args:
         module: The grad-sample module (owns the open unit).
         stashes: The step's book-keeping stashes (consumed).
-        coef: ``(U,)`` clip factors of the batch (those of the buffered units are not used).
+        coef: ``(U,)`` clip factors of the batch (those of the buffered units are not used);
+            updated in place to the factors used (the closed unit's from its whole norm, NaN
+            for a unit still open), which the step's ``ClipResult`` reports.
         layout: The batch's layout, with a split.
         clipped_sums: The clipped-sum registry.
         max_grad_norm: ``C``.
@@ -678,6 +680,7 @@ def write_split_clipped_sums(
     buffered = layout.buffered
     split = layout.split
     assert split is not None
+    closed_factor: float | None = None
     if split.continued:
         open_unit.add(part(one_hot(0)))
         if not (split.continues and U == 1):  # unit 0 is complete: clip it once
@@ -697,6 +700,7 @@ def write_split_clipped_sums(
             factor = min(1.0, max_grad_norm / (float(norm) + 1e-6))
             add_to_grads({p: g.mul_(factor) for p, g in buffer.items()})
             norms[0] = norm.to(norms.device)
+            closed_factor = factor
     if split.continues and not (split.continued and U == 1):
         open_unit.add(part(one_hot(U - 1)))
     if split.continues:
@@ -705,4 +709,9 @@ def write_split_clipped_sums(
         closed = coef.clone()
         closed[buffered] = 0
         add_to_grads(part(closed))
+    with torch.no_grad():  # the factors used, for the step's ClipResult
+        if split.continues:
+            coef[U - 1] = math.nan
+        if closed_factor is not None:
+            coef[0] = closed_factor
     return norms

@@ -160,6 +160,11 @@ def run_split(m, opt, crit, x, y, units, size: int) -> dict[int, torch.Tensor]:
         reported = m.per_sample_gradient_norms
         assert reported.shape == (int(part.max()) + 1,)
         assert torch.isnan(reported[-1]).item() == split.continues  # open: not known yet
+        used = opt.last_clip_result.clip_factors  # the factors the batch applied
+        assert torch.isnan(used[-1]).item() == split.continues
+        closed = ~torch.isnan(reported)
+        want = (m.max_grad_norm / (reported[closed] + 1e-6)).clamp(max=1.0)
+        torch.testing.assert_close(used[closed].double(), want, rtol=1e-6, atol=0)
         first = int(units[pos][0])
         for u in range(len(reported)):
             if not (split.continues and u == len(reported) - 1):
