@@ -69,9 +69,12 @@ class ClipResult:
     Attributes:
         clip_factors: ``(R,)`` clip factors ``c_r = min(1, C / (n_hat_r + 1e-6))``, one per
             per-sample loss: ``R = B`` sequences, or ``R = U`` units with ``units=``
-            (docs/privacy/units.md); float32 (float64 if a norm was float64).
-        per_sample_norms: ``(R,)`` float64 whole-model norm estimates the factors were made from.
-            Not privatized: for debugging and logging only.
+            (docs/privacy/units.md); float32 (float64 if a norm was float64). In a physical
+            batch that cuts a unit (``unit_split=``, docs/privacy/units.md#units-split) the
+            factors applied: a unit closing here has the factor of its whole summed gradient,
+            a unit still open NaN (it has none yet).
+        per_sample_norms: ``(R,)`` float64 whole-model norm estimates the factors were made from
+            (NaN for a unit still open). Not privatized: for debugging and logging only.
         num_records: ``R``, the number of sequences (or units) clipped.
         per_unit: Whether the records are units (``units=`` was passed to the criterion).
         sketch_spec: The sketch that produced the norms
