@@ -266,11 +266,12 @@ class _UnitCollate:
             raise ValueError(
                 f"a physical batch holds {seen[split[0]]} of the "
                 f"{next(c for _, u, c in items if u == split[0])} sequences of unit "
-                f"{split[0]}: a unit's sequences were split across physical batches (e.g. by "
-                "BatchMemoryManager), which unit-level clipping does not support (its clip "
-                "factor needs the norm of the sum over all of its sequences). Use a physical "
-                "batch that holds the whole logical batch, or a smaller "
-                "max_sequences_per_unit"
+                f"{split[0]}: a unit's sequences were split across physical batches without "
+                "saying where (e.g. by Opacus' BatchMemoryManager), and its clip factor needs "
+                "the norm of the sum over all of its sequences. Use "
+                "UnitBatchMemoryManager (split_units=True cuts units and tells the criterion "
+                "where, unit_split=), a physical batch that holds the whole logical batch, or "
+                "a smaller max_sequences_per_unit"
             )
         batch = self.collate_fn([item for item, _, _ in items])
         return self._attach(batch, torch.tensor(units, dtype=torch.long))
