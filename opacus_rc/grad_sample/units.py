@@ -156,14 +156,12 @@ class UnitSplit(NamedTuple):
     everything. :class:`~opacus_rc.unit_data_loader.UnitBatchMemoryManager` with
     ``split_units=True`` yields one per physical batch; pass it to the criterion as
     ``unit_split=``.
-
-    Attributes:
-        continued: The batch's first unit (unit 0) began in the previous physical batch of the
-            same logical batch.
-        continues: The batch's last unit (unit ``U - 1``) continues in the next physical batch.
     """
 
+    #: The batch's first unit (unit 0) began in the previous physical batch of the same
+    #: logical batch.
     continued: bool
+    #: The batch's last unit (unit ``U - 1``) continues in the next physical batch.
     continues: bool
 
 
