@@ -546,3 +546,46 @@ def test_a_cut_unit_of_a_tiny_llama_matches_the_oracle(variant: str, checkpointi
     want = (factors[:, None] * G).sum(0)
     # expected_batch_size=1, lr=1: the update is the clipped sum
     torch.testing.assert_close((before - flat(model)).double(), want, rtol=1e-3, atol=1e-6)
+
+
+def test_a_failed_backward_drops_the_open_unit() -> None:
+    """A backward that raises while a unit is open (a NaN norm here) drops the unit's part
+    with the step; the next batch that says it continues the unit is then refused."""
+    model = TokenModel()
+    x, y = data()
+    m, opt, crit = private(model)
+    opt.signal_skip_step(do_skip=True)
+    out = m(x[:3])
+    crit(
+        out.reshape(-1, C),
+        y[:3].reshape(-1),
+        shape=out.shape,
+        units=torch.tensor([0, 0, 1]),
+        unit_split=UnitSplit(False, True),
+    ).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.head.weight[0, 0] = math.nan
+    out = m(x[3:6])
+    loss = crit(
+        out.reshape(-1, C),
+        y[3:6].reshape(-1),
+        shape=out.shape,
+        units=torch.tensor([0, 0, 0]),
+        unit_split=UnitSplit(True, True),
+    )
+    with pytest.raises(FloatingPointError):
+        loss.backward()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.head.weight[0, 0] = 0.0
+    out = m(x[6:9])
+    with pytest.raises(ValueError, match="no unit is open"):
+        crit(
+            out.reshape(-1, C),
+            y[6:9].reshape(-1),
+            shape=out.shape,
+            units=torch.tensor([0, 0, 0]),
+            unit_split=UnitSplit(True, False),
+        )
