@@ -86,6 +86,7 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.tied import TiedSketches
+from opacus_rc.grad_sample.units import drop_open_unit
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
@@ -225,6 +226,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
                     UserWarning,
                     stacklevel=3,
                 )
+            self._estimator = estimator  # also the norm of a unit cut across batches (units.py)
             self._step = StepState(name_of=self._name_of)
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(
@@ -414,6 +416,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
             self._tied.clear()
         if self._reducer_off is not None:
             self._reducer_off.restore()
+        drop_open_unit(self)
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(wrapped_module(self))
 

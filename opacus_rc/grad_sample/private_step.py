@@ -60,6 +60,7 @@ from opacus_rc._compat.opacus import (
 from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import in_backward
 from opacus_rc.grad_sample.clip import apply_clip_factors
+from opacus_rc.grad_sample.units import drop_open_unit, write_split_clipped_sums
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["ClipResult", "PrivateBackwardMixin", "StepPeer"]
@@ -78,9 +79,12 @@ class ClipResult:
     Attributes:
         clip_factors: ``(R,)`` clip factors ``c_r = min(1, C / (n_hat_r + 1e-6))``, one per
             per-sample loss: ``R = B`` sequences, or ``R = U`` units with ``units=``
-            (docs/privacy/units.md); float32 (float64 if a norm was float64).
-        per_sample_norms: ``(R,)`` float64 whole-model norm estimates the factors were made from.
-            Not privatized: for debugging and logging only.
+            (docs/privacy/units.md); float32 (float64 if a norm was float64). In a physical
+            batch that cuts a unit (``unit_split=``, docs/privacy/units.md#units-split) the
+            factors applied: a unit closing here has the factor of its whole summed gradient,
+            a unit still open NaN (it has none yet).
+        per_sample_norms: ``(R,)`` float64 whole-model norm estimates the factors were made from
+            (NaN for a unit still open). Not privatized: for debugging and logging only.
         num_records: ``R``, the number of sequences (or units) clipped.
         per_unit: Whether the records are units (``units=`` was passed to the criterion).
         sketch_spec: The sketch that produced the norms
@@ -416,13 +420,28 @@ class PrivateBackwardMixin:
             )
         step = self.step_state  # type: ignore[attr-defined]
         ready = step.take_stashes()
+        layout = step.units
         try:
-            write_clipped_sums(
-                ready,
-                coef,
-                clipped_sums=self.CLIPPED_SUM_FUNCTIONS,  # type: ignore[attr-defined]
-                name_of=self._name_of,  # type: ignore[attr-defined]
-            )
+            if layout is not None and layout.split is not None:
+                # A unit cut across physical batches (docs/privacy/units.md#units-split).
+                step.per_sample_gradient_norms = write_split_clipped_sums(
+                    self,
+                    ready,
+                    coef,
+                    layout,
+                    clipped_sums=self.CLIPPED_SUM_FUNCTIONS,  # type: ignore[attr-defined]
+                    max_grad_norm=self.max_grad_norm,  # type: ignore[attr-defined]
+                    estimator=self._estimator,  # type: ignore[attr-defined]
+                    sketch_dim=self._config.sketch_dim,  # type: ignore[attr-defined]
+                    generator_for=self.generator_for,  # type: ignore[attr-defined]
+                )
+            else:
+                write_clipped_sums(
+                    ready,
+                    coef,
+                    clipped_sums=self.CLIPPED_SUM_FUNCTIONS,  # type: ignore[attr-defined]
+                    name_of=self._name_of,  # type: ignore[attr-defined]
+                )
         finally:
             ready.clear()
         step.mark_applied()
@@ -435,6 +454,7 @@ class PrivateBackwardMixin:
         """The private backward failed: drop every stored tensor; ``step()`` refuses until
         ``zero_grad()``."""
         self.discard_recorded()
+        drop_open_unit(self)  # a unit cut across physical batches lost a part
         self.step_state.fail()  # type: ignore[attr-defined]
 
     def _drop_after_hook_error(self) -> None:

@@ -271,7 +271,12 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
     _warned_no_ignore_index = False
 
     def __call__(
-        self, *args: Any, shape: Any = None, units: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        shape: Any = None,
+        units: Any = None,
+        unit_split: Any = None,
+        **kwargs: Any,
     ) -> DPTensorRandomizedClipping:
         """The per-sample losses of ``criterion(*args, **kwargs)``, as a DP loss.
 
@@ -282,6 +287,10 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 each sequence: the losses, norms and clip factors are then per unit, shape
                 ``(U,)``, each unit's loss the sum of its sequences' losses
                 (:mod:`opacus_rc.grad_sample.units`, docs/privacy/units.md).
+            unit_split: With ``units``, the batch's
+                :class:`~opacus_rc.grad_sample.units.UnitSplit` when a unit is cut across the
+                physical batches of a logical one (``UnitBatchMemoryManager(split_units=True)``
+                yields it), or None (whole units).
             **kwargs: The criterion's keyword arguments.
 
         Returns:
@@ -318,7 +327,7 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             args = (*args, kwargs.pop("target"))
         out = super().__call__(*args, shape=shape, **kwargs)
         losses = out.loss_per_sample
-        layout = unit_layout_for_loss(out.module, losses, units)
+        layout = unit_layout_for_loss(out.module, losses, units, split=unit_split)
         if layout is not None:
             losses = layout.sum_per_unit(losses)  # (U,): each unit's loss, summed
         return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)

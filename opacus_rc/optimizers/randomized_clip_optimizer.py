@@ -33,11 +33,16 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
+from opacus_rc._compat.opacus import (
+    adjusted_noise_multiplier,
+    next_step_skipped,
+    wrapped_module,
+)
 from opacus_rc.accountants.events import RandomizedClipDpEvent
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.private_step import ClipResult
 from opacus_rc.grad_sample.step import StepState
+from opacus_rc.grad_sample.units import check_no_open_unit
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
@@ -396,8 +401,13 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         Raises:
             RuntimeError: See :meth:`check_step_allowed`.
             FloatingPointError: See :meth:`check_step_allowed`.
+            StepProtocolError: If this step ends a logical batch while a unit cut across its
+                physical batches is open
+                (:func:`~opacus_rc.grad_sample.units.check_no_open_unit`).
         """
         self.check_step_allowed()
+        # A unit cut across physical batches must be closed by the batch that ends the step.
+        check_no_open_unit(self._grad_sample_module, step_ends=not next_step_skipped(self))
         return super().pre_step(closure)
 
 
