@@ -6,20 +6,23 @@ optimizer steps at the rate the accountant records
 (:func:`~opacus_rc.integrations.train_data.trainer_schedule`, the engine's own rule), then makes
 the model private with ``clipping="randomized"`` (hooks on the model's own modules, no
 wrapper) and checks that the engine's schedule and sketch are the ones the trainer sampled and
-searched for. The result is one :class:`PrivateRun`. :func:`causal_lm` and
-:func:`takes_position_ids` say how the per-example loss reads the model.
+searched for. The result is one :class:`PrivateRun`. :func:`run_seeds` gives the seeds of the
+run's sampler and noise generator; :func:`causal_lm` and :func:`takes_position_ids` say how the
+per-example loss reads the model.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import secrets
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from torch import nn
 
@@ -31,7 +34,14 @@ from opacus_rc.integrations.privacy_arguments import BOOKKEEPING
 from opacus_rc.integrations.train_data import trainer_schedule
 from opacus_rc.privacy_engine import PrivacyEngine
 
-__all__ = ["PrivateRun", "causal_lm", "make_private_run", "takes_position_ids", "unwrap"]
+__all__ = [
+    "PrivateRun",
+    "causal_lm",
+    "make_private_run",
+    "run_seeds",
+    "takes_position_ids",
+    "unwrap",
+]
 
 logger = logging.getLogger("opacus_rc.integrations.transformers")
 
@@ -62,6 +72,41 @@ class PrivateRun:
     planned_steps: int | None
     noise_generator: torch.Generator
     sketch_generator: torch.Generator | None
+
+
+def run_seeds(seed: int | None, *, world_size: int) -> tuple[int, int]:
+    """The seeds of the run's Poisson sampler and noise generator.
+
+    From ``PrivacyArguments.seed`` (two independent streams of a ``numpy`` ``SeedSequence``)
+    if given, else from the operating system. Under DDP every rank takes rank 0's (a
+    collective: every rank calls it): every rank draws the same Poisson mask and splits it by
+    shard, and only rank 0 adds noise, so a checkpoint's noise state is its.
+
+    Args:
+        seed: ``PrivacyArguments.seed``, or None.
+        world_size: The number of processes.
+
+    Returns:
+        ``(sampler_seed, noise_seed)``.
+    """
+    if seed is not None:
+        sampler_seed = int(
+            np.random.SeedSequence(seed, spawn_key=(0,)).generate_state(1, np.uint64)[0]
+        )
+        noise_seed = int(
+            np.random.SeedSequence(seed, spawn_key=(1,)).generate_state(1, np.uint64)[0]
+        )
+    else:
+        sampler_seed = secrets.randbits(63)
+        noise_seed = secrets.randbits(63)
+    if world_size > 1:
+        # One Poisson batch of the whole dataset per step, split by shard: every rank draws
+        # the same mask, from rank 0's seed (each rank drew its own above). The noise seed
+        # is rank 0's too (only rank 0 adds noise), so a checkpoint's noise state is its.
+        seeds = [sampler_seed, noise_seed]
+        dist.broadcast_object_list(seeds, src=0)
+        sampler_seed, noise_seed = (int(x) for x in seeds)
+    return sampler_seed, noise_seed
 
 
 def _sketch_generator(sketch_seed: int | None, *, rank: int, world_size: int) -> Any:

@@ -7,8 +7,9 @@
 * :func:`train_dataset_and_collator`: the dataset and collator with unused columns removed, as
   the Trainer does;
 * :func:`unit_members`: the units of ``PrivacyArguments.privacy_unit`` and their rows;
-* :func:`logical_batch_loader`: the loader of logical batches, with the Trainer's worker
-  options;
+* :func:`example_train_loader` and :func:`unit_train_loader`: the trainer's loader of Poisson
+  logical batches of examples, or of units (``PrivacyArguments.privacy_unit``), through
+  :func:`logical_batch_loader` (the Trainer's worker options);
 * :func:`check_delta`: ``target_delta`` below ``1 / N``.
 """
 
@@ -20,18 +21,32 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from opacus_rc._compat.transformers import collator_with_removed_columns, remove_unused_columns
+from opacus_rc._compat.transformers import (
+    collator_with_removed_columns,
+    remove_unused_columns,
+    train_batch_size,
+)
 from opacus_rc.engine.schedule import accounted_schedule, public_sizes
-from opacus_rc.integrations.logical_batches import IndexDataset, LogicalBatchLoader
+from opacus_rc.integrations.logical_batches import (
+    IndexDataset,
+    LogicalBatchCollator,
+    LogicalBatchLoader,
+    PoissonLogicalBatchSampler,
+    UnitLogicalBatchCollator,
+    UnitLogicalBatchSampler,
+    UnitRows,
+)
 from opacus_rc.unit_data_loader import select_unit_members
 
 __all__ = [
     "TrainerSchedule",
     "check_delta",
+    "example_train_loader",
     "logical_batch_loader",
     "train_dataset_and_collator",
     "trainer_schedule",
     "unit_members",
+    "unit_train_loader",
 ]
 
 
@@ -162,4 +177,102 @@ def logical_batch_loader(
         pin_memory=trainer.args.dataloader_pin_memory,
         persistent_workers=trainer.args.dataloader_persistent_workers,
         prefetch_factor=trainer.args.dataloader_prefetch_factor,
+    )
+
+
+def example_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalBatchLoader:
+    """The loader of Poisson logical batches of examples (``DPTrainerMixin.get_train_dataloader``).
+
+    Every example is in a logical batch independently with probability ``q`` of
+    :func:`trainer_schedule`; under DDP each rank gets its shard of the same mask. Sets
+    ``trainer._num_records`` (the ``N`` examples) and, the first time,
+    ``trainer._poisson_sampler`` (from ``trainer._sampler_seed``; later calls reuse it).
+
+    Args:
+        trainer: The DP trainer.
+        dataset: The training dataset, unused columns removed.
+        collator: The data collator (of one micro-batch).
+
+    Returns:
+        The loader.
+
+    Raises:
+        ValueError: ``target_delta`` not below ``1 / N``.
+    """
+    n = len(dataset)
+    trainer._num_records = n
+    check_delta(trainer.privacy_args.target_delta, n, "training examples")
+    schedule = trainer_schedule(n, expected_batch_size=trainer.privacy_args.expected_batch_size)
+    if trainer._poisson_sampler is None:
+        trainer._poisson_sampler = PoissonLogicalBatchSampler(
+            num_samples=n,
+            sample_rate=schedule.sample_rate,
+            steps=schedule.steps,
+            seed=trainer._sampler_seed,
+            rank=trainer._rank,
+            world_size=trainer._world_size,
+        )
+    return logical_batch_loader(
+        trainer,
+        dataset,
+        batch_sampler=trainer._poisson_sampler,
+        collate_fn=LogicalBatchCollator(
+            collate_fn=collator, max_physical_batch_size=train_batch_size(trainer)
+        ),
+    )
+
+
+def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalBatchLoader:
+    """The Poisson loader of *units* (``PrivacyArguments.privacy_unit``).
+
+    Every unit is in a logical batch independently with probability
+    ``q = 1 / ceil(U / expected_batch_size)`` (the per-example rule with the ``U`` units as the
+    records), with all of its selected rows, in micro-batches of whole units. Sets
+    ``trainer._num_records`` (``U``) and, the first time, ``trainer._poisson_sampler``.
+
+    Args:
+        trainer: The DP trainer.
+        dataset: The training dataset, unused columns removed (the unit column is read from
+            ``trainer.train_dataset``, before the removal).
+        collator: The data collator (of one micro-batch).
+
+    Returns:
+        The loader.
+
+    Raises:
+        ValueError: The unit column is missing, a unit has more selected rows than
+            ``per_device_train_batch_size`` (it could not be clipped in one micro-batch), or
+            ``target_delta`` is not below ``1 / U``.
+    """
+    pa = trainer.privacy_args
+    column = pa.privacy_unit
+    unit_of, members = unit_members(
+        trainer.train_dataset, column, max_sequences_per_unit=pa.max_sequences_per_unit
+    )
+    num_units = len(members)
+    trainer._num_records = num_units
+    check_delta(pa.target_delta, num_units, f"units of {column!r}")
+    physical = train_batch_size(trainer)
+    too_big = [len(m) for m in members if len(m) > physical]
+    if too_big:
+        raise ValueError(
+            f"{len(too_big)} of the {num_units} units of {column!r} have more rows than "
+            f"per_device_train_batch_size={physical} (the largest has {max(too_big)}): a "
+            "unit's rows are clipped together, in one micro-batch. Raise "
+            f"per_device_train_batch_size to at least {max(too_big)}, or set "
+            f"PrivacyArguments.max_sequences_per_unit <= {physical}"
+        )
+    schedule = trainer_schedule(num_units, expected_batch_size=pa.expected_batch_size)
+    if trainer._poisson_sampler is None:
+        trainer._poisson_sampler = UnitLogicalBatchSampler(
+            members=members,
+            sample_rate=schedule.sample_rate,
+            steps=schedule.steps,
+            seed=trainer._sampler_seed,
+        )
+    return logical_batch_loader(
+        trainer,
+        UnitRows(dataset, unit_of, column),
+        batch_sampler=trainer._poisson_sampler,
+        collate_fn=UnitLogicalBatchCollator(collate_fn=collator, max_physical_batch_size=physical),
     )

@@ -84,42 +84,33 @@ Example::
                         privacy_args=privacy)
     trainer.train()
     print(trainer.get_epsilon())
+
+This module holds the trainer's methods (the Trainer's hooks it overrides, each short) and this
+overview, which is the trainer's user documentation; every step lives in a module of its own
+concept (listed in :mod:`opacus_rc.integrations` and docs/architecture.md#architecture-layers),
+which is why the module stays near 500 lines rather than under it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import secrets
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import transformers
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from opacus_rc._compat.transformers import (
-    TrainerSeams,
-    output_dir,
-    prepare_inputs,
-    train_batch_size,
-)
+from opacus_rc._compat.transformers import TrainerSeams, output_dir
 from opacus_rc.accountants import AccountingError
+from opacus_rc.integrations.logical_batch_step import logical_batch_step, micro_batch_loss
 from opacus_rc.integrations.logical_batches import (
-    UNITS_KEY,
     LogicalBatch,
     LogicalBatchCollator,
     PoissonLogicalBatchSampler,
-    UnitLogicalBatchCollator,
-    UnitLogicalBatchSampler,
-    UnitRows,
 )
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
 from opacus_rc.integrations.privacy_arguments import PrivacyArguments
@@ -133,15 +124,14 @@ from opacus_rc.integrations.private_run import (
     PrivateRun,
     causal_lm,
     make_private_run,
+    run_seeds,
     takes_position_ids,
 )
 from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
 from opacus_rc.integrations.train_data import (
-    check_delta,
-    logical_batch_loader,
+    example_train_loader,
     train_dataset_and_collator,
-    trainer_schedule,
-    unit_members,
+    unit_train_loader,
 )
 from opacus_rc.privacy_engine import PrivacyEngine
 
@@ -215,26 +205,9 @@ class DPTrainerMixin(TrainerSeams):
                 UserWarning,
                 stacklevel=2,
             )
-            self._sampler_seed = int(
-                np.random.SeedSequence(privacy_args.seed, spawn_key=(0,)).generate_state(
-                    1, np.uint64
-                )[0]
-            )
-            self._noise_seed = int(
-                np.random.SeedSequence(privacy_args.seed, spawn_key=(1,)).generate_state(
-                    1, np.uint64
-                )[0]
-            )
-        else:
-            self._sampler_seed = secrets.randbits(63)
-            self._noise_seed = secrets.randbits(63)
-        if self._world_size > 1:
-            # One Poisson batch of the whole dataset per step, split by shard: every rank draws
-            # the same mask, from rank 0's seed (each rank drew its own above). The noise seed
-            # is rank 0's too (only rank 0 adds noise), so a checkpoint's noise state is its.
-            seeds = [self._sampler_seed, self._noise_seed]
-            dist.broadcast_object_list(seeds, src=0)
-            self._sampler_seed, self._noise_seed = (int(x) for x in seeds)
+        self._sampler_seed, self._noise_seed = run_seeds(
+            privacy_args.seed, world_size=self._world_size
+        )
         max_grad_norm = getattr(self.args, "max_grad_norm", None)
         if max_grad_norm:
             warnings.warn(
@@ -334,74 +307,10 @@ class DPTrainerMixin(TrainerSeams):
         self._check_train_dataset(self.train_dataset)
         dataset, collator = train_dataset_and_collator(self)
         if self.privacy_args.privacy_unit is not None:
-            return self._unit_train_dataloader(dataset, collator)
-        n = len(dataset)
-        self._num_records = n
-        check_delta(self.privacy_args.target_delta, n, "training examples")
-        schedule = trainer_schedule(n, expected_batch_size=self.privacy_args.expected_batch_size)
-        if self._poisson_sampler is None:
-            self._poisson_sampler = PoissonLogicalBatchSampler(
-                num_samples=n,
-                sample_rate=schedule.sample_rate,
-                steps=schedule.steps,
-                seed=self._sampler_seed,
-                rank=self._rank,
-                world_size=self._world_size,
-            )
-        return logical_batch_loader(
-            self,
-            dataset,
-            batch_sampler=self._poisson_sampler,
-            collate_fn=LogicalBatchCollator(
-                collate_fn=collator, max_physical_batch_size=train_batch_size(self)
-            ),
-        )
+            return unit_train_loader(self, dataset, collator)
+        return example_train_loader(self, dataset, collator)
 
-    def _unit_train_dataloader(self, dataset: Dataset, collator: Any) -> DataLoader:
-        """The Poisson loader of *units* (``PrivacyArguments.privacy_unit``): every unit is in
-        a logical batch independently with probability ``q = 1 / ceil(U / expected_batch_size)``
-        (the per-example rule with the ``U`` units as the records), with all of its selected
-        rows, in micro-batches of whole units.
-
-        Raises:
-            ValueError: The unit column is missing, or a unit has more selected rows than
-                ``per_device_train_batch_size`` (it could not be clipped in one micro-batch).
-        """
-        pa = self.privacy_args
-        column = pa.privacy_unit
-        unit_of, members = unit_members(
-            self.train_dataset, column, max_sequences_per_unit=pa.max_sequences_per_unit
-        )
-        num_units = len(members)
-        self._num_records = num_units
-        check_delta(pa.target_delta, num_units, f"units of {column!r}")
-        physical = train_batch_size(self)
-        too_big = [len(m) for m in members if len(m) > physical]
-        if too_big:
-            raise ValueError(
-                f"{len(too_big)} of the {num_units} units of {column!r} have more rows than "
-                f"per_device_train_batch_size={physical} (the largest has {max(too_big)}): a "
-                "unit's rows are clipped together, in one micro-batch. Raise "
-                f"per_device_train_batch_size to at least {max(too_big)}, or set "
-                f"PrivacyArguments.max_sequences_per_unit <= {physical}"
-            )
-        schedule = trainer_schedule(num_units, expected_batch_size=pa.expected_batch_size)
-        if self._poisson_sampler is None:
-            self._poisson_sampler = UnitLogicalBatchSampler(
-                members=members,
-                sample_rate=schedule.sample_rate,
-                steps=schedule.steps,
-                seed=self._sampler_seed,
-            )
-        return logical_batch_loader(
-            self,
-            UnitRows(dataset, unit_of, column),
-            batch_sampler=self._poisson_sampler,
-            collate_fn=UnitLogicalBatchCollator(
-                collate_fn=collator, max_physical_batch_size=physical
-            ),
-        )
-
+    # ------------------------------------------------------------------------------------------
     # Making the model and optimizer private
     # ------------------------------------------------------------------------------------------
 
@@ -482,64 +391,7 @@ class DPTrainerMixin(TrainerSeams):
             TypeError: If ``inputs`` is not a :class:`LogicalBatch`.
             RuntimeError: A step beyond the schedule the noise was searched for.
         """
-        private = self._require_private()
-        if not isinstance(inputs, LogicalBatch):
-            raise TypeError(
-                f"a DP trainer's training batches come from its Poisson loader (LogicalBatch), "
-                f"got {type(inputs).__name__}; do not override get_train_dataloader"
-            )
-        if (
-            private.planned_steps is not None
-            and len(private.engine.accountant) >= private.planned_steps
-        ):
-            raise RuntimeError(
-                f"the noise multiplier was chosen so that {private.planned_steps} steps reach "
-                f"epsilon={self.privacy_args.target_epsilon}; another step would pass it"
-            )
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        optimizer = private.optimizer
-        if isinstance(model, DistributedDataParallel):
-            model = model.module  # see the docstring: DDP's reducer is not used
-        # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
-        optimizer.zero_grad()
-        if inputs.num_examples == 0:
-            # No record is in the batch: the step is the noise alone, noised and accounted by
-            # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
-            private.module.step_state.mark_empty_batch()
-            optimizer.discard_gradients()
-            # Under DDP: this rank's part of the agreement the other ranks' last backward
-            # issues (in one process, no collective).
-            if not optimizer.all_ranks_ok(True):
-                raise RuntimeError(
-                    "the randomized-clipping backward failed on another rank; no rank takes "
-                    "this step"
-                )
-            fill = math.nan if self.args.logging_nan_inf_filter else 0.0
-            return torch.tensor(fill, device=self.args.device)
-        total = torch.zeros((), device=self.args.device, dtype=torch.float64)
-        records = 0  # examples, or units with privacy_unit
-        last = len(inputs.micro_batches) - 1
-        context = (
-            getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
-        )
-        with context:
-            for i, micro in enumerate(inputs.micro_batches):
-                micro = prepare_inputs(self, micro)
-                with self.compute_loss_context_manager():
-                    loss = self.compute_private_loss(model, micro)
-                if i < last:
-                    # Said before the backward, so that under DDP only the last micro-batch's
-                    # backward issues the ranks' agreement (the ranks' counts differ).
-                    optimizer.signal_skip_step(do_skip=True)
-                loss.backward()
-                total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
-                records += loss.loss_per_sample.numel()
-                if i < last:
-                    optimizer.step()  # accumulates the clipped sum only
-                    optimizer.zero_grad()
-        return (total / max(records, 1)).float().detach()
+        return logical_batch_step(self, model, inputs)
 
     def compute_private_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         """The DP loss of one micro-batch: per-example losses ``(B,)`` through the criterion.
@@ -557,32 +409,12 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             ValueError: No ``labels`` in the batch.
         """
-        inputs = dict(inputs)
-        units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
-        labels = inputs.pop("labels", None)
-        shift_labels = inputs.pop("shift_labels", None)
-        if labels is None:
-            raise ValueError(
-                "a DP trainer computes each example's loss from the batch's 'labels' (-100 where "
-                "ignored); the data collator returned none (for a causal LM use a collator that "
-                "copies input_ids to labels, e.g. DataCollatorForLanguageModeling(mlm=False))"
-            )
-        if self._positions and "position_ids" not in inputs and "input_ids" in inputs:
-            # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
-            # position embedding one norm for the whole batch (Opacus issue 841); the expanded
-            # ids are the same values, one row per example.
-            b, t = inputs["input_ids"].shape[:2]
-            positions = torch.arange(t, device=inputs["input_ids"].device)
-            inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        return per_sample_cross_entropy(
-            self._private.criterion,
-            logits,
-            labels,
-            shift=self._shift_labels,
-            shift_labels=shift_labels,
-            units=units,
+        return micro_batch_loss(
+            model,
+            inputs,
+            criterion=self._private.criterion,
+            shift_labels=self._shift_labels,
+            expand_positions=self._positions,
         )
 
     # The Trainer's clipping of the summed gradient is replaced by per-example clipping, and the
