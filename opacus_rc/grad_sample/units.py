@@ -44,10 +44,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc._compat.opacus import wrapped_module
 
@@ -60,8 +58,10 @@ __all__ = [
     "unit_layout_for_loss",
 ]
 
-#: Distributed model types for which ``units=`` is refused.
-_DISTRIBUTED = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel, FSDPModule)
+#: Sharded model types for which ``units=`` is refused (data parallelism, DDP and DPDDP, is
+#: supported: a unit's sequences stay on one rank, see
+#: :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
+_REFUSED_DISTRIBUTED = (FSDPModule,)
 
 #: Qualified names (``module.qualname``) of module types whose forward acts on each position
 #: independently with shared parameters, so that packing a unit's sequences along the position
@@ -289,8 +289,9 @@ def unit_layout_for_loss(
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
             or a step whose other criterion calls disagree (:meth:`StepState.set_units`).
-        NotImplementedError: A distributed model (DDP, DPDDP, FSDP2), or a trainable module that
-            is not token-wise (:func:`check_unit_routes`).
+        NotImplementedError: An FSDP2-sharded model, or a trainable module that is not
+            token-wise (:func:`check_unit_routes`). DDP and DPDDP are supported (each unit on
+            one rank: :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
     """
     state = getattr(module, "step_state", None)
     if units is None:
@@ -302,11 +303,11 @@ def unit_layout_for_loss(
             "units= needs the randomized-clipping module (make_private(..., clipping='randomized'))"
         )
     model = wrapped_module(module)
-    if isinstance(model, _DISTRIBUTED):
+    if isinstance(model, _REFUSED_DISTRIBUTED):
         raise NotImplementedError(
-            f"units= (unit-level clipping) is not supported for a distributed model "
-            f"({type(model).__name__}): a unit's sequences would have to stay on one rank and "
-            "the per-rank divisors follow the units. Train unit-level models in one process "
+            f"units= (unit-level clipping) is not supported for an FSDP2-sharded model "
+            f"({type(model).__name__}); use DistributedDataParallel (or Opacus' DPDDP) with "
+            "opacus_rc.unit_data_loader.DistributedUnitDataLoader, or one process "
             "(docs/privacy/units.md)"
         )
     if not module.clipping_config.batch_first:
