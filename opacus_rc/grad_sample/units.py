@@ -33,6 +33,14 @@ Clip factors, norms and the per-unit losses are ``(U,)``. A module that is not t
 :data:`TOKENWISE_TYPES`) is refused when ``units=`` is passed (:func:`check_unit_routes`):
 concatenating its inputs would not give the unit's summed gradient.
 
+**Distributed training.** Under DDP, DPDDP or FSDP2 each rank packs its own sequences, so a
+unit's sequences must all be on one rank:
+:class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader` gives every sampled unit to
+exactly one rank. FSDP2 all-gathers a layer's whole weight in forward and backward, so the
+stored inputs and output gradients, hence the packed per-unit norms, are those of the whole
+layer on every rank (no reduction of norms across shards is needed); the clipped sums are
+reduce-scattered into the shards as for sequences (:mod:`opacus_rc.grad_sample.fsdp`).
+
 Cost: the packed copies are ``U n_max T`` positions per layer instead of ``B T`` (no copy at
 all when every unit has the same number of sequences and they are contiguous in the batch, as
 :class:`~opacus_rc.unit_data_loader.UnitDataLoader` yields them); the work of every norm is
@@ -45,9 +53,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from opacus_rc._compat.opacus import wrapped_module
+from opacus_rc._compat.opacus import fsdp_base_type, wrapped_module
 
 __all__ = [
     "TOKENWISE_TYPES",
@@ -57,11 +64,6 @@ __all__ = [
     "register_tokenwise",
     "unit_layout_for_loss",
 ]
-
-#: Sharded model types for which ``units=`` is refused (data parallelism, DDP and DPDDP, is
-#: supported: a unit's sequences stay on one rank, see
-#: :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
-_REFUSED_DISTRIBUTED = (FSDPModule,)
 
 #: Qualified names (``module.qualname``) of module types whose forward acts on each position
 #: independently with shared parameters, so that packing a unit's sequences along the position
@@ -115,7 +117,7 @@ def check_unit_routes(model: nn.Module) -> None:
         f"'{name or '<root>'}' ({type(m).__name__})"
         for name, m in model.named_modules()
         if any(p.requires_grad for p in m.parameters(recurse=False))
-        and _type_name(type(m)) not in TOKENWISE_TYPES
+        and _type_name(fsdp_base_type(m)) not in TOKENWISE_TYPES  # FSDPLinear -> Linear
     ]
     if bad:
         raise NotImplementedError(
@@ -289,9 +291,9 @@ def unit_layout_for_loss(
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
             or a step whose other criterion calls disagree (:meth:`StepState.set_units`).
-        NotImplementedError: An FSDP2-sharded model, or a trainable module that is not
-            token-wise (:func:`check_unit_routes`). DDP and DPDDP are supported (each unit on
-            one rank: :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
+        NotImplementedError: A trainable module that is not token-wise
+            (:func:`check_unit_routes`). DDP, DPDDP and FSDP2 models are supported (each unit
+            on one rank: :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
     """
     state = getattr(module, "step_state", None)
     if units is None:
@@ -302,14 +304,9 @@ def unit_layout_for_loss(
         raise TypeError(
             "units= needs the randomized-clipping module (make_private(..., clipping='randomized'))"
         )
+    # Distributed models (DDP, DPDDP, FSDP2) need nothing here: each rank packs its own
+    # sequences, and DistributedUnitDataLoader keeps each unit on one rank.
     model = wrapped_module(module)
-    if isinstance(model, _REFUSED_DISTRIBUTED):
-        raise NotImplementedError(
-            f"units= (unit-level clipping) is not supported for an FSDP2-sharded model "
-            f"({type(model).__name__}); use DistributedDataParallel (or Opacus' DPDDP) with "
-            "opacus_rc.unit_data_loader.DistributedUnitDataLoader, or one process "
-            "(docs/privacy/units.md)"
-        )
     if not module.clipping_config.batch_first:
         raise ValueError("units= needs batch_first=True")
     check_unit_routes(model)

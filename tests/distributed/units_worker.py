@@ -1,7 +1,9 @@
-"""Two-process unit-level randomized clipping under DDP (gloo, CPU), run by test_units_ddp.py.
+"""Two-process unit-level randomized clipping under DDP and FSDP2 (gloo, CPU), run by
+test_units_distributed.py.
 
-``python units_worker.py OUT.json`` spawns 2 processes with ``torch.multiprocessing.spawn``;
-each runs every scenario and asserts; rank 0 writes a JSON summary. A script (not a pytest
+``python units_worker.py OUT.json ddp|fsdp`` spawns 2 processes with
+``torch.multiprocessing.spawn``; each runs the scenarios of that wrapper and asserts; rank 0
+writes a JSON summary. A script (not a pytest
 module) so that spawned children can import it as ``__mp_main__``.
 
 The oracle (float64, one process) sums each sampled unit's per-sequence gradients with one
@@ -18,9 +20,9 @@ autograd call per unit. Tolerances:
   copies, so their gradients add up), so the check can fail;
 * noise at sigma = 1: ``(theta_released - theta_formula) E / lr`` is the all-reduced noise
   alone, ``N(0, sigma^2 C^2)`` per coordinate if drawn once (``sqrt(2) sigma C`` if every rank
-  drew its own). Over 2 steps of ``P = 579`` coordinates (1158 values) the sample sd has
-  relative standard error ``1 / sqrt(2 * 1158) = 0.021``; the band 0.15 is seven of them and
-  excludes ``sqrt(2) = 1.41``.
+  drew its own). Over 2 steps of ``P = 579`` coordinates (570 under FSDP2: 1140 values at
+  least) the sample sd has relative standard error ``<= 1 / sqrt(2 * 1140) = 0.021``; the band
+  0.15 is seven of them and excludes ``sqrt(2) = 1.41``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP  # noqa: N817
+from opacus.utils.fsdp_utils import FSDP2Wrapper
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
 from worker_common import CLASSES, WORLD, D, SeqMLP, T, free_port, gather  # noqa: E402
 
 import opacus_rc  # noqa: F401  (registers the "rc" accountant)
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.optimizers import DistributedRandomizedClipOptimizer, DPLossRandomizedClipping
+from opacus_rc.grad_sample.fsdp import GradSampleModuleRandomizedClippingFSDP
+from opacus_rc.optimizers import (
+    DistributedRandomizedClipOptimizer,
+    DPLossRandomizedClipping,
+    FSDPRandomizedClipOptimizer,
+)
 from opacus_rc.privacy_engine import PrivacyEngine
 from opacus_rc.unit_data_loader import DistributedUnitDataLoader, UnitDataLoader
 
@@ -57,7 +66,22 @@ N_SEQ, N_UNITS, Q = 30, 8, 0.5
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    """All parameters, unsharded (a collective for FSDP2's sharded ones)."""
+    return torch.cat(
+        [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+            for p in model.parameters()
+        ]
+    )
+
+
+class CheckpointedSeqMLP(SeqMLP):
+    """SeqMLP with its layers under activation checkpointing (``torch.utils.checkpoint``,
+    non-reentrant): the hooks see the recomputed forward in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = super(SeqMLP, self).forward
+        return checkpoint(inner, x, use_reentrant=False).mean(1)
 
 
 def at(base: nn.Module, theta: torch.Tensor) -> nn.Module:
@@ -155,21 +179,32 @@ def check_step(
     }
 
 
-def scenario_raw(rank: int, wrapper: type) -> dict[str, Any]:
-    """The module and distributed optimizer by hand (DPDDP or torch DDP, book-keeping), sigma 0:
-    the update equals the oracle's per-unit clipped sum over both ranks' units, the norms the
-    exact ones; each unit on one rank, the union the single-process batch of the seed."""
+def scenario_raw(
+    rank: int, wrapper: type, *, bookkeeping: bool = True, checkpointed: bool = False
+) -> dict[str, Any]:
+    """The module and distributed optimizer by hand (DPDDP, torch DDP or FSDP2), sigma 0: the
+    update equals the oracle's per-unit clipped sum over both ranks' units, the norms the exact
+    ones; each unit on one rank, the union the single-process batch of the seed."""
     torch.manual_seed(1)
-    base = SeqMLP(H)
+    sharded = wrapper is FSDP2Wrapper
+    model_class = CheckpointedSeqMLP if checkpointed else SeqMLP
+    base = model_class(H - 1 if sharded else H)  # odd hidden size: FSDP2 pads uneven shards
     C = 0.05
     E = int(N_UNITS * Q)  # expected units per step (8 * 0.5 = 4); per rank E / WORLD
-    gsm = GradSampleModuleRandomizedClipping(
+    module_class = (
+        GradSampleModuleRandomizedClippingFSDP if sharded else (GradSampleModuleRandomizedClipping)
+    )
+    gsm = module_class(
         wrapper(copy.deepcopy(base)),
         max_grad_norm=C,
         sketch_dim=K,
         sketch_generator=torch.Generator().manual_seed(10 + rank),
+        bookkeeping=bookkeeping,
     )
-    opt = DistributedRandomizedClipOptimizer(
+    optimizer_class = (
+        FSDPRandomizedClipOptimizer if sharded else (DistributedRandomizedClipOptimizer)
+    )
+    opt = optimizer_class(
         torch.optim.SGD(gsm.parameters(), lr=LR),
         grad_sample_module=gsm,
         noise_multiplier=0.0,
@@ -199,7 +234,6 @@ def scenario_raw(rank: int, wrapper: type) -> dict[str, Any]:
         out["steps"].append({**res, "max_abs_diff": diff})
     ranks = gather(flat(gsm))
     assert torch.equal(ranks[0], ranks[1]), "ranks diverged"
-    gsm.cleanup()
     return out
 
 
@@ -209,13 +243,15 @@ def gather_objects(obj: Any) -> list[Any]:
     return both
 
 
-def scenario_engine(rank: int, sigma: float) -> dict[str, Any]:
-    """PrivacyEngine.make_private with a DPDDP model and a DistributedUnitDataLoader: used as
-    it is, the per-rank divisor int(N_units q) / world, the accountant at the unit rate. At
-    sigma = 0 the update is the oracle's; at sigma = 1 the gap to it is the noise, drawn once."""
+def scenario_engine(rank: int, sigma: float, wrapper: type = DPDDP) -> dict[str, Any]:
+    """PrivacyEngine.make_private with a DPDDP (or FSDP2) model and a DistributedUnitDataLoader:
+    used as it is, the per-rank divisor int(N_units q) / world, the accountant at the unit rate.
+    At sigma = 0 the update is the oracle's; at sigma = 1 the gap to it is the noise, drawn
+    once."""
     torch.manual_seed(2)
-    base = SeqMLP(H)
-    model = DPDDP(copy.deepcopy(base))
+    sharded = wrapper is FSDP2Wrapper
+    base = SeqMLP(H - 1 if sharded else H)
+    model = wrapper(copy.deepcopy(base))
     C = 0.05
     loader = unit_loader(rank, seed=4, steps=2)
     engine = PrivacyEngine()
@@ -230,7 +266,9 @@ def scenario_engine(rank: int, sigma: float) -> dict[str, Any]:
         sketch_dim=K,
     )
     assert dl is loader
-    assert type(opt) is DistributedRandomizedClipOptimizer
+    assert type(opt) is (
+        FSDPRandomizedClipOptimizer if sharded else DistributedRandomizedClipOptimizer
+    )
     E = int(N_UNITS * Q)
     assert opt.expected_batch_size == E / WORLD, opt.expected_batch_size
     steps, residuals, out = 0, [], {}
@@ -259,19 +297,28 @@ def scenario_engine(rank: int, sigma: float) -> dict[str, Any]:
     return out
 
 
-def run(rank: int, port: int, out: str) -> None:
+def run(rank: int, port: int, out: str, which: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        results = {
-            "raw_dpddp": scenario_raw(rank, DPDDP),
-            "raw_ddp": scenario_raw(rank, DDP),
-            "engine_sigma0": scenario_engine(rank, 0.0),
-            "engine_sigma1": scenario_engine(rank, 1.0),
-        }
+        if which == "ddp":
+            results = {
+                "raw_dpddp": scenario_raw(rank, DPDDP),
+                "raw_ddp": scenario_raw(rank, DDP),
+                "raw_dpddp_checkpointed": scenario_raw(rank, DPDDP, checkpointed=True),
+                "engine_sigma0": scenario_engine(rank, 0.0),
+                "engine_sigma1": scenario_engine(rank, 1.0),
+            }
+        else:  # "fsdp" (checked before spawning)
+            results = {
+                "raw_fsdp_bk": scenario_raw(rank, FSDP2Wrapper),
+                "raw_fsdp_two_pass": scenario_raw(rank, FSDP2Wrapper, bookkeeping=False),
+                "engine_sigma0": scenario_engine(rank, 0.0, FSDP2Wrapper),
+                "engine_sigma1": scenario_engine(rank, 1.0, FSDP2Wrapper),
+            }
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
@@ -279,5 +326,9 @@ def run(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+SCENARIOS = ("ddp", "fsdp")
+
 if __name__ == "__main__":
-    mp.spawn(run, args=(free_port(), sys.argv[1]), nprocs=WORLD, join=True)
+    if len(sys.argv) != 3 or sys.argv[2] not in SCENARIOS:
+        sys.exit(f"usage: units_worker.py OUT.json {'|'.join(SCENARIOS)}")
+    mp.spawn(run, args=(free_port(), sys.argv[1], sys.argv[2]), nprocs=WORLD, join=True)
