@@ -9,7 +9,8 @@ derived in its docstring) and rank 0 writes the numbers checked here:
   ranks' units partition the single-process loader's batch, each unit on rank ``u % 2``; the
   update equals a float64 oracle's per-unit clipped sum over both ranks' units divided by the
   global expected number of units; the sketched norms at k = 4096 match the exact norms of the
-  units' summed gradients (and not the per-sequence norms);
+  units' summed gradients (and not the per-sequence norms); then a cut unit (``unit_split=``)
+  is refused (not implemented under DDP/FSDP2);
 * PrivacyEngine with DistributedUnitDataLoader (DPDDP; FSDP2): the loader used as it is, the
   per-rank divisor ``int(N_units q) / 2``, one accountant step per step at the unit rate; at
   sigma = 0 the oracle's update, at sigma = 1 noise of sd sigma C (drawn once, not per rank).
@@ -58,6 +59,7 @@ def check(res: dict[str, Any], raw: tuple[str, ...]) -> None:
             assert step["norm_rel_err"] < RTOL < step["naive_rel_gap"]
             assert step["clipped_units"] >= 2
             assert len(step["units"]) == len(set(step["units"]))  # each unit once
+        assert res[key]["split_refused"] is True  # a cut unit: not under DDP/FSDP2
     assert res["engine_sigma0"]["max_abs_diff"] < 1e-5
     assert res["engine_sigma0"]["expected_batch_size"] == 2.0  # int(8 * 0.5) / 2 ranks
     assert res["engine_sigma0"]["accountant_steps"] == 2

@@ -50,6 +50,7 @@ from worker_common import CLASSES, WORLD, D, SeqMLP, T, free_port, gather  # noq
 import opacus_rc  # noqa: F401  (registers the "rc" accountant)
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.grad_sample.fsdp import GradSampleModuleRandomizedClippingFSDP
+from opacus_rc.grad_sample.units import UnitSplit
 from opacus_rc.optimizers import (
     DistributedRandomizedClipOptimizer,
     DPLossRandomizedClipping,
@@ -234,7 +235,21 @@ def scenario_raw(
         out["steps"].append({**res, "max_abs_diff": diff})
     ranks = gather(flat(gsm))
     assert torch.equal(ranks[0], ranks[1]), "ranks diverged"
+    out["split_refused"] = split_is_refused(gsm, crit, next(iter(unit_loader(rank, seed=3))))
     return out
+
+
+def split_is_refused(gsm: Any, crit: Any, batch: Any) -> bool:
+    """A cut unit (unit_split=) with a distributed model raises NotImplementedError naming what
+    to do, before any backward (the last thing a scenario does with its module)."""
+    x, y, _, units = batch
+    try:
+        crit(gsm(x), y, units=units, unit_split=UnitSplit(False, True))
+    except NotImplementedError as e:
+        msg = str(e)
+        assert "not supported for a distributed model" in msg and "whole units" in msg, msg
+        return True
+    return False
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -354,3 +354,18 @@ def test_an_empty_step_is_noised_and_accounted() -> None:
     assert train(engine, m, opt, crit, dl) == 2
     assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))  # noised
     assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.5, 2)]
+
+
+@pytest.mark.parametrize("split_units", [False, True])
+def test_virtual_steps_of_a_distributed_unit_loader_are_refused(split_units: bool) -> None:
+    """UnitBatchMemoryManager with a DistributedUnitDataLoader is refused, naming what to do:
+    each rank would split its own units into its own number of physical batches (DDP's and
+    FSDP2's per-backward collectives misalign) and a cut unit's buffer is not sharded."""
+    loader = DistributedUnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, num_replicas=2, rank=0
+    )
+    with pytest.raises(NotImplementedError, match="DistributedUnitDataLoader") as info:
+        UnitBatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=4, optimizer=None, split_units=split_units
+        )
+    assert "add ranks or lower the sample rate" in str(info.value)
