@@ -32,24 +32,32 @@ next) to pass to the criterion as ``unit_split=``. The module then keeps the ope
 unclipped summed gradient until its last sequence is in, and clips it once
 (docs/privacy/units.md#units-split): a unit of 32 windows trains in micro-batches of 4 with the
 same update and the same guarantee as in one batch.
+
+**Modules.** The virtual-step manager lives in :mod:`opacus_rc.unit_batches` and the loader of
+one rank of a data-parallel run (:class:`DistributedUnitDataLoader`, each sampled unit on one
+rank) in :mod:`opacus_rc.distributed_unit_data_loader`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from opacus_rc.data_loader import worker_options
-from opacus_rc.grad_sample.units import UnitSplit
 from opacus_rc.validation import validate_sample_rate
+
+if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, at the end)
+    from opacus_rc.distributed_unit_data_loader import (
+        DistributedUnitDataLoader,
+        DistributedUnitPoissonSampler,
+        check_unit_loader_world,
+    )
+    from opacus_rc.unit_batches import UnitBatchMemoryManager, UnitBatchSplittingSampler
 
 __all__ = [
     "DistributedUnitDataLoader",
@@ -434,6 +442,8 @@ def prepare_unit_data_loader(
             "UnitDataLoader (unit-level DP) needs clipping='randomized': the other clipping "
             "modes clip each sequence, not each unit"
         )
+    from opacus_rc.distributed_unit_data_loader import check_unit_loader_world
+
     check_unit_loader_world(loader, distributed=distributed)
     if engine.dataset is None:
         engine.dataset = loader.dataset
@@ -442,391 +452,22 @@ def prepare_unit_data_loader(
     return loader
 
 
-class UnitBatchSplittingSampler(BatchSplittingSampler):
-    """Opacus' ``BatchSplittingSampler``, splitting a logical batch at unit boundaries only.
-
-    Whole units are packed greedily, in order, into physical batches of at most
-    ``max_batch_size`` sequences; a unit with more sequences than that forms a physical batch
-    of its own (a unit is never split: its clip factor needs all of its sequences in one
-    backward pass). The optimizer is told, as by Opacus, which physical batches end a logical
-    one (``signal_skip_step``), so each logical batch is one noised, accounted step.
-
-    With ``split_units=True`` the physical batches instead hold ``max_batch_size``
-    consecutive sequences each (:func:`split_at_size`), cutting units; the collate function of
-    :class:`UnitBatchMemoryManager` then tells the criterion where (``unit_split=``).
-
-    Args:
-        sampler: The :class:`UnitPoissonSampler` (a ``UnitDataLoader``'s ``batch_sampler``).
-        unit_of: ``unit_of[i]``: the unit index of dataset sequence ``i``.
-        max_batch_size: The largest physical batch (sequences), unless one unit is larger
-            (and ``split_units`` is False).
-        optimizer: The DP optimizer.
-        split_units: Cut units at ``max_batch_size`` (virtual steps within a unit).
-    """
-
-    def __init__(
-        self,
-        *,
-        sampler: UnitPoissonSampler,
-        unit_of: Sequence[int],
-        max_batch_size: int,
-        optimizer: Any,
-        split_units: bool = False,
-    ) -> None:
-        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
-        self.unit_of = unit_of
-        self.split_units = bool(split_units)
-
-    def split(self, indices: list[int]) -> list[list[int]]:
-        """The physical batches of one logical batch (consecutive whole units, or consecutive
-        sequences with ``split_units``)."""
-        pack = split_at_size if self.split_units else pack_whole_units
-        bounds = pack([self.unit_of[i] for i in indices], max_batch_size=self.max_batch_size)
-        return [indices[lo:hi] for lo, hi in bounds]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for indices in self.sampler:
-            chunks = self.split(list(indices)) or [[]]
-            for chunk in chunks[:-1]:
-                self.optimizer.signal_skip_step(do_skip=True)
-                yield chunk
-            self.optimizer.signal_skip_step(do_skip=False)
-            yield chunks[-1]
-
-    def __len__(self) -> int:
-        return len(self.sampler)  # logical batches; the physical count is random
+# The virtual-step manager (opacus_rc.unit_batches) and the distributed loader
+# (opacus_rc.distributed_unit_data_loader) live in their own modules, which import this one;
+# their names are re-exported here on first access (PEP 562), so the import paths are unchanged.
+_MOVED = {
+    "UnitBatchMemoryManager": "opacus_rc.unit_batches",
+    "UnitBatchSplittingSampler": "opacus_rc.unit_batches",
+    "DistributedUnitDataLoader": "opacus_rc.distributed_unit_data_loader",
+    "DistributedUnitPoissonSampler": "opacus_rc.distributed_unit_data_loader",
+    "check_unit_loader_world": "opacus_rc.distributed_unit_data_loader",
+}
 
 
-class _Ranked(Dataset):
-    """The tagged dataset, each item also tagged with its rank among its unit's selected
-    sequences (where a physical batch cuts a unit; ``split_units=True``)."""
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-    def __init__(self, tagged: _Tagged, rank: list[int]) -> None:
-        self.tagged = tagged
-        self.rank = rank
-
-    def __len__(self) -> int:
-        return len(self.tagged)
-
-    def __getitem__(self, index: int) -> tuple[Any, int, int, int]:
-        return (*self.tagged[index], self.rank[index])
-
-
-class _SplitUnitCollate:
-    """Collate ranked items into ``(batch, units, unit_split)``: the batch may cut its first
-    and its last unit (consecutive sequences of one logical batch), and says so."""
-
-    def __init__(self, inner: _UnitCollate, split_key: str) -> None:
-        self.inner = inner
-        self.split_key = split_key
-
-    def __call__(self, items: list[tuple[Any, int, int, int]]) -> Any:
-        split = self.unit_split(items)
-        # The inner collate checks that every unit is whole: present it the pieces as units.
-        pieces = Counter(unit for _, unit, _, _ in items)
-        whole = [(item, unit, pieces[unit]) for item, unit, _, _ in items]
-        return self._attach(self.inner(whole), split)
-
-    @staticmethod
-    def unit_split(items: list[tuple[Any, int, int, int]]) -> UnitSplit:
-        """Where ``items`` (unit after unit, each unit's sequences in rank order) cut units.
-
-        Raises:
-            ValueError: A unit that is cut but neither first nor last, or out of rank order.
-        """
-        if not items:
-            return UnitSplit(False, False)
-        runs: list[list[tuple[int, int, int]]] = []  # (unit, count, rank) per unit, in order
-        for _, unit, count, rank in items:
-            if not runs or runs[-1][0][0] != unit:
-                runs.append([])
-            runs[-1].append((unit, count, rank))
-        for i, run in enumerate(runs):
-            unit, count, first = run[0]
-            ranks = [r for _, _, r in run]
-            starts = first == 0 or i == 0
-            ends = ranks[-1] == count - 1 or i == len(runs) - 1
-            if ranks != list(range(first, first + len(run))) or not (starts and ends):
-                raise ValueError(
-                    f"a physical batch holds sequences {ranks} of the {count} of unit {unit}: "
-                    "only the first and the last unit of a physical batch may be cut, each as "
-                    "consecutive sequences (UnitBatchMemoryManager(split_units=True) cuts so)"
-                )
-        return UnitSplit(runs[0][0][2] > 0, runs[-1][-1][2] < runs[-1][-1][1] - 1)
-
-    def _attach(self, batch: Any, split: UnitSplit) -> Any:
-        if isinstance(batch, dict):
-            return {**batch, self.split_key: split}
-        return (*batch, split)
-
-
-class UnitBatchMemoryManager(BatchMemoryManager):
-    """Opacus' ``BatchMemoryManager`` for a :class:`UnitDataLoader`: each logical batch of
-    units runs as virtual steps (:class:`UnitBatchSplittingSampler`), one noised, accounted
-    step per logical batch.
-
-    With ``split_units=False`` the physical batches hold whole units. With
-    ``split_units=True`` they hold ``max_physical_batch_size`` consecutive sequences each (the
-    last fewer), cutting units where needed, and every batch carries its
-    :class:`~opacus_rc.grad_sample.units.UnitSplit` after ``units`` (the last element of a
-    tuple batch; the key ``split_key`` of a dict batch), to pass to the criterion::
-
-        with UnitBatchMemoryManager(data_loader=dl, max_physical_batch_size=4,
-                                    optimizer=opt, split_units=True) as mem:
-            for x, y, units, split in mem:
-                loss = criterion(model(x), y, units=units, unit_split=split)
-                loss.backward(); opt.step(); opt.zero_grad()
-
-    The update, the norms of the units and the accounting are those of the logical batch at
-    once (docs/privacy/units.md#units-split); a cut unit needs book-keeping.
-
-    Args:
-        data_loader: The :class:`UnitDataLoader` returned by ``make_private``.
-        max_physical_batch_size: The largest physical batch, in sequences (without
-            ``split_units``, a unit with more sequences forms a physical batch of its own).
-        optimizer: The DP optimizer.
-        split_units: Cut units at ``max_physical_batch_size``.
-        split_key: The key of the :class:`~opacus_rc.grad_sample.units.UnitSplit` in a dict
-            batch.
-
-    Raises:
-        TypeError: If ``data_loader`` is not a :class:`UnitDataLoader`.
-        NotImplementedError: If it is a :class:`DistributedUnitDataLoader` (virtual steps under
-            data parallelism: each rank would split its own units into its own number of
-            physical batches, so DDP's and FSDP2's per-backward collectives would not line up,
-            and a cut unit's buffer is not sharded).
-    """
-
-    def __init__(
-        self,
-        *,
-        data_loader: UnitDataLoader,
-        max_physical_batch_size: int,
-        optimizer: Any,
-        split_units: bool = False,
-        split_key: str = "unit_split",
-    ) -> None:
-        if not isinstance(data_loader, UnitDataLoader):
-            raise TypeError(
-                f"UnitBatchMemoryManager needs a UnitDataLoader, got {type(data_loader).__name__}"
-            )
-        if isinstance(data_loader, DistributedUnitDataLoader):
-            raise NotImplementedError(
-                "UnitBatchMemoryManager is not supported with a DistributedUnitDataLoader: each "
-                "rank would split its own units into its own number of physical batches, so "
-                "DDP's and FSDP2's collectives of each backward would not line up (and a cut "
-                "unit's buffer is not sharded). Each rank's logical batch is already 1/world of "
-                "the expected units: add ranks or lower the sample rate to fit memory, or run "
-                "virtual steps in one process (docs/privacy/units.md#units-distributed)"
-            )
-        super().__init__(
-            data_loader=data_loader,
-            max_physical_batch_size=max_physical_batch_size,
-            optimizer=optimizer,
-        )
-        self.split_units = bool(split_units)
-        self.split_key = split_key
-
-    def __enter__(self) -> DataLoader:
-        loader = self.data_loader
-        options = worker_options(loader)
-        dataset = loader.dataset
-        if self.split_units:
-            rank = [0] * len(dataset)
-            for seqs in loader.selected:
-                for r, i in enumerate(seqs):
-                    rank[i] = r
-            dataset = _Ranked(dataset, rank)
-            options["collate_fn"] = _SplitUnitCollate(options["collate_fn"], self.split_key)
-        return DataLoader(
-            dataset=dataset,
-            batch_sampler=UnitBatchSplittingSampler(
-                sampler=loader.batch_sampler,
-                unit_of=loader.dataset.unit_of,
-                max_batch_size=self.max_physical_batch_size,
-                optimizer=self.optimizer,
-                split_units=self.split_units,
-            ),
-            **options,
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Data parallelism (DDP, DPDDP): every sampled unit on exactly one rank
-# ----------------------------------------------------------------------------------------------
-
-
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``(num_replicas, rank)``: the given ones, else the default process group's."""
-    if num_replicas is None or rank is None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise ValueError(
-                "DistributedUnitDataLoader needs num_replicas and rank, or an initialised "
-                "torch.distributed process group to read them from"
-            )
-        num_replicas = torch.distributed.get_world_size() if num_replicas is None else num_replicas
-        rank = torch.distributed.get_rank() if rank is None else rank
-    num_replicas, rank = int(num_replicas), int(rank)
-    if num_replicas < 1 or not 0 <= rank < num_replicas:
-        raise ValueError(
-            f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas}, {rank}"
-        )
-    return num_replicas, rank
-
-
-class DistributedUnitPoissonSampler(UnitPoissonSampler):
-    """:class:`UnitPoissonSampler` under data parallelism: one rank's share of each Poisson
-    sample of units.
-
-    Unit ``u`` belongs to rank ``u % num_replicas`` (its *shard*; a unit is never split between
-    ranks, so its clip factor is computed from all of its sequences in one backward pass). At
-    every step the sampler draws the inclusion mask of **all** ``num_units`` units,
-    ``rand(num_units) < q`` (exactly as :class:`UnitPoissonSampler`), and yields the sequences
-    of the sampled units of its own shard. Unit ``u``'s inclusion is therefore read from one
-    draw of one rank only, and over the ranks every unit is included independently with
-    probability ``q`` at every step, each sampled unit on exactly one rank: the ranks'
-    batches partition one Poisson sample of units of the whole dataset. This holds both when
-    the ranks' generators are equal (the same seed on every rank: the ranks' batches then
-    partition the very batch that a single-process :class:`UnitPoissonSampler` with that seed
-    draws, which makes a run reproducible and comparable with one process) and when they are
-    independent (the default, each rank seeded from its operating system, and the engine's
-    secure mode, each rank with its own CSPRNG); any other relation between the generators is
-    not covered. Every step yields a batch, empty when no unit of the shard is sampled: the
-    ranks take the same number of steps, and an empty rank joins the all-reduce with a zero
-    sum.
-
-    Args:
-        members: ``members[u]``: the dataset indices of unit ``u``'s (selected) sequences, for
-            **every** unit of the dataset (not only this rank's).
-        sample_rate: ``q`` in ``(0, 1]``.
-        num_replicas: The number of data-parallel ranks.
-        rank: This rank, in ``[0, num_replicas)``.
-        steps: Batches per epoch (default ``int(1 / q)``), the same on every rank.
-        generator: Source of the masks (see above); None seeds one from the operating system.
-
-    Attributes:
-        num_units: The number of units of the whole dataset (the records of the accountant).
-        shard: The units of this rank, ``[rank, rank + num_replicas, ...]``.
-
-    Raises:
-        ValueError: As :class:`UnitPoissonSampler`, or an invalid ``num_replicas``/``rank``.
-    """
-
-    def __init__(
-        self,
-        *,
-        members: Sequence[Sequence[int]],
-        sample_rate: float,
-        num_replicas: int,
-        rank: int,
-        steps: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        super().__init__(members=members, sample_rate=sample_rate, steps=steps, generator=generator)
-        self.num_replicas, self.rank = _world(num_replicas, rank)
-        self.shard = list(range(self.rank, self.num_units, self.num_replicas))
-
-    def sample_units(self) -> torch.Tensor:
-        """One step's sampled units of this rank's shard, increasing (global unit indices)."""
-        sampled = super().sample_units()  # the mask of all units, as in one process
-        return sampled[sampled % self.num_replicas == self.rank]
-
-
-class DistributedUnitDataLoader(UnitDataLoader):
-    """:class:`UnitDataLoader` for one rank of a data-parallel run (DDP, Opacus' DPDDP).
-
-    Samples units with :class:`DistributedUnitPoissonSampler`: unit ``u`` is trained on rank
-    ``u % num_replicas`` only, each unit is included independently with probability
-    ``sample_rate`` at every step, and the ranks' batches partition one Poisson sample of the
-    dataset's units. Build it on every rank with the same arguments (the same ``dataset``,
-    ``unit_of``, ``sample_rate``, ``max_sequences_per_unit``, selection and ``steps``), and
-    either the same seeded ``generator`` on every rank or none (independent OS seeds); see
-    :class:`DistributedUnitPoissonSampler`.
-
-    Given to ``PrivacyEngine.make_private`` with a DDP/DPDDP model, the accountant takes
-    ``q = 1 / len(loader)`` as in one process, and the divisor of each rank's noisy sum under
-    ``loss_reduction="mean"`` is ``int(num_units / len(loader)) / world_size`` (Opacus' rule:
-    the all-reduced mean of the ranks' sums divided by it is the single-process mean over the
-    expected number of units, ``num_units`` being the units of the whole dataset). Noise is added
-    once, on rank 0, by the distributed optimizer.
-
-    Args:
-        dataset: The sequences (map-style), the whole dataset on every rank.
-        num_replicas: The number of ranks (None: the process group's world size).
-        rank: This rank (None: the process group's rank).
-        **kwargs: The arguments of :class:`UnitDataLoader` (``unit_of``, ``sample_rate`` ...).
-
-    Attributes:
-        num_replicas: The number of ranks.
-        rank: This rank.
-        num_units: The units of the whole dataset.
-
-    Raises:
-        ValueError: As :class:`UnitDataLoader`; ``num_replicas``/``rank`` invalid, or not given
-            without an initialised process group.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self._world = _world(num_replicas, rank)
-        super().__init__(dataset, **kwargs)
-        self.num_replicas, self.rank = self._world
-
-    def _unit_sampler(
-        self,
-        *,
-        members: list[list[int]],
-        sample_rate: float,
-        steps: int | None,
-        generator: torch.Generator | None,
-    ) -> UnitPoissonSampler:
-        num_replicas, rank = self._world
-        return DistributedUnitPoissonSampler(
-            members=members,
-            sample_rate=sample_rate,
-            num_replicas=num_replicas,
-            rank=rank,
-            steps=steps,
-            generator=generator,
-        )
-
-
-def check_unit_loader_world(loader: UnitDataLoader, *, distributed: bool) -> None:
-    """Refuse a unit loader that does not match the model's data parallelism.
-
-    Args:
-        loader: The :class:`UnitDataLoader` given to ``make_private``.
-        distributed: Whether the model is data-parallel (DDP, DPDDP, FSDP2).
-
-    Raises:
-        ValueError: A plain :class:`UnitDataLoader` with a distributed model (every rank would
-            draw and train on its own copy of every sampled unit); a
-            :class:`DistributedUnitDataLoader` whose ``num_replicas`` is not the process
-            group's world size, or is more than 1 for a model that is not distributed.
-    """
-    if isinstance(loader, DistributedUnitDataLoader):
-        if distributed:
-            world = torch.distributed.get_world_size()
-            if loader.num_replicas != world:
-                raise ValueError(
-                    f"DistributedUnitDataLoader(num_replicas={loader.num_replicas}) in a process "
-                    f"group of {world} ranks: build it with num_replicas={world} (or None)"
-                )
-        elif loader.num_replicas > 1:
-            raise ValueError(
-                f"DistributedUnitDataLoader(num_replicas={loader.num_replicas}) with a model that "
-                "is not distributed: wrap the model in DistributedDataParallel (or Opacus' "
-                "DPDDP), or use UnitDataLoader in one process"
-            )
-    elif distributed:
-        raise ValueError(
-            "a UnitDataLoader with a distributed model: every rank would sample and train on "
-            "every sampled unit. Use opacus_rc.unit_data_loader.DistributedUnitDataLoader "
-            "(each sampled unit on exactly one rank; docs/privacy/units.md)"
-        )
+    return getattr(importlib.import_module(module), name)
