@@ -269,6 +269,8 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
             sample_rate=schedule.sample_rate,
             steps=schedule.steps,
             seed=trainer._sampler_seed,
+            rank=trainer._rank,  # DDP: each sampled unit on rank u % world_size
+            world_size=trainer._world_size,
         )
     return logical_batch_loader(
         trainer,

@@ -29,8 +29,9 @@ differently:
   ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
   all of its rows (at most ``max_sequences_per_unit``, its first), micro-batches hold whole
   units, the criterion gets ``units=`` and clips each unit's summed gradient once
-  (docs/privacy/units.md). A unit larger than ``per_device_train_batch_size`` and several
-  processes are refused.
+  (docs/privacy/units.md). Under several processes each sampled unit is trained on rank
+  ``u % N`` (a unit is never split between ranks). A unit larger than
+  ``per_device_train_batch_size`` is refused.
 * **Privacy budget.** With ``target_epsilon`` the noise multiplier is searched (with
   :func:`opacus_rc.accountants.get_noise_multiplier`, the engine's own search) for the
   Trainer's number of optimizer steps (``max_steps``, or ``num_train_epochs`` epochs), so that
@@ -190,13 +191,6 @@ class DPTrainerMixin(TrainerSeams):
         self._num_records: int | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
-        if privacy_args.privacy_unit is not None and self._world_size > 1:
-            raise NotImplementedError(
-                f"PrivacyArguments.privacy_unit={privacy_args.privacy_unit!r} with "
-                f"{self._world_size} processes: unit-level DP trains in one process (the "
-                "engine's unit path refuses a distributed model); launch one process, or leave "
-                "privacy_unit=None for per-example DP under DDP"
-            )
         if privacy_args.seed is not None:
             warnings.warn(
                 f"PrivacyArguments.seed={privacy_args.seed}: the Poisson batches and the noise are "
