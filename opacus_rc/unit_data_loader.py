@@ -17,36 +17,59 @@ its selected sequences, and adding or removing a unit adds or removes exactly th
 analysis in docs/privacy/units.md is over these records). The selection is reported as
 :attr:`UnitDataLoader.selected`.
 
-**Physical batches.** A unit's sequences are yielded contiguously. A unit split across physical
-batches (Opacus' ``BatchMemoryManager`` splits a logical batch at arbitrary positions) is
-refused when the physical batch is collated (a ``ValueError``): its clip factor needs the
-norm of the sum over all of its sequences, and clipping the parts separately would give the
-unit a sensitivity of ``C`` per part. :class:`UnitBatchMemoryManager` splits logical batches
-at unit boundaries instead (virtual steps of whole units).
+**Physical batches.** A unit's sequences are yielded contiguously. Its clip factor needs the
+norm of the sum over all of its sequences (clipping the parts separately would give the unit a
+sensitivity of ``C`` per part), so a physical batch that holds only some of a unit's sequences
+without saying so (Opacus' ``BatchMemoryManager`` splits a logical batch at arbitrary
+positions) is refused when it is collated (a ``ValueError``). :class:`UnitBatchMemoryManager`
+runs a logical batch as virtual steps, in one of two ways: with ``split_units=False`` (the
+default) its physical batches hold whole units (a unit larger than ``max_physical_batch_size``
+gets a physical batch of its own); with ``split_units=True`` they hold exactly
+``max_physical_batch_size`` consecutive sequences (the last one fewer), cutting units where
+needed, and each batch carries a :class:`~opacus_rc.grad_sample.units.UnitSplit` (whether its
+first unit continues one from the previous batch and whether its last one continues into the
+next) to pass to the criterion as ``unit_split=``. The module then keeps the open unit's
+unclipped summed gradient until its last sequence is in, and clips it once
+(docs/privacy/units.md#units-split): a unit of 32 windows trains in micro-batches of 4 with the
+same update and the same guarantee as in one batch.
+
+**Modules.** The virtual-step manager lives in :mod:`opacus_rc.unit_batches` and the loader of
+one rank of a data-parallel run (:class:`DistributedUnitDataLoader`, each sampled unit on one
+rank) in :mod:`opacus_rc.distributed_unit_data_loader`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from opacus_rc.data_loader import worker_options
 from opacus_rc.validation import validate_sample_rate
 
+if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, at the end)
+    from opacus_rc.distributed_unit_data_loader import (
+        DistributedUnitDataLoader,
+        DistributedUnitPoissonSampler,
+        check_unit_loader_world,
+    )
+    from opacus_rc.unit_batches import UnitBatchMemoryManager, UnitBatchSplittingSampler
+
 __all__ = [
+    "DistributedUnitDataLoader",
+    "DistributedUnitPoissonSampler",
     "UnitBatchMemoryManager",
     "UnitBatchSplittingSampler",
     "UnitDataLoader",
     "UnitPoissonSampler",
+    "check_unit_loader_world",
     "pack_whole_units",
     "prepare_unit_data_loader",
+    "split_at_size",
     "select_unit_members",
 ]
 
@@ -182,6 +205,26 @@ def pack_whole_units(units: Sequence[int], *, max_batch_size: int) -> list[tuple
     return chunks
 
 
+def split_at_size(units: Sequence[int], *, max_batch_size: int) -> list[tuple[int, int]]:
+    """Physical batches of ``max_batch_size`` consecutive items (the last one fewer), cutting
+    units where needed (``UnitBatchMemoryManager(split_units=True)``).
+
+    Args:
+        units: The unit of each item of a logical batch (only its length is used).
+        max_batch_size: The size of every physical batch but the last.
+
+    Returns:
+        ``[(start, end), ...]`` (none for no item).
+
+    Raises:
+        ValueError: If ``max_batch_size < 1``.
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    n = len(units)
+    return [(lo, min(lo + max_batch_size, n)) for lo in range(0, n, max_batch_size)]
+
+
 class _Tagged(Dataset):
     """The sequence dataset, each item tagged with its unit and its unit's selected count."""
 
@@ -234,11 +277,12 @@ class _UnitCollate:
             raise ValueError(
                 f"a physical batch holds {seen[split[0]]} of the "
                 f"{next(c for _, u, c in items if u == split[0])} sequences of unit "
-                f"{split[0]}: a unit's sequences were split across physical batches (e.g. by "
-                "BatchMemoryManager), which unit-level clipping does not support (its clip "
-                "factor needs the norm of the sum over all of its sequences). Use a physical "
-                "batch that holds the whole logical batch, or a smaller "
-                "max_sequences_per_unit"
+                f"{split[0]}: a unit's sequences were split across physical batches without "
+                "saying where (e.g. by Opacus' BatchMemoryManager), and its clip factor needs "
+                "the norm of the sum over all of its sequences. Use "
+                "UnitBatchMemoryManager (split_units=True cuts units and tells the criterion "
+                "where, unit_split=), a physical batch that holds the whole logical batch, or "
+                "a smaller max_sequences_per_unit"
             )
         batch = self.collate_fn([item for item, _, _ in items])
         return self._attach(batch, torch.tensor(units, dtype=torch.long))
@@ -334,7 +378,7 @@ class UnitDataLoader(DataLoader):
         for u, seqs in enumerate(members):
             for i in seqs:
                 unit_of_index[i] = u
-        sampler = UnitPoissonSampler(
+        sampler = self._unit_sampler(
             members=members, sample_rate=sample_rate, steps=steps, generator=generator
         )
         inner = default_collate if collate_fn is None else collate_fn
@@ -354,6 +398,19 @@ class UnitDataLoader(DataLoader):
     def expected_batch_units(self) -> float:
         """``q * num_units``, the expected number of units per step."""
         return self.sample_rate * self.num_units
+
+    def _unit_sampler(
+        self,
+        *,
+        members: list[list[int]],
+        sample_rate: float,
+        steps: int | None,
+        generator: torch.Generator | None,
+    ) -> UnitPoissonSampler:
+        """The batch sampler (:class:`DistributedUnitDataLoader` gives each rank its shard)."""
+        return UnitPoissonSampler(
+            members=members, sample_rate=sample_rate, steps=steps, generator=generator
+        )
 
 
 def prepare_unit_data_loader(
@@ -375,19 +432,19 @@ def prepare_unit_data_loader(
 
     Raises:
         ValueError: Without ``clipping="randomized"`` (Opacus' clipping is per sequence, and it
-            would re-sample the sequences).
-        NotImplementedError: For a distributed model.
+            would re-sample the sequences); a plain :class:`UnitDataLoader` with a distributed
+            model (every rank would train on every sampled unit); a
+            :class:`DistributedUnitDataLoader` whose ``num_replicas`` is not the world size of a
+            distributed model (or is more than 1 without one).
     """
     if not randomized:
         raise ValueError(
             "UnitDataLoader (unit-level DP) needs clipping='randomized': the other clipping "
             "modes clip each sequence, not each unit"
         )
-    if distributed:
-        raise NotImplementedError(
-            "UnitDataLoader is not supported with a distributed model (DDP, DPDDP, FSDP2): "
-            "train unit-level models in one process (docs/privacy/units.md)"
-        )
+    from opacus_rc.distributed_unit_data_loader import check_unit_loader_world
+
+    check_unit_loader_world(loader, distributed=distributed)
     if engine.dataset is None:
         engine.dataset = loader.dataset
     if engine.secure_mode:
@@ -395,90 +452,22 @@ def prepare_unit_data_loader(
     return loader
 
 
-class UnitBatchSplittingSampler(BatchSplittingSampler):
-    """Opacus' ``BatchSplittingSampler``, splitting a logical batch at unit boundaries only.
-
-    Whole units are packed greedily, in order, into physical batches of at most
-    ``max_batch_size`` sequences; a unit with more sequences than that forms a physical batch
-    of its own (a unit is never split: its clip factor needs all of its sequences in one
-    backward pass). The optimizer is told, as by Opacus, which physical batches end a logical
-    one (``signal_skip_step``), so each logical batch is one noised, accounted step.
-
-    Args:
-        sampler: The :class:`UnitPoissonSampler` (a ``UnitDataLoader``'s ``batch_sampler``).
-        unit_of: ``unit_of[i]``: the unit index of dataset sequence ``i``.
-        max_batch_size: The largest physical batch (sequences), unless one unit is larger.
-        optimizer: The DP optimizer.
-    """
-
-    def __init__(
-        self,
-        *,
-        sampler: UnitPoissonSampler,
-        unit_of: Sequence[int],
-        max_batch_size: int,
-        optimizer: Any,
-    ) -> None:
-        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
-        self.unit_of = unit_of
-
-    def split(self, indices: list[int]) -> list[list[int]]:
-        """The physical batches of one logical batch (consecutive whole units)."""
-        bounds = pack_whole_units(
-            [self.unit_of[i] for i in indices], max_batch_size=self.max_batch_size
-        )
-        return [indices[lo:hi] for lo, hi in bounds]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for indices in self.sampler:
-            chunks = self.split(list(indices)) or [[]]
-            for chunk in chunks[:-1]:
-                self.optimizer.signal_skip_step(do_skip=True)
-                yield chunk
-            self.optimizer.signal_skip_step(do_skip=False)
-            yield chunks[-1]
-
-    def __len__(self) -> int:
-        return len(self.sampler)  # logical batches; the physical count is random
+# The virtual-step manager (opacus_rc.unit_batches) and the distributed loader
+# (opacus_rc.distributed_unit_data_loader) live in their own modules, which import this one;
+# their names are re-exported here on first access (PEP 562), so the import paths are unchanged.
+_MOVED = {
+    "UnitBatchMemoryManager": "opacus_rc.unit_batches",
+    "UnitBatchSplittingSampler": "opacus_rc.unit_batches",
+    "DistributedUnitDataLoader": "opacus_rc.distributed_unit_data_loader",
+    "DistributedUnitPoissonSampler": "opacus_rc.distributed_unit_data_loader",
+    "check_unit_loader_world": "opacus_rc.distributed_unit_data_loader",
+}
 
 
-class UnitBatchMemoryManager(BatchMemoryManager):
-    """Opacus' ``BatchMemoryManager`` for a :class:`UnitDataLoader`: physical batches of whole
-    units (:class:`UnitBatchSplittingSampler`), so that large logical batches of units run as
-    virtual steps without splitting a unit.
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-    Args:
-        data_loader: The :class:`UnitDataLoader` returned by ``make_private``.
-        max_physical_batch_size: The largest physical batch, in sequences (a unit with more
-            sequences forms a physical batch of its own).
-        optimizer: The DP optimizer.
-
-    Raises:
-        TypeError: If ``data_loader`` is not a :class:`UnitDataLoader`.
-    """
-
-    def __init__(
-        self, *, data_loader: UnitDataLoader, max_physical_batch_size: int, optimizer: Any
-    ) -> None:
-        if not isinstance(data_loader, UnitDataLoader):
-            raise TypeError(
-                f"UnitBatchMemoryManager needs a UnitDataLoader, got {type(data_loader).__name__}"
-            )
-        super().__init__(
-            data_loader=data_loader,
-            max_physical_batch_size=max_physical_batch_size,
-            optimizer=optimizer,
-        )
-
-    def __enter__(self) -> DataLoader:
-        loader = self.data_loader
-        return DataLoader(
-            dataset=loader.dataset,
-            batch_sampler=UnitBatchSplittingSampler(
-                sampler=loader.batch_sampler,
-                unit_of=loader.dataset.unit_of,
-                max_batch_size=self.max_physical_batch_size,
-                optimizer=self.optimizer,
-            ),
-            **worker_options(loader),
-        )
+    return getattr(importlib.import_module(module), name)

@@ -486,6 +486,22 @@ def test_make_private_with_epsilon_takes_every_option_of_make_private() -> None:
         assert kinds == {inspect.Parameter.KEYWORD_ONLY}
 
 
+def test_options_record_has_every_shared_option() -> None:
+    """The one record both methods build (opacus_rc.engine.options) has exactly the options
+    their signatures share, ``**kwargs`` as its ``kwargs`` field: an option added to the
+    signatures but not to the record (or the reverse) fails here, not silently at a call."""
+    from dataclasses import fields
+
+    from opacus_rc.engine.options import OPACUS_OPTIONS, MakePrivateOptions
+
+    plain = inspect.signature(pe.PrivacyEngine.make_private).parameters
+    shared = set(plain) - {"self", "noise_multiplier"}
+    assert {f.name for f in fields(MakePrivateOptions)} == shared
+    assert len(shared) == 24
+    assert set(OPACUS_OPTIONS) < shared
+    assert "noise_multiplier" not in OPACUS_OPTIONS
+
+
 @needs_rc_accountant
 def test_readme_usage_snippet_trains_for_the_epochs_it_budgets(
     capsys: pytest.CaptureFixture[str],

@@ -28,6 +28,7 @@ from opacus_rc.grad_sample.registry import ClippedSumFunction
 
 __all__ = [
     "BookkeepingStash",
+    "add_to_grads",
     "compute_clipped_sums",
     "consume_weighted_sum",
     "per_sample_weighted_sum",
@@ -118,7 +119,16 @@ def write_clipped_sums(
         ValueError: If a clipped-sum function gives no tensor, or one of the wrong shape, for a
             parameter of its module.
     """
-    sums = compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of)
+    add_to_grads(compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of))
+
+
+def add_to_grads(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
+    """``p.grad += g`` for each ``(p, g)`` of ``sums`` (``p.grad = g`` where it is None), in
+    ``p``'s dtype and on its device.
+
+    Args:
+        sums: ``{parameter: tensor of its shape}``.
+    """
     with torch.no_grad():
         for p, g in sums.items():
             g = g.to(device=p.device, dtype=p.dtype)

@@ -30,6 +30,7 @@ so the privacy analysis is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,13 @@ from torch import nn
 from opacus_rc._compat.torch import in_backward as _engine_in_backward
 from opacus_rc._compat.torch import non_reentrant_checkpoint_pack_hook_active
 
-__all__ = ["NoEarlyStop", "has_reentrant_checkpoint", "in_backward", "in_checkpointed_forward"]
+__all__ = [
+    "NoEarlyStop",
+    "has_reentrant_checkpoint",
+    "in_backward",
+    "in_checkpointed_forward",
+    "modules_above",
+]
 
 #: The autograd node of a reentrant checkpoint region.
 _REENTRANT_NODE = "CheckpointFunctionBackward"
@@ -65,6 +72,32 @@ def has_reentrant_checkpoint(node: Any) -> bool:
         node: An autograd graph node (``tensor.grad_fn`` or one of its ``next_functions``).
     """
     return node is not None and node.name() == _REENTRANT_NODE
+
+
+def modules_above(root: nn.Module, hooked: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of ``root`` (``root`` included) with a hooked module strictly below them:
+    with ``root``, where :class:`NoEarlyStop` turns early stopping off.
+
+    Args:
+        root: The model.
+        hooked: Its hooked modules.
+
+    Returns:
+        The modules above a hooked one, children before parents (``root`` last).
+    """
+    hooked_ids = {id(h) for h in hooked}
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:  # whether the subtree of ``module`` holds a hooked one
+        below = False
+        for child in module.children():
+            below = visit(child) or below
+        if below or module is root:
+            out.append(module)
+        return below or id(module) in hooked_ids
+
+    visit(root)
+    return out
 
 
 class NoEarlyStop:

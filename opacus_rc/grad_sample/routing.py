@@ -54,6 +54,7 @@ __all__ = [
     "NormRoute",
     "TiedGroup",
     "UnsupportedModuleError",
+    "bookkeeping_blockers",
     "find_tied_groups",
     "refuse_unsupported",
     "resolve_norm_routes",
@@ -371,3 +372,19 @@ def refuse_unsupported(routes: Mapping[int, NormRoute]) -> None:
             f"randomized clipping cannot compute the per-sample norm of {len(refused)} "
             f"module(s): {lines}"
         )
+
+
+def bookkeeping_blockers(routes: Mapping[int, NormRoute]) -> list[str]:
+    """Why book-keeping (one backward pass) cannot be used: one line per route that does not
+    support it (:attr:`NormRoute.supports_bookkeeping`), in route order; empty if every route
+    does."""
+    return [
+        f"'{r.name}' ({r.module_type}): "
+        + (
+            "Opacus ghost norm, no per-sample gradient"
+            if r.path is NormPath.GHOST
+            else "sketched norm without a clipped-sum function"
+        )
+        for r in routes.values()
+        if not r.supports_bookkeeping
+    ]

@@ -15,6 +15,15 @@ Transitions (:class:`StepPhase`)::
     APPLIED --consume (optimizer.step / zero_grad)--> IDLE
     any --fail (an error inside the private backward)--> FAILED --consume (zero_grad)--> IDLE
 
+It also holds how the step's backward runs, decided by the forward hooks and the private
+backward (:meth:`StepState.mark_checkpointed`, :meth:`StepState.plan_backward`). Three records
+of a step keep their own owners, each cleared with the step's records by the grad-sample
+module's ``discard_recorded()``: the forward spans of
+:class:`~opacus_rc.grad_sample.checks.ParameterUseCheck` (hooks of their own), the partial joint
+sketches of :class:`~opacus_rc.grad_sample.tied.TiedSketches`, and the keyword arguments of
+hooked calls (:class:`~opacus_rc.grad_sample.forward_inputs.ForwardInputBinder`); Opacus keeps
+its activations and use counters on the modules and parameters.
+
 Anything out of order raises :class:`StepProtocolError` (a ``RuntimeError``) before noise is
 drawn or a step is accounted, and leaves the state as it was (or, for a failed backward,
 FAILED with every stored tensor dropped).
@@ -101,6 +110,9 @@ class StepState:
         self.per_sample_gradient_norms: torch.Tensor | None = None
         self.last_norm_samples: dict[nn.Parameter, torch.Tensor] = {}
         self._units: Any = _NO_CRITERION
+        self._checkpointed = False
+        self._full_first_pass = False
+        self._smaller_stash = False
 
     # ------------------------------------------------------------------------------------------
     # Recording (forward and backward hooks)
@@ -124,7 +136,48 @@ class StepState:
             self.per_sample_gradient_norms = None
             self.last_norm_samples = {}
             self._units = _NO_CRITERION
+            self._checkpointed = False
+            self._smaller_stash = False
             self.phase = StepPhase.RECORDED
+
+    # ------------------------------------------------------------------------------------------
+    # How the step's backward runs (activation checkpointing, the book-keeping first pass)
+    # ------------------------------------------------------------------------------------------
+
+    def mark_checkpointed(self) -> None:
+        """A hooked module ran inside an activation-checkpointed region in this step's forward
+        (its inputs are recorded by the recomputation inside the backward)."""
+        self._checkpointed = True
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether this step's forward ran activation-checkpointed regions (reset by the first
+        hooked forward of the next step)."""
+        return self._checkpointed
+
+    def plan_backward(self, *, full_first_pass: bool, smaller_stash: bool) -> None:
+        """Record how this step's private backward runs, decided just before its first pass.
+
+        Args:
+            full_first_pass: The book-keeping first pass must reach every leaf
+                (``torch.autograd.backward(inputs=None)``): a reentrant checkpoint region, or a
+                parameter used outside its module's forward.
+            smaller_stash: Each layer keeps the smaller of its per-sample gradients and its
+                input and output gradient for the clipped sum (a checkpointed book-keeping
+                step, :mod:`~opacus_rc.grad_sample.norms`).
+        """
+        self._full_first_pass = full_first_pass
+        self._smaller_stash = smaller_stash
+
+    @property
+    def full_first_pass(self) -> bool:
+        """Whether the last planned first pass reaches every leaf (see :meth:`plan_backward`)."""
+        return self._full_first_pass
+
+    @property
+    def smaller_stash(self) -> bool:
+        """Whether this step's layers keep the smaller stash (see :meth:`plan_backward`)."""
+        return self._smaller_stash
 
     @property
     def units(self) -> Any:

@@ -33,6 +33,26 @@ Clip factors, norms and the per-unit losses are ``(U,)``. A module that is not t
 :data:`TOKENWISE_TYPES`) is refused when ``units=`` is passed (:func:`check_unit_routes`):
 concatenating its inputs would not give the unit's summed gradient.
 
+**Distributed training.** Under DDP, DPDDP or FSDP2 each rank packs its own sequences, so a
+unit's sequences must all be on one rank:
+:class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader` gives every sampled unit to
+exactly one rank. FSDP2 all-gathers a layer's whole weight in forward and backward, so the
+stored inputs and output gradients, hence the packed per-unit norms, are those of the whole
+layer on every rank (no reduction of norms across shards is needed); the clipped sums are
+reduce-scattered into the shards as for sequences (:mod:`opacus_rc.grad_sample.fsdp`). A unit
+cut across physical batches (below) is refused under them (:func:`unit_layout_for_loss`).
+
+**A unit cut across physical batches** (virtual steps within a unit,
+``UnitBatchMemoryManager(split_units=True)``, the criterion's ``unit_split=``, a
+:class:`UnitSplit`; docs/privacy/units.md#units-split). The part of the *open* unit (begun, not
+finished) in each physical batch is computed from the book-keeping stash and added to an
+:class:`OpenUnit` buffer of unclipped summed gradients instead of the clipped sum; when its last
+sequence is in, its norm is taken from the buffer with the batch path's estimator and a fresh
+probe (:func:`unit_norm_kinds`), and ``c_u x buffer`` joins the clipped sum
+(:func:`write_split_clipped_sums`). The optimizer refuses to end a logical step with a unit open
+(:func:`check_no_open_unit`). These live in :mod:`opacus_rc.grad_sample.unit_split` and are
+re-exported here.
+
 Cost: the packed copies are ``U n_max T`` positions per layer instead of ``B T`` (no copy at
 all when every unit has the same number of sequences and they are contiguous in the batch, as
 :class:`~opacus_rc.unit_data_loader.UnitDataLoader` yields them); the work of every norm is
@@ -41,7 +61,7 @@ linear in the unit's tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
@@ -49,19 +69,37 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from opacus_rc._compat.opacus import wrapped_module
+from opacus_rc._compat.opacus import fsdp_base_type, wrapped_module
+
+# The cut-unit buffer lives in its own module; its public names are re-exported here.
+from opacus_rc.grad_sample.unit_split import (
+    OpenUnit,
+    _check_split,
+    check_no_open_unit,
+    drop_open_unit,
+    open_unit_of,  # noqa: F401  (public before the split)
+    unit_norm_kinds,
+    write_split_clipped_sums,
+)
 from opacus_rc.registry import qualified_name
 
 __all__ = [
     "TOKENWISE_TYPES",
+    "OpenUnit",
     "UnitLayout",
+    "UnitSplit",
+    "check_no_open_unit",
     "check_unit_routes",
+    "drop_open_unit",
     "pack_for_units",
     "register_tokenwise",
     "unit_layout_for_loss",
+    "unit_norm_kinds",
+    "write_split_clipped_sums",
 ]
 
-#: Distributed model types for which ``units=`` is refused.
+#: Distributed model types: ``units=`` is supported (each unit on one rank), a cut unit
+#: (``unit_split=``) is refused.
 _DISTRIBUTED = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel, FSDPModule)
 
 #: Qualified names (``module.qualname``) of module types whose forward acts on each position
@@ -113,7 +151,7 @@ def check_unit_routes(model: nn.Module) -> None:
         f"'{name or '<root>'}' ({type(m).__name__})"
         for name, m in model.named_modules()
         if any(p.requires_grad for p in m.parameters(recurse=False))
-        and qualified_name(type(m)) not in TOKENWISE_TYPES
+        and qualified_name(fsdp_base_type(m)) not in TOKENWISE_TYPES  # FSDPLinear -> Linear
     ]
     if bad:
         raise NotImplementedError(
@@ -123,6 +161,22 @@ def check_unit_routes(model: nn.Module) -> None:
             "declare a type token-wise with opacus_rc.grad_sample.units.register_tokenwise "
             "(only if its output at each position depends on that position's input only)"
         )
+
+
+class UnitSplit(NamedTuple):
+    """Where a physical batch cuts a unit (virtual steps that split units; module docstring).
+
+    With contiguous packing only the batch's first and last units can be cut, so two flags say
+    everything. :class:`~opacus_rc.unit_data_loader.UnitBatchMemoryManager` with
+    ``split_units=True`` yields one per physical batch; pass it to the criterion as
+    ``unit_split=``.
+    """
+
+    #: The batch's first unit (unit 0) began in the previous physical batch of the same
+    #: logical batch.
+    continued: bool
+    #: The batch's last unit (unit ``U - 1``) continues in the next physical batch.
+    continues: bool
 
 
 class UnitLayout:
@@ -189,11 +243,27 @@ class UnitLayout:
         self.max_sequences = n_max
         self.counts = counts
         self._dest = dest
+        #: The :class:`UnitSplit` of this physical batch, or None (whole units).
+        self.split: UnitSplit | None = None
+
+    @property
+    def buffered(self) -> list[int]:
+        """The units whose part in this batch goes to the open-unit buffer instead of the
+        clipped sum: unit 0 if it continues an open unit, unit ``U - 1`` if it continues in the
+        next batch (each once)."""
+        if self.split is None or self.num_units == 0:
+            return []
+        out = [0] if self.split.continued else []
+        if self.split.continues and self.num_units - 1 not in out:
+            out.append(self.num_units - 1)
+        return out
 
     def same_as(self, other: UnitLayout) -> bool:
-        """Whether ``other`` maps the same sequences to the same units."""
-        return self.batch_size == other.batch_size and bool(
-            torch.equal(self.units.cpu(), other.units.cpu())
+        """Whether ``other`` maps the same sequences to the same units (and cuts the same)."""
+        return (
+            self.batch_size == other.batch_size
+            and self.split == other.split
+            and bool(torch.equal(self.units.cpu(), other.units.cpu()))
         )
 
     def sum_per_unit(self, values: torch.Tensor) -> torch.Tensor:
@@ -267,7 +337,11 @@ def pack_for_units(
 
 
 def unit_layout_for_loss(
-    module: Any, losses: torch.Tensor, units: torch.Tensor | None
+    module: Any,
+    losses: torch.Tensor,
+    units: torch.Tensor | None,
+    *,
+    split: UnitSplit | tuple[bool, bool] | None = None,
 ) -> UnitLayout | None:
     """Validate ``units=`` of a criterion call and record the step's layout.
 
@@ -279,6 +353,8 @@ def unit_layout_for_loss(
         module: The randomized-clipping grad-sample module (or hooks object).
         losses: ``(B,)`` per-sequence losses.
         units: ``(B,)`` integer unit of each sequence, or None.
+        split: The batch's :class:`UnitSplit` (a unit cut across physical batches), or None
+            (every unit whole).
 
     Returns:
         The :class:`UnitLayout`, or None without ``units``.
@@ -286,12 +362,19 @@ def unit_layout_for_loss(
     Raises:
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
-            or a step whose other criterion calls disagree (:meth:`StepState.set_units`).
-        NotImplementedError: A distributed model (DDP, DPDDP, FSDP2), or a trainable module that
-            is not token-wise (:func:`check_unit_routes`).
+            or a step whose other criterion calls disagree (:meth:`StepState.set_units`); a
+            ``split`` that disagrees with the open unit (:func:`_check_split`).
+        NotImplementedError: A trainable module that is not token-wise
+            (:func:`check_unit_routes`); a cut unit without book-keeping, with a sketched
+            module whose norm cannot be taken from a summed gradient, or with a distributed
+            model (DDP, DPDDP, FSDP2; whole units are supported there, each on one rank:
+            :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
     """
     state = getattr(module, "step_state", None)
     if units is None:
+        if split is not None:
+            raise ValueError("unit_split= needs units= (the unit of each sequence)")
+        _check_split(module, None, None)
         if state is not None:
             state.set_units(None)
         return None
@@ -299,14 +382,9 @@ def unit_layout_for_loss(
         raise TypeError(
             "units= needs the randomized-clipping module (make_private(..., clipping='randomized'))"
         )
+    # Distributed models (DDP, DPDDP, FSDP2) need nothing here: each rank packs its own
+    # sequences, and DistributedUnitDataLoader keeps each unit on one rank.
     model = wrapped_module(module)
-    if isinstance(model, _DISTRIBUTED):
-        raise NotImplementedError(
-            f"units= (unit-level clipping) is not supported for a distributed model "
-            f"({type(model).__name__}): a unit's sequences would have to stay on one rank and "
-            "the per-rank divisors follow the units. Train unit-level models in one process "
-            "(docs/privacy/units.md)"
-        )
     if not module.clipping_config.batch_first:
         raise ValueError("units= needs batch_first=True")
     check_unit_routes(model)
@@ -317,5 +395,23 @@ def unit_layout_for_loss(
             f"{tuple(losses.shape)}: pass one unit per sequence of the batch (and shape= for a "
             "per-token loss)"
         )
+    if split is not None:
+        if not (isinstance(split, tuple) and len(split) == 2):
+            raise TypeError(
+                "unit_split must be a UnitSplit(continued, continues) (as "
+                f"UnitBatchMemoryManager(split_units=True) yields it), got {split!r}"
+            )
+        split = UnitSplit(bool(split[0]), bool(split[1]))
+        layout.split = split if (split.continued or split.continues) else None
+        if layout.split is not None and isinstance(model, _DISTRIBUTED):
+            raise NotImplementedError(
+                f"a unit cut across physical batches (unit_split=) is not supported for a "
+                f"distributed model ({type(model).__name__}): each rank cuts its own units, so "
+                "the ranks' physical batches (and DDP's or FSDP2's collectives of each "
+                "backward) would not line up, and the open unit's buffer is not sharded. Train "
+                "whole units: DistributedUnitDataLoader without UnitBatchMemoryManager, "
+                "or split units in one process (docs/privacy/units.md#units-distributed)"
+            )
+    _check_split(module, layout, state)
     state.set_units(layout)
     return layout

@@ -5,7 +5,8 @@ Each optimizer step of a DP trainer is one *logical* batch, Poisson-sampled
 split into physical micro-batches of at most the Trainer's per-device batch size
 (:class:`LogicalBatchCollator`, which returns a :class:`LogicalBatch`). With a privacy unit
 (``PrivacyArguments.privacy_unit``) the units are sampled instead
-(:class:`UnitLogicalBatchSampler`) and micro-batches hold whole units
+(:class:`UnitLogicalBatchSampler`, each sampled unit on one rank under DDP) and micro-batches
+hold whole units
 (:class:`UnitLogicalBatchCollator`), each with its ``units`` tensor under :data:`UNITS_KEY`.
 """
 
@@ -21,7 +22,7 @@ import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
-from opacus_rc.unit_data_loader import UnitPoissonSampler, pack_whole_units
+from opacus_rc.unit_data_loader import DistributedUnitPoissonSampler, pack_whole_units
 
 #: The key of a micro-batch's ``(B,)`` units tensor (``0..U-1``) on the privacy-unit path.
 UNITS_KEY = "dp_privacy_units"
@@ -228,24 +229,48 @@ def _rows(batch: Any) -> int | None:
     return None
 
 
-class UnitLogicalBatchSampler(UnitPoissonSampler):
+class UnitLogicalBatchSampler(DistributedUnitPoissonSampler):
     """:class:`~opacus_rc.unit_data_loader.UnitPoissonSampler` (every unit in a batch
     independently with probability ``sample_rate``, all of its selected rows, unit after unit)
     whose masks in epoch ``e`` come from a generator seeded by ``(seed, e)``, as
-    :class:`PoissonLogicalBatchSampler` (replayable epochs, for resuming). One process only.
+    :class:`PoissonLogicalBatchSampler` (replayable epochs, for resuming).
+
+    With ``world_size > 1`` (DDP) every rank draws the same global mask of all units (same
+    ``seed``) and keeps the sampled units of its shard, ``u % world_size == rank``
+    (:class:`~opacus_rc.unit_data_loader.DistributedUnitPoissonSampler`): each sampled unit is
+    trained on exactly one rank, with all of its rows, and the ranks' batches partition the
+    batch one process draws with that seed.
 
     Args:
-        members: ``members[u]``: the dataset indices of unit ``u``'s selected rows.
+        members: ``members[u]``: the dataset indices of unit ``u``'s selected rows (every unit
+            of the dataset).
         sample_rate: ``q`` in ``(0, 1]``.
         steps: Batches per epoch.
         seed: The seed (keep it secret: it determines every batch).
+        rank: This process' rank, in ``[0, world_size)``.
+        world_size: Number of data-parallel processes.
+
+    Raises:
+        ValueError: As :class:`~opacus_rc.unit_data_loader.DistributedUnitPoissonSampler`.
     """
 
     def __init__(
-        self, *, members: Sequence[Sequence[int]], sample_rate: float, steps: int, seed: int
+        self,
+        *,
+        members: Sequence[Sequence[int]],
+        sample_rate: float,
+        steps: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         super().__init__(
-            members=members, sample_rate=sample_rate, steps=steps, generator=torch.Generator()
+            members=members,
+            sample_rate=sample_rate,
+            steps=steps,
+            num_replicas=world_size,
+            rank=rank,
+            generator=torch.Generator(),
         )
         self.seed = int(seed)
         self.epoch = 0

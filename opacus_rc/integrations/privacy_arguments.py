@@ -60,7 +60,8 @@ class PrivacyArguments:
             set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U / expected_batch_size)``
             for ``U`` units (``expected_batch_size`` then counts units), every row of a sampled
             unit is in the step, each unit's summed gradient is clipped once at
-            ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Single process.
+            ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Under DDP each
+            sampled unit trains on one rank.
         max_sequences_per_unit: With ``privacy_unit``: at most this many rows of a unit are used
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch

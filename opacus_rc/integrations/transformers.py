@@ -29,8 +29,9 @@ differently:
   ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
   all of its rows (at most ``max_sequences_per_unit``, its first), micro-batches hold whole
   units, the criterion gets ``units=`` and clips each unit's summed gradient once
-  (docs/privacy/units.md). A unit larger than ``per_device_train_batch_size`` and several
-  processes are refused.
+  (docs/privacy/units.md). Under several processes each sampled unit is trained on rank
+  ``u % N`` (a unit is never split between ranks). A unit larger than
+  ``per_device_train_batch_size`` is refused.
 * **Privacy budget.** With ``target_epsilon`` the noise multiplier is searched (with
   :func:`opacus_rc.accountants.get_noise_multiplier`, the engine's own search) for the
   Trainer's number of optimizer steps (``max_steps``, or ``num_train_epochs`` epochs), so that
@@ -84,58 +85,56 @@ Example::
                         privacy_args=privacy)
     trainer.train()
     print(trainer.get_epsilon())
+
+This module holds the trainer's methods (the Trainer's hooks it overrides, each short) and this
+overview, which is the trainer's user documentation; every step lives in a module of its own
+concept (listed in :mod:`opacus_rc.integrations` and docs/architecture.md#architecture-layers),
+which is why the module stays near 500 lines rather than under it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import math
 import os
-import secrets
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import transformers
-from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from opacus_rc._compat.transformers import (
-    TrainerSeams,
-    collator_with_removed_columns,
-    loss_shifts_labels,
-    output_dir,
-    prepare_inputs,
-    remove_unused_columns,
-    train_batch_size,
-)
-from opacus_rc.accountants import AccountingError, get_noise_multiplier
-from opacus_rc.config import RandomizedClippingConfig
+from opacus_rc._compat.transformers import TrainerSeams, output_dir
+from opacus_rc.accountants import AccountingError
+from opacus_rc.integrations.logical_batch_step import logical_batch_step, micro_batch_loss
 from opacus_rc.integrations.logical_batches import (
-    UNITS_KEY,
-    IndexDataset,
     LogicalBatch,
     LogicalBatchCollator,
-    LogicalBatchLoader,
     PoissonLogicalBatchSampler,
-    UnitLogicalBatchCollator,
-    UnitLogicalBatchSampler,
-    UnitRows,
-    seeded_generator,
 )
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
-from opacus_rc.integrations.privacy_arguments import BOOKKEEPING, PrivacyArguments
+from opacus_rc.integrations.privacy_arguments import PrivacyArguments
+from opacus_rc.integrations.privacy_state import (
+    PRIVACY_STATE_NAME,
+    load_privacy_state,
+    privacy_state,
+    restore_privacy_state,
+)
+from opacus_rc.integrations.private_run import (
+    PrivateRun,
+    causal_lm,
+    make_private_run,
+    run_seeds,
+    takes_position_ids,
+)
 from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
+from opacus_rc.integrations.train_data import (
+    example_train_loader,
+    train_dataset_and_collator,
+    unit_train_loader,
+)
 from opacus_rc.privacy_engine import PrivacyEngine
-from opacus_rc.unit_data_loader import select_unit_members
 
 __all__ = [
     "PRIVACY_STATE_NAME",
@@ -150,42 +149,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: File of a checkpoint folder that holds the privacy state (see :class:`DPTrainerMixin`).
-PRIVACY_STATE_NAME = "privacy_state.pt"
-#: Version of the privacy-state format written by this module.
-_STATE_VERSION = 1
-#: The engine's accepted shortfall of epsilon below the target (``epsilon_tolerance``).
-_EPSILON_TOLERANCE = 0.01
-
-
 # ----------------------------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Private:
-    """What ``make_private`` returned, and the generators the run draws from.
-
-    Attributes:
-        engine: The :class:`~opacus_rc.PrivacyEngine`.
-        module: The hooks object (the model itself is not wrapped).
-        optimizer: The :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
-        criterion: The DP loss.
-        sample_rate: ``q`` the accountant records.
-        planned_steps: Steps the noise was searched for (None with a given noise multiplier).
-        noise_generator: The noise generator.
-        sketch_generator: The sketch generator if seeded, else None.
-    """
-
-    engine: PrivacyEngine
-    module: Any
-    optimizer: Any
-    criterion: Any
-    sample_rate: float
-    planned_steps: int | None
-    noise_generator: torch.Generator
-    sketch_generator: torch.Generator | None
 
 
 class DPTrainerMixin(TrainerSeams):
@@ -214,7 +180,7 @@ class DPTrainerMixin(TrainerSeams):
                 f"privacy_args must be a PrivacyArguments, got {type(privacy_args).__name__}"
             )
         self.privacy_args = privacy_args
-        self._private: _Private | None = None
+        self._private: PrivateRun | None = None
         self._poisson_sampler: PoissonLogicalBatchSampler | None = None
         self._sampler_seed: int | None = None
         self._noise_seed: int | None = None
@@ -225,13 +191,6 @@ class DPTrainerMixin(TrainerSeams):
         self._num_records: int | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
-        if privacy_args.privacy_unit is not None and self._world_size > 1:
-            raise NotImplementedError(
-                f"PrivacyArguments.privacy_unit={privacy_args.privacy_unit!r} with "
-                f"{self._world_size} processes: unit-level DP trains in one process (the "
-                "engine's unit path refuses a distributed model); launch one process, or leave "
-                "privacy_unit=None for per-example DP under DDP"
-            )
         if privacy_args.seed is not None:
             warnings.warn(
                 f"PrivacyArguments.seed={privacy_args.seed}: the Poisson batches and the noise are "
@@ -240,26 +199,9 @@ class DPTrainerMixin(TrainerSeams):
                 UserWarning,
                 stacklevel=2,
             )
-            self._sampler_seed = int(
-                np.random.SeedSequence(privacy_args.seed, spawn_key=(0,)).generate_state(
-                    1, np.uint64
-                )[0]
-            )
-            self._noise_seed = int(
-                np.random.SeedSequence(privacy_args.seed, spawn_key=(1,)).generate_state(
-                    1, np.uint64
-                )[0]
-            )
-        else:
-            self._sampler_seed = secrets.randbits(63)
-            self._noise_seed = secrets.randbits(63)
-        if self._world_size > 1:
-            # One Poisson batch of the whole dataset per step, split by shard: every rank draws
-            # the same mask, from rank 0's seed (each rank drew its own above). The noise seed
-            # is rank 0's too (only rank 0 adds noise), so a checkpoint's noise state is its.
-            seeds = [self._sampler_seed, self._noise_seed]
-            dist.broadcast_object_list(seeds, src=0)
-            self._sampler_seed, self._noise_seed = (int(x) for x in seeds)
+        self._sampler_seed, self._noise_seed = run_seeds(
+            privacy_args.seed, world_size=self._world_size
+        )
         max_grad_norm = getattr(self.args, "max_grad_norm", None)
         if max_grad_norm:
             warnings.warn(
@@ -325,7 +267,7 @@ class DPTrainerMixin(TrainerSeams):
         if self._private is not None:
             self._private.module.cleanup()
 
-    def _require_private(self) -> _Private:
+    def _require_private(self) -> PrivateRun:
         if self._private is None:
             raise RuntimeError("the model is made private when training starts; call train() first")
         return self._private
@@ -357,137 +299,10 @@ class DPTrainerMixin(TrainerSeams):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_train_dataset(self.train_dataset)
-        dataset, collator = self._train_dataset_and_collator()
+        dataset, collator = train_dataset_and_collator(self)
         if self.privacy_args.privacy_unit is not None:
-            return self._unit_train_dataloader(dataset, collator)
-        n = len(dataset)
-        self._num_records = n
-        self._check_delta(n, "training examples")
-        rate_loader = self._rate_loader(n)
-        if self._poisson_sampler is None:
-            self._poisson_sampler = PoissonLogicalBatchSampler(
-                num_samples=n,
-                sample_rate=rate_loader.sample_rate,
-                steps=len(rate_loader),
-                seed=self._sampler_seed,
-                rank=self._rank,
-                world_size=self._world_size,
-            )
-        return LogicalBatchLoader(
-            dataset,
-            batch_sampler=self._poisson_sampler,
-            collate_fn=LogicalBatchCollator(
-                collate_fn=collator, max_physical_batch_size=train_batch_size(self)
-            ),
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers,
-            prefetch_factor=self.args.dataloader_prefetch_factor,
-        )
-
-    def _check_delta(self, n: int, what: str) -> None:
-        if self.privacy_args.target_delta >= 1 / n:
-            raise ValueError(
-                f"target_delta={self.privacy_args.target_delta} is not below 1 / N = {1 / n:.3g} "
-                f"(N = {n} {what}): such a delta allows releasing a record; choose "
-                "target_delta well below 1 / N"
-            )
-
-    def _unit_train_dataloader(self, dataset: Dataset, collator: Any) -> DataLoader:
-        """The Poisson loader of *units* (``PrivacyArguments.privacy_unit``): every unit is in
-        a logical batch independently with probability ``q = 1 / ceil(U / expected_batch_size)``
-        (the per-example rule with the ``U`` units as the records), with all of its selected
-        rows, in micro-batches of whole units.
-
-        Raises:
-            ValueError: The unit column is missing, or a unit has more selected rows than
-                ``per_device_train_batch_size`` (it could not be clipped in one micro-batch).
-        """
-        pa = self.privacy_args
-        column = pa.privacy_unit
-        ids = self._unit_column(column)
-        # Hashable values to 0..U-1 in order of first appearance (the "first" selection below
-        # depends only on each unit's own rows, in dataset order).
-        index_of: dict[Any, int] = {}
-        unit_of = [index_of.setdefault(v, len(index_of)) for v in ids]
-        _, members = select_unit_members(unit_of, max_sequences_per_unit=pa.max_sequences_per_unit)
-        num_units = len(members)
-        self._num_records = num_units
-        self._check_delta(num_units, f"units of {column!r}")
-        physical = train_batch_size(self)
-        too_big = [len(m) for m in members if len(m) > physical]
-        if too_big:
-            raise ValueError(
-                f"{len(too_big)} of the {num_units} units of {column!r} have more rows than "
-                f"per_device_train_batch_size={physical} (the largest has {max(too_big)}): a "
-                "unit's rows are clipped together, in one micro-batch. Raise "
-                f"per_device_train_batch_size to at least {max(too_big)}, or set "
-                f"PrivacyArguments.max_sequences_per_unit <= {physical}"
-            )
-        rate_loader = self._rate_loader(num_units)
-        if self._poisson_sampler is None:
-            self._poisson_sampler = UnitLogicalBatchSampler(
-                members=members,
-                sample_rate=rate_loader.sample_rate,
-                steps=len(rate_loader),
-                seed=self._sampler_seed,
-            )
-        return LogicalBatchLoader(
-            UnitRows(dataset, unit_of, column),
-            batch_sampler=self._poisson_sampler,
-            collate_fn=UnitLogicalBatchCollator(
-                collate_fn=collator, max_physical_batch_size=physical
-            ),
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers,
-            prefetch_factor=self.args.dataloader_prefetch_factor,
-        )
-
-    def _unit_column(self, column: str) -> list[Any]:
-        """The values of the unit column of the (unfiltered) training dataset."""
-        dataset = self.train_dataset
-        names = getattr(dataset, "column_names", None)
-        if names is not None:
-            if column not in names:
-                raise ValueError(
-                    f"PrivacyArguments.privacy_unit={column!r} is not a column of the training "
-                    f"dataset (columns: {names})"
-                )
-            return list(dataset[column])
-        values = []
-        for i in range(len(dataset)):
-            row = dataset[i]
-            if not isinstance(row, Mapping) or column not in row:
-                raise ValueError(
-                    f"PrivacyArguments.privacy_unit={column!r}: row {i} of the training dataset "
-                    "has no such key; every row must name its unit"
-                )
-            values.append(row[column])
-        return values
-
-    def _train_dataset_and_collator(self) -> tuple[Dataset, Any]:
-        """The training dataset and collator, with unused columns removed as the Trainer does."""
-        dataset, collator = self.train_dataset, self.data_collator
-        try:
-            import datasets
-        except ImportError:  # pragma: no cover - datasets is a transformers dependency
-            datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = remove_unused_columns(self, dataset, description="Training")
-        else:
-            collator = collator_with_removed_columns(self, collator, description="Training")
-        return dataset, collator
-
-    def _rate_loader(self, n: int) -> Any:
-        """Opacus' Poisson loader for a plain loader of batch size ``expected_batch_size`` over
-        ``n`` records (examples, or units): its ``sample_rate`` and length are the engine's
-        (what the accountant records)."""
-        from opacus.data_loader import DPDataLoader
-
-        return DPDataLoader.from_data_loader(
-            DataLoader(IndexDataset(n), batch_size=self.privacy_args.expected_batch_size)
-        )
+            return unit_train_loader(self, dataset, collator)
+        return example_train_loader(self, dataset, collator)
 
     # ------------------------------------------------------------------------------------------
     # Making the model and optimizer private
@@ -505,158 +320,12 @@ class DPTrainerMixin(TrainerSeams):
         return self.optimizer
 
     def _make_private(self, optimizer: torch.optim.Optimizer) -> None:
-        pa = self.privacy_args
-        if self._poisson_sampler is None:
-            raise RuntimeError("get_train_dataloader() must run before the optimizer is created")
-        sampler = self._poisson_sampler
-        model = self.model
-        model.train()
-        engine = PrivacyEngine(accountant="rc")
-        sketch_generator = None
-        if pa.sketch_seed is not None:
-            sketch_seed = int(pa.sketch_seed)
-            if self._world_size > 1:  # each rank its own probes, as the DDP path's sketches
-                sketch_seed = int(
-                    np.random.SeedSequence(sketch_seed, spawn_key=(self._rank,)).generate_state(
-                        1, np.uint64
-                    )[0]
-                )
-            sketch_generator = torch.Generator().manual_seed(sketch_seed)
-        noise_generator = seeded_generator(self._noise_seed, device=self.args.device)
-        planned = None
-        if pa.target_epsilon is not None:
-            planned = int(self.state.max_steps)
-            if planned < 1:
-                raise ValueError(f"the run has {planned} optimizer steps; nothing to train")
-            spec = RandomizedClippingConfig(  # validates; max_grad_norm does not enter the spec
-                max_grad_norm=1.0,
-                sketch=pa.sketch,
-                sketch_dim=pa.sketch_dim,
-                sketch_head_dim=pa.sketch_head_dim,
-                sketch_generator=sketch_generator,
-            ).sketch_spec
-            noise_multiplier = get_noise_multiplier(
-                target_epsilon=pa.target_epsilon,
-                target_delta=pa.target_delta,
-                # The rate the accountant records: Opacus' 1 / len(loader), where len is
-                # int(1 / q), one step short of 1 / q for some q (q = 1/93: 92 steps, 1/92
-                # recorded). Searched at the sampling rate q, the run would pass the target.
-                sample_rate=1 / sampler.steps,
-                steps=planned,
-                sketch_spec=spec,
-                accountant=engine.accountant,
-                epsilon_tolerance=_EPSILON_TOLERANCE,
-            )
-        else:
-            spec = None
-            noise_multiplier = pa.noise_multiplier
-        criterion = nn.CrossEntropyLoss(
-            ignore_index=-100, label_smoothing=float(self.args.label_smoothing_factor)
-        )
-        with warnings.catch_warnings():
-            # The engine warns about a seeded sketch (accounted as revealed): PrivacyArguments
-            # documents it and the user asked for it; everything else is passed on.
-            if sketch_generator is not None:
-                warnings.filterwarnings("ignore", message="a sketch_generator was passed")
-            module, dp_optimizer, dp_criterion, dp_loader = engine.make_private(
-                # Several processes: the engine's DDP path (each rank clips its own examples,
-                # rank 0 adds the noise, the optimizer all-reduces the noisy clipped sum). The
-                # engine takes the path for a data-parallel model; Opacus' DPDDP wrapper (which
-                # broadcasts rank 0's parameters and adds no gradient hook) is that model here,
-                # for this call only: the hooks go on the model's own modules, and the
-                # Trainer keeps the plain model (accelerate wraps it in DDP afterwards, and
-                # training_step runs the forward past that wrapper, see there).
-                module=model
-                if self._world_size == 1
-                else DifferentiallyPrivateDistributedDataParallel(model),
-                optimizer=optimizer,
-                criterion=criterion,
-                # Only its length and batch size matter (the rate); the batches are the trainer's.
-                # The records are the examples, or the units with privacy_unit.
-                data_loader=DataLoader(
-                    IndexDataset(self._num_records), batch_size=pa.expected_batch_size
-                ),
-                noise_multiplier=noise_multiplier,
-                max_grad_norm=pa.max_grad_norm,
-                poisson_sampling=True,
-                clipping="randomized",
-                noise_generator=noise_generator,
-                wrap_model=False,
-                sketch=pa.sketch,
-                sketch_dim=pa.sketch_dim,
-                sketch_head_dim=pa.sketch_head_dim,
-                sketch_generator=sketch_generator,
-                denoise=pa.denoise,
-                denoise_kappa=pa.denoise_kappa,
-                bookkeeping=BOOKKEEPING[pa.bookkeeping],
-            )
-        if sketch_generator is not None:
-            warnings.warn(
-                f"PrivacyArguments.sketch_seed={pa.sketch_seed}: the sketch is not secret, so "
-                "every step is accounted under the 'revealed' threat model (a larger epsilon)",
-                UserWarning,
-                stacklevel=3,
-            )
-        sample_rate = 1 / len(dp_loader)
-        # The accountant's rate and the loader's batches per epoch are the engine's; the trainer's
-        # sampler was built from the same rule (one check that they cannot drift apart).
-        if (dp_loader.sample_rate, len(dp_loader)) != (sampler.sample_rate, sampler.steps):
-            module.cleanup()
-            raise RuntimeError(
-                f"internal: the engine samples at q={dp_loader.sample_rate} with "
-                f"{len(dp_loader)} batches per epoch, the trainer at q={sampler.sample_rate} "
-                f"with {sampler.steps}"
-            )
-        if spec is not None and module.sketch_spec != spec:
-            module.cleanup()
-            raise RuntimeError(
-                f"internal: the noise was searched for {spec}, the module uses {module.sketch_spec}"
-            )
-        self.optimizer = dp_optimizer
-        self._private = _Private(
-            engine=engine,
-            module=module,
-            optimizer=dp_optimizer,
-            criterion=dp_criterion,
-            sample_rate=sample_rate,
-            planned_steps=planned,
-            noise_generator=noise_generator,
-            sketch_generator=sketch_generator,
-        )
-        self._shift_labels = self._causal_lm()
-        self._positions = self._takes_position_ids(model)
-        logger.info(
-            "DP trainer: q=%.6g (%d logical batches per epoch, expected %d examples), "
-            "noise multiplier %.6g, C=%g, %s%s",
-            sample_rate,
-            sampler.steps,
-            dp_optimizer.expected_batch_size,
-            dp_optimizer.noise_multiplier,
-            pa.max_grad_norm,
-            module.sketch_spec,
-            "" if planned is None else f", searched for {planned} steps",
-        )
-
-    def _causal_lm(self) -> bool:
-        """Whether targets are the next tokens: the Trainer's own test (the model's loss type
-        routes to ``ForCausalLMLoss``), or a causal-LM class that computes its loss itself
-        (GPT-2 has no ``loss_type``)."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        if loss_shifts_labels(self):
-            return True
-        inner = _unwrap(self.model)
-        if getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
-            return False
-        return type(inner).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-
-    @staticmethod
-    def _takes_position_ids(model: nn.Module) -> bool:
-        try:
-            params = inspect.signature(_unwrap(model).forward).parameters
-        except (TypeError, ValueError):
-            return False
-        return "position_ids" in params
+        """Make the model and ``optimizer`` private
+        (:func:`~opacus_rc.integrations.private_run.make_private_run`)."""
+        self._private = make_private_run(self, optimizer)
+        self.optimizer = self._private.optimizer
+        self._shift_labels = causal_lm(self)
+        self._positions = takes_position_ids(self.model)
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -716,64 +385,7 @@ class DPTrainerMixin(TrainerSeams):
             TypeError: If ``inputs`` is not a :class:`LogicalBatch`.
             RuntimeError: A step beyond the schedule the noise was searched for.
         """
-        private = self._require_private()
-        if not isinstance(inputs, LogicalBatch):
-            raise TypeError(
-                f"a DP trainer's training batches come from its Poisson loader (LogicalBatch), "
-                f"got {type(inputs).__name__}; do not override get_train_dataloader"
-            )
-        if (
-            private.planned_steps is not None
-            and len(private.engine.accountant) >= private.planned_steps
-        ):
-            raise RuntimeError(
-                f"the noise multiplier was chosen so that {private.planned_steps} steps reach "
-                f"epsilon={self.privacy_args.target_epsilon}; another step would pass it"
-            )
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        optimizer = private.optimizer
-        if isinstance(model, DistributedDataParallel):
-            model = model.module  # see the docstring: DDP's reducer is not used
-        # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
-        optimizer.zero_grad()
-        if inputs.num_examples == 0:
-            # No record is in the batch: the step is the noise alone, noised and accounted by
-            # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
-            private.module.step_state.mark_empty_batch()
-            optimizer.discard_gradients()
-            # Under DDP: this rank's part of the agreement the other ranks' last backward
-            # issues (in one process, no collective).
-            if not optimizer.all_ranks_ok(True):
-                raise RuntimeError(
-                    "the randomized-clipping backward failed on another rank; no rank takes "
-                    "this step"
-                )
-            fill = math.nan if self.args.logging_nan_inf_filter else 0.0
-            return torch.tensor(fill, device=self.args.device)
-        total = torch.zeros((), device=self.args.device, dtype=torch.float64)
-        records = 0  # examples, or units with privacy_unit
-        last = len(inputs.micro_batches) - 1
-        context = (
-            getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
-        )
-        with context:
-            for i, micro in enumerate(inputs.micro_batches):
-                micro = prepare_inputs(self, micro)
-                with self.compute_loss_context_manager():
-                    loss = self.compute_private_loss(model, micro)
-                if i < last:
-                    # Said before the backward, so that under DDP only the last micro-batch's
-                    # backward issues the ranks' agreement (the ranks' counts differ).
-                    optimizer.signal_skip_step(do_skip=True)
-                loss.backward()
-                total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
-                records += loss.loss_per_sample.numel()
-                if i < last:
-                    optimizer.step()  # accumulates the clipped sum only
-                    optimizer.zero_grad()
-        return (total / max(records, 1)).float().detach()
+        return logical_batch_step(self, model, inputs)
 
     def compute_private_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         """The DP loss of one micro-batch: per-example losses ``(B,)`` through the criterion.
@@ -791,32 +403,12 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             ValueError: No ``labels`` in the batch.
         """
-        inputs = dict(inputs)
-        units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
-        labels = inputs.pop("labels", None)
-        shift_labels = inputs.pop("shift_labels", None)
-        if labels is None:
-            raise ValueError(
-                "a DP trainer computes each example's loss from the batch's 'labels' (-100 where "
-                "ignored); the data collator returned none (for a causal LM use a collator that "
-                "copies input_ids to labels, e.g. DataCollatorForLanguageModeling(mlm=False))"
-            )
-        if self._positions and "position_ids" not in inputs and "input_ids" in inputs:
-            # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
-            # position embedding one norm for the whole batch (Opacus issue 841); the expanded
-            # ids are the same values, one row per example.
-            b, t = inputs["input_ids"].shape[:2]
-            positions = torch.arange(t, device=inputs["input_ids"].device)
-            inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        return per_sample_cross_entropy(
-            self._private.criterion,
-            logits,
-            labels,
-            shift=self._shift_labels,
-            shift_labels=shift_labels,
-            units=units,
+        return micro_batch_loss(
+            model,
+            inputs,
+            criterion=self._private.criterion,
+            shift_labels=self._shift_labels,
+            expand_positions=self._positions,
         )
 
     # The Trainer's clipping of the summed gradient is replaced by per-example clipping, and the
@@ -885,31 +477,13 @@ class DPTrainerMixin(TrainerSeams):
         torch.save(state, os.path.join(folder, PRIVACY_STATE_NAME))
 
     def _privacy_state(self) -> dict[str, Any]:
-        """The privacy state; under DDP the sketch generators' states of every rank are
-        gathered (each rank draws its own probes), so every rank must call it."""
-        private = self._require_private()
-        sketch_states = None
-        if private.sketch_generator is not None:
-            sketch_states = [private.sketch_generator.get_state()]
-            if self._world_size > 1:
-                sketch_states = [None] * self._world_size
-                dist.all_gather_object(sketch_states, private.sketch_generator.get_state())
-        return {
-            "version": _STATE_VERSION,
-            "accountant": private.engine.accountant.state_dict(),
-            "noise_multiplier": float(private.optimizer.noise_multiplier),
-            "sample_rate": float(private.sample_rate),
-            "expected_batch_size": int(private.optimizer.expected_batch_size),
-            "max_grad_norm": float(private.optimizer.max_grad_norm),
-            "sketch_spec": repr(private.module.sketch_spec),
-            "planned_steps": private.planned_steps,
-            "world_size": self._world_size,
-            "sampler_seed": int(self._poisson_sampler.seed),
-            # Under DDP only rank 0 draws noise; this is its generator (rank 0 saves).
-            "noise_generator": private.noise_generator.get_state(),
-            "sketch_generator": None if sketch_states is None else sketch_states[0],
-            "sketch_generators_by_rank": sketch_states,
-        }
+        """The privacy state (:func:`~opacus_rc.integrations.privacy_state.privacy_state`;
+        under DDP a collective: every rank calls it)."""
+        return privacy_state(
+            self._require_private(),
+            sampler_seed=self._poisson_sampler.seed,
+            world_size=self._world_size,
+        )
 
     def load_optimizer_and_scheduler_seam(self, checkpoint: str | None) -> None:
         """The Trainer's optimizer and scheduler states, then the privacy state.
@@ -922,55 +496,15 @@ class DPTrainerMixin(TrainerSeams):
         super().load_optimizer_and_scheduler_seam(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, PRIVACY_STATE_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{path} does not exist: the checkpoint holds no privacy state (accountant "
-                "history, sampler and noise generators), so resuming would report epsilon from "
-                "zero. Resume only from checkpoints written by a DP trainer"
-            )
-        state = torch.load(path, weights_only=False)
-        self._restore_privacy_state(state)
+        self._restore_privacy_state(load_privacy_state(checkpoint))
 
     def _restore_privacy_state(self, state: dict[str, Any]) -> None:
-        private = self._require_private()
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unknown privacy-state version {state.get('version')!r}")
-        mine = {
-            "noise_multiplier": float(private.optimizer.noise_multiplier),
-            "sample_rate": float(private.sample_rate),
-            "expected_batch_size": int(private.optimizer.expected_batch_size),
-            "max_grad_norm": float(private.optimizer.max_grad_norm),
-            "sketch_spec": repr(private.module.sketch_spec),
-            "planned_steps": private.planned_steps,
-            "world_size": self._world_size,
-        }
-        # A checkpoint written before DDP support has no world size: one process.
-        differ = {k: (state.get(k, 1), v) for k, v in mine.items() if state.get(k, 1) != v}
-        if differ:
-            details = ", ".join(
-                f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
-            )
-            raise ValueError(
-                "the checkpoint was trained with other privacy settings than this run "
-                f"({details}); resume with the same PrivacyArguments, dataset size, "
-                "num_train_epochs / max_steps and number of processes"
-            )
-        private.engine.accountant.load_state_dict(state["accountant"])
+        seed = restore_privacy_state(
+            self._require_private(), state, rank=self._rank, world_size=self._world_size
+        )
         self._epsilon_cache = None
-        self._poisson_sampler.seed = int(state["sampler_seed"])
-        self._sampler_seed = int(state["sampler_seed"])
-        private.noise_generator.set_state(state["noise_generator"])
-        by_rank = state.get("sketch_generators_by_rank") or [state["sketch_generator"]]
-        if private.sketch_generator is not None and by_rank[self._rank] is not None:
-            private.sketch_generator.set_state(by_rank[self._rank])
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under an accelerate or peft wrapper."""
-    inner = getattr(model, "module", model)
-    get_base = getattr(inner, "get_base_model", None)
-    return get_base() if callable(get_base) else inner
+        self._poisson_sampler.seed = seed
+        self._sampler_seed = seed
 
 
 class DPTrainer(DPTrainerMixin, transformers.Trainer):

@@ -5,6 +5,13 @@ both passes of ghost clipping (norms, then ``sum_i c_i loss_i``). :class:`DPLoss
 is that loss with a single-backward mode and four guarantees added
 (``tests/reliability/CATALOGUE.md``).
 
+The loss is thin: its ``backward()`` reduces the per-sample losses, checks its own arguments,
+calls the grad-sample module's one private backward
+(:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`, which runs
+the first pass, the clip factors, the rank agreement and the clipped sum or second pass) and
+hands the :class:`~opacus_rc.grad_sample.private_step.ClipResult` it returns to the optimizer
+(:meth:`~opacus_rc.optimizers.RandomizedClipOptimizer.accept_clip_result`).
+
 **Book-keeping** (when the module's ``bookkeeping`` property is true; Bu, Wang, Zha and
 Karypis, "Differentially Private Optimization on Large Model at Small Cost", ICML 2023): the
 first pass runs without ``retain_graph`` (the graph is freed), the module keeps each layer's
@@ -46,7 +53,6 @@ module's ``get_clipping_coef``), and book-keeping tensors never outlive their st
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -57,7 +63,6 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.units import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
@@ -124,8 +129,10 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             TypeError: On a ``gradient``, ``retain_graph=True``, ``create_graph=True`` or
                 ``inputs``; the step is then refused (``step()`` raises until ``zero_grad()``),
                 as for any failed backward.
+            ValueError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
+            Exception: What the private backward raises
+                (:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`).
         """
-        module, optimizer = self.module, self.optimizer
         if self.loss_reduction == "mean":
             reduced_loss = torch.mean(self.loss_per_sample, dim=0)
         elif self.loss_reduction == "sum":
@@ -135,58 +142,15 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 f"loss_reduction = {self.loss_reduction}. Only 'sum' and 'mean' losses are "
                 "supported"
             )
-        # Raises (dropping this forward's activations) if an earlier backward's clip factors
-        # were not consumed or the last backward failed.
-        module.begin_private_backward()
-        bookkeeping = False
-        try:
-            error: Exception | None = None
-            coeff = None
-            try:
-                _check_backward_arguments(gradient, retain_graph, create_graph, inputs)
-                self._check_loss_shape()
-                module.check_parameter_uses(reduced_loss)
-                bookkeeping = module.bookkeeping
-                # The first pass stops at the hooked modules' inputs, so no dL/dW is computed
-                # that the clipped sum or the second pass replaces; with book-keeping the graph
-                # is freed, else kept for the second pass.
-                with _no_output_hook_warning():
-                    torch.autograd.backward(
-                        reduced_loss,
-                        inputs=module.take_first_pass_inputs(),
-                        retain_graph=not bookkeeping,
-                    )
-                optimizer.discard_gradients()  # the first pass's (unclipped) gradients
-                coeff = module.get_clipping_coef()
-                self._check_coefficients(coeff)
-            except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
-                error = err
-            # Distributed: every rank learns whether any rank failed, so that all raise
-            # together instead of the healthy ranks waiting forever in a later all-reduce.
-            if not optimizer.all_ranks_ok(error is None) and error is None:
-                error = RuntimeError(
-                    "the randomized-clipping backward failed on another rank; no rank takes "
-                    "this step"
-                )
-            if error is not None:
-                raise error
-            if bookkeeping:
-                module.apply_clipped_sum(coeff)  # consumes the stored tensors
-            else:
-                losses = self.loss_per_sample
-                second_loss = torch.sum(apply_clip_factors(coeff, losses))
-                module.disable_hooks()
-                try:
-                    with _no_output_hook_warning():
-                        second_loss.backward()
-                finally:
-                    module.enable_hooks()
-                module.finish_clipped_pass()
-        except BaseException:
-            # No unclipped (first-pass) or partial gradient may reach optimizer.step().
-            optimizer.discard_gradients()
-            module.abort_step()
-            raise
+        # An argument error is raised by the private backward, where it fails the step and
+        # every rank raises with it (as for any other error of the backward).
+        result = self.module.private_backward(
+            self.loss_per_sample,
+            reduced_loss=reduced_loss,
+            peer=self.optimizer,
+            refused=backward_arguments_error(gradient, retain_graph, create_graph, inputs),
+        )
+        self.optimizer.accept_clip_result(result)
 
     def __iter__(self) -> Iterator[Any]:
         """Refuse iteration: the DP loss is one scalar, and the caller is almost always
@@ -198,40 +162,14 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         """
         raise TypeError(LOSS_SCALING_REFUSED)
 
-    def _check_loss_shape(self) -> None:
-        """One loss per sample, shape ``(B,)``, before anything is backpropagated."""
-        losses = self.loss_per_sample
-        if losses.dim() == 1:
-            return
-        raise ValueError(
-            f"the criterion returned per-sample losses of shape {tuple(losses.shape)}; "
-            "randomized clipping needs one loss per sample, shape (B,). For a per-token loss, "
-            "flatten the logits and targets and pass shape=logits.shape: "
-            "criterion(logits.reshape(-1, V), labels.reshape(-1), shape=logits.shape) "
-            "(each sample's loss is then the mean over its positions whose label is not "
-            "criterion.ignore_index); or give a criterion that returns one loss per sample "
-            "(e.g. its (B, T) losses reduced over dim 1)"
-        )
 
-    def _check_coefficients(self, coeff: torch.Tensor) -> None:
-        """One clip factor per per-sample loss (see the module docstring, point 2)."""
-        losses = self.loss_per_sample
-        if losses.dim() != 1 or coeff.shape != losses.shape:
-            raise ValueError(
-                f"randomized clipping computed {coeff.numel()} clip factors for per-sample "
-                f"losses of shape {tuple(losses.shape)}; there must be one factor per sample. "
-                "Either the trainable modules only saw a batch-broadcast input (e.g. Hugging "
-                "Face position_ids of shape [1, T], Opacus issue 841: expand it to [B, T]), or "
-                "the loss is per token (pass shape=logits.shape to the criterion)"
-            )
-
-
-def _check_backward_arguments(
+def backward_arguments_error(
     gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any
-) -> None:
-    """Refuse the ``Tensor.backward`` arguments that the private backward cannot honour."""
+) -> TypeError | None:
+    """The error for a ``Tensor.backward`` argument that the private backward cannot honour
+    (checked in this order), or None if every argument is accepted."""
     if retain_graph:
-        raise TypeError(
+        return TypeError(
             "the DP loss's backward() does not support retain_graph=True: a later backward "
             "through the kept graph would add an unclipped gradient to the clipped one. Add "
             "every loss before the private backward ((loss + other).backward(), where other "
@@ -239,36 +177,21 @@ def _check_backward_arguments(
             "retain_graph=False (the default) is accepted"
         )
     if gradient is not None:
-        raise TypeError(
+        return TypeError(
             "the DP loss's backward() takes no gradient argument (the loss is a scalar); to "
             "weight it, scale the loss instead: (loss * w).backward()"
         )
     if create_graph:
-        raise TypeError(
+        return TypeError(
             "the DP loss's backward() does not support create_graph=True: higher-order "
             "gradients of the clipped loss are not computed"
         )
     if inputs is not None:
-        raise TypeError(
+        return TypeError(
             "the DP loss's backward() takes no inputs argument: it reaches every trainable "
             "parameter; freeze (requires_grad_(False)) the ones that should not train"
         )
-
-
-@contextlib.contextmanager
-def _no_output_hook_warning() -> Iterator[None]:
-    """Silence PyTorch's "Full backward hook is firing when gradients are computed with respect
-    to module outputs" during the private backward: it fires for every hooked module whose
-    inputs need no gradient (the lowest trainable layers), where the output gradient is exactly
-    what the per-sample norm needs, so there is nothing for the user to act on."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message="Full backward hook is firing when gradients are computed with respect to "
-            "module outputs",
-            category=UserWarning,
-        )
-        yield
+    return None
 
 
 def _check_operand(loss: DPTensorFastGradientClipping, name: str, other: Any) -> None:
@@ -348,7 +271,12 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
     _warned_no_ignore_index = False
 
     def __call__(
-        self, *args: Any, shape: Any = None, units: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        shape: Any = None,
+        units: Any = None,
+        unit_split: Any = None,
+        **kwargs: Any,
     ) -> DPTensorRandomizedClipping:
         """The per-sample losses of ``criterion(*args, **kwargs)``, as a DP loss.
 
@@ -359,6 +287,10 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 each sequence: the losses, norms and clip factors are then per unit, shape
                 ``(U,)``, each unit's loss the sum of its sequences' losses
                 (:mod:`opacus_rc.grad_sample.units`, docs/privacy/units.md).
+            unit_split: With ``units``, the batch's
+                :class:`~opacus_rc.grad_sample.units.UnitSplit` when a unit is cut across the
+                physical batches of a logical one (``UnitBatchMemoryManager(split_units=True)``
+                yields it), or None (whole units).
             **kwargs: The criterion's keyword arguments.
 
         Returns:
@@ -395,7 +327,7 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             args = (*args, kwargs.pop("target"))
         out = super().__call__(*args, shape=shape, **kwargs)
         losses = out.loss_per_sample
-        layout = unit_layout_for_loss(out.module, losses, units)
+        layout = unit_layout_for_loss(out.module, losses, units, split=unit_split)
         if layout is not None:
             losses = layout.sum_per_unit(losses)  # (U,): each unit's loss, summed
         return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)

@@ -3,12 +3,14 @@ docs/privacy/mechanism.md#mechanism-reduction).
 
 One step releases ``sum_i c_i g_i + N(0, sigma^2 C^2 I)`` with ``c_i = min(1, C / n_hat_i)``,
 divided by the expected batch size under ``loss_reduction="mean"``. The clip factors are applied
-before the optimizer runs, by the DP loss (:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`,
-whose ``backward()`` asks the grad-sample module for :meth:`get_clipping_coef` and either
+before the optimizer runs, by the grad-sample module's private backward, which the DP loss
+(:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`) calls once per batch
+(:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`: it either
 backpropagates ``sum_i c_i loss_i``, exactly as Opacus' ghost clipping does, or, with
-book-keeping, has the module write ``sum_i c_i grad loss_i`` from the first pass's tensors).
-This optimizer adds the noise, scales, runs post-processing hooks, tells the accountant the
-step's :class:`SketchSpec` and steps the wrapped optimizer.
+book-keeping, writes ``sum_i c_i grad loss_i`` from the first pass's tensors) and whose
+:class:`~opacus_rc.grad_sample.private_step.ClipResult` the loss hands to this optimizer.
+This optimizer adds the noise, scales, runs post-processing hooks, emits the step's DP event
+(:meth:`RandomizedClipOptimizer.dp_event`) and steps the wrapped optimizer.
 
 Formal guarantee (docs/privacy/threat_models.md#threat-models): with per-sample Gaussian sketches
 that are fresh every step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the
@@ -31,10 +33,16 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from opacus_rc._compat.opacus import adjusted_noise_multiplier, wrapped_module
+from opacus_rc._compat.opacus import (
+    adjusted_noise_multiplier,
+    next_step_skipped,
+    wrapped_module,
+)
 from opacus_rc.accountants.events import RandomizedClipDpEvent, accounted_threat_model
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
+from opacus_rc.grad_sample.private_step import ClipResult
 from opacus_rc.grad_sample.step import StepState
+from opacus_rc.grad_sample.units import check_no_open_unit
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
@@ -117,6 +125,10 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             )
         self._grad_sample_module = grad_sample_module
         self._step_state: StepState = grad_sample_module.step_state
+        # The sketch the module clips with, fixed by its frozen config: handed over once here,
+        # and every private backward's ClipResult is checked against it (accept_clip_result).
+        self._sketch_spec: SketchSpec = grad_sample_module.sketch_spec
+        self._clip_result: ClipResult | None = None
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -145,18 +157,54 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
     @property
     def sketch_spec(self) -> SketchSpec:
-        """The sketch that produced this step's clip factors, read from the module.
+        """The sketch that produces the clip factors: the module's, handed over at
+        construction; every :class:`~opacus_rc.grad_sample.private_step.ClipResult` is checked
+        against it (:meth:`accept_clip_result`).
 
         The accountant's step hook reads ``getattr(optim, "sketch_spec", None)``.
         """
-        return self._grad_sample_module.sketch_spec
+        return self._sketch_spec
+
+    def accept_clip_result(self, result: ClipResult) -> None:
+        """Take what the private backward of a (physical) batch returned.
+
+        Called by the DP loss after
+        :meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`; the
+        clipped gradient sum is in ``p.grad``. The result is kept as :attr:`last_clip_result`.
+
+        Args:
+            result: The batch's :class:`~opacus_rc.grad_sample.private_step.ClipResult`.
+
+        Raises:
+            RuntimeError: If its clip factors came from a sketch other than :attr:`sketch_spec`
+                (a loss built with another grad-sample module than this optimizer's): this
+                optimizer would account the step for a sketch that did not produce its clip
+                factors (its own step state holds no clip factors, so ``step()`` refuses too).
+        """
+        if result.sketch_spec != self._sketch_spec:
+            raise RuntimeError(
+                f"the clip factors of this backward came from the sketch {result.sketch_spec}, "
+                f"but this optimizer accounts its steps for {self._sketch_spec}: the DP loss "
+                "and the optimizer belong to different grad-sample modules. Build the criterion "
+                "from this optimizer's module (make_private returns matching ones)"
+            )
+        self._clip_result = result
+
+    @property
+    def last_clip_result(self) -> ClipResult | None:
+        """The :class:`~opacus_rc.grad_sample.private_step.ClipResult` of the last private
+        backward handed to this optimizer (None before the first). Its norms are not
+        privatized: for debugging and logging only."""
+        return self._clip_result
 
     def dp_event(self, *, sample_rate: float) -> RandomizedClipDpEvent:
         """This step's complete DP event, as the accountant's step hook composes it.
 
+        Built from what this optimizer holds, without reading the grad-sample module:
         ``sigma`` is :attr:`noise_multiplier` (what is accounted; Opacus' adaptive clipping
         may noise with more, never less), ``q = sample_rate * accumulated_iterations`` (as
-        Opacus' accountants compute it), the sketch is :attr:`sketch_spec`, and the threat
+        Opacus' accountants compute it), the sketch is :attr:`sketch_spec` (handed over at
+        construction; every clip result of the step was checked against it), and the threat
         model is the strongest the sketch supports
         (:func:`~opacus_rc.accountants.events.accounted_threat_model`: ``"hidden"`` for
         per-sample, secret sketches, else ``"revealed"``; an accountant built for
@@ -172,7 +220,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             ValueError: If ``sample_rate`` (times the accumulated iterations) is not in
                 ``(0, 1]``, or ``noise_multiplier`` is invalid.
         """
-        spec = self.sketch_spec
+        spec = self.sketch_spec  # the public property (a plain twin of this optimizer has it)
         return RandomizedClipDpEvent(
             noise_multiplier=self.noise_multiplier,
             sample_rate=sample_rate * self.accumulated_iterations,
@@ -355,8 +403,13 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         Raises:
             RuntimeError: See :meth:`check_step_allowed`.
             FloatingPointError: See :meth:`check_step_allowed`.
+            StepProtocolError: If this step ends a logical batch while a unit cut across its
+                physical batches is open
+                (:func:`~opacus_rc.grad_sample.units.check_no_open_unit`).
         """
         self.check_step_allowed()
+        # A unit cut across physical batches must be closed by the batch that ends the step.
+        check_no_open_unit(self._grad_sample_module, step_ends=not next_step_skipped(self))
         return super().pre_step(closure)
 
 

@@ -179,9 +179,9 @@ def test_every_clip_factor_goes_through_the_one_function(
         for name, mod in sys.modules.items()
         if name.startswith("opacus_rc.") and getattr(mod, "apply_clip_factors", None) is real
     ]
-    # dp_loss (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping)
+    # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping)
     assert {m.__name__.rsplit(".", 1)[1] for m in callers} >= {
-        "dp_loss",
+        "private_step",
         "linear",
         "embedding",
         "embedding_bag",

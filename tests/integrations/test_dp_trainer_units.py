@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_helpers as th  # noqa: E402
 
 from opacus_rc.integrations.logical_batches import UNITS_KEY  # noqa: E402
-from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments  # noqa: E402
+from opacus_rc.integrations.transformers import PrivacyArguments  # noqa: E402
 
 DELTA = 1e-3
 SGD = {"optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant", "weight_decay": 0.0}
@@ -193,21 +193,6 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path: Path) -> None:
             max_steps=1,
             per_device_train_batch_size=6,
         ).train()
-
-    class TwoProcesses(DPTrainer):
-        def _refuse_unsupported(self) -> None:
-            self._rank, self._world_size = 0, 2  # what a torchrun launch of 2 reports
-
-    with pytest.raises(NotImplementedError, match="privacy_unit='doc' with 2 processes"):
-        TwoProcesses(
-            model=th.tiny_llama(),
-            args=th.training_args(tmp_path / "e"),
-            train_dataset=data,
-            data_collator=th.pad_collate,
-            privacy_args=PrivacyArguments(
-                noise_multiplier=1.0, expected_batch_size=4, privacy_unit="doc"
-            ),
-        )
 
 
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from torch.utils.data import TensorDataset
 
 from opacus_rc import PrivacyEngine, UnitDataLoader
 from opacus_rc.unit_data_loader import (
+    DistributedUnitDataLoader,
+    DistributedUnitPoissonSampler,
     UnitBatchMemoryManager,
     UnitPoissonSampler,
     prepare_unit_data_loader,
@@ -260,10 +262,81 @@ def test_virtual_steps_of_whole_units_give_the_same_update() -> None:
     assert moved > 1e-3  # the steps did move the parameters
 
 
-def test_distributed_unit_loader_is_refused() -> None:
+def test_a_plain_unit_loader_with_a_distributed_model_is_refused() -> None:
+    """Every rank would sample (and train on) every sampled unit: each unit counted W times."""
     loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
-    with pytest.raises(NotImplementedError, match="distributed"):
+    with pytest.raises(ValueError, match="DistributedUnitDataLoader"):
         prepare_unit_data_loader(loader, engine=PrivacyEngine(), distributed=True, randomized=True)
+
+
+def test_a_distributed_unit_loader_without_a_distributed_model_is_refused() -> None:
+    loader = DistributedUnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, num_replicas=2, rank=1
+    )
+    with pytest.raises(ValueError, match="not distributed"):
+        prepare_unit_data_loader(loader, engine=PrivacyEngine(), distributed=False, randomized=True)
+    with pytest.raises(ValueError, match="num_replicas and rank"):
+        DistributedUnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    with pytest.raises(ValueError, match="0 <= rank < num_replicas"):
+        DistributedUnitDataLoader(
+            dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, num_replicas=2, rank=2
+        )
+
+
+def test_same_seed_ranks_partition_the_single_process_batch() -> None:
+    """With one seed on every rank, the ranks' batches are disjoint, hold whole units, and
+    their union is the batch the single-process loader draws with that seed, at every step
+    (units of 1 to 4 sequences, ``max_sequences_per_unit=3``)."""
+    ds = dataset()
+    unit_of = torch.tensor([i % 13 for i in range(40)])  # 13 units of 3 or 4, interleaved
+    common = {"unit_of": unit_of, "sample_rate": 0.4, "max_sequences_per_unit": 3, "steps": 6}
+    single = UnitDataLoader(ds, generator=torch.Generator().manual_seed(5), **common)
+    ranks = [
+        DistributedUnitDataLoader(
+            ds, num_replicas=2, rank=r, generator=torch.Generator().manual_seed(5), **common
+        )
+        for r in range(2)
+    ]
+    assert all(len(dl) == len(single) == 6 and dl.num_units == 13 for dl in ranks)
+    nonempty = 0
+    for batches in zip(single, *ranks):
+        (_, idx, _), *parts = batches
+        got = []
+        for r, (_, ridx, runits) in enumerate(parts):
+            for u in runits.unique().tolist():
+                members = ridx[runits == u].tolist()
+                unit = unit_of[members[0]].item()
+                assert unit % 2 == r  # unit u on rank u % 2 only
+                assert members == ranks[r].selected[unit]  # whole, selected
+            got += ridx.tolist()
+            nonempty += int(len(ridx) > 0)
+        assert sorted(got) == sorted(idx.tolist())
+    assert nonempty >= 8  # both ranks drew units on most steps
+
+
+def test_independent_rank_generators_sample_every_unit_at_rate_q() -> None:
+    """Independent generators per rank: each unit is in a step with probability q, on its own
+    rank. The count of (unit, step) inclusions over both ranks is Binomial(S N_u, q), checked
+    in the 5-sigma band of the module docstring (rates 2q and q/2 lie outside it)."""
+    n_units, q, steps = 200, 0.3, 50
+    members = [[u] for u in range(n_units)]
+    count = 0
+    for r in range(2):
+        sampler = DistributedUnitPoissonSampler(
+            members=members,
+            sample_rate=q,
+            num_replicas=2,
+            rank=r,
+            steps=steps,
+            generator=torch.Generator().manual_seed(100 + r),
+        )
+        for batch in sampler:
+            assert all(u % 2 == r for u in batch)
+            count += len(batch)
+    n = steps * n_units
+    sd = math.sqrt(n * q * (1 - q))
+    assert abs(count - n * q) < 5 * sd
+    assert abs(count - n * 2 * q) > 5 * sd and abs(count - n * q / 2) > 5 * sd
 
 
 def test_an_empty_step_is_noised_and_accounted() -> None:
@@ -281,3 +354,18 @@ def test_an_empty_step_is_noised_and_accounted() -> None:
     assert train(engine, m, opt, crit, dl) == 2
     assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))  # noised
     assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.5, 2)]
+
+
+@pytest.mark.parametrize("split_units", [False, True])
+def test_virtual_steps_of_a_distributed_unit_loader_are_refused(split_units: bool) -> None:
+    """UnitBatchMemoryManager with a DistributedUnitDataLoader is refused, naming what to do:
+    each rank would split its own units into its own number of physical batches (DDP's and
+    FSDP2's per-backward collectives misalign) and a cut unit's buffer is not sharded."""
+    loader = DistributedUnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, num_replicas=2, rank=0
+    )
+    with pytest.raises(NotImplementedError, match="DistributedUnitDataLoader") as info:
+        UnitBatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=4, optimizer=None, split_units=split_units
+        )
+    assert "add ranks or lower the sample rate" in str(info.value)

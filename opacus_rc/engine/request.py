@@ -1,0 +1,245 @@
+"""One ``make_private`` call's request: its options validated as a whole, before any hook.
+
+* :func:`check_data_loader`: the loader Poisson sampling (and the accountant) can use: a
+  map-style dataset of known size; a sampler Poisson sampling replaces is warned about.
+* :func:`build_request`: every option of a :class:`~opacus_rc.engine.options.MakePrivateOptions`
+  checked (Opacus' own clipping or randomized clipping), the public sizes computed
+  (:func:`~opacus_rc.engine.schedule.public_sizes`), the post-processing built
+  (:func:`~opacus_rc.engine.post_processing.prepare_post_processing`) and, for randomized
+  clipping, the one :class:`~opacus_rc.config.RandomizedClippingConfig` that configures the
+  module and the optimizer. Nothing is attached: a request that raises leaves the model as it
+  was.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from opacus.data_loader import DPDataLoader
+from opacus.utils.uniform_sampler import (
+    DistributedUniformWithReplacementSampler,
+    UniformWithReplacementSampler,
+)
+from torch import nn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from opacus_rc.config import DEFAULT_SKETCH, DEFAULT_SKETCH_DIM, RandomizedClippingConfig
+from opacus_rc.engine.options import MakePrivateOptions
+from opacus_rc.engine.post_processing import PostProcessing, prepare_post_processing
+from opacus_rc.engine.schedule import PublicSizes, public_sizes
+from opacus_rc.unit_data_loader import UnitDataLoader
+
+__all__ = ["Request", "build_request", "check_data_loader"]
+
+#: ``poisson_sampling=False``: the accountant still assumes Poisson sampling at rate
+#: ``1 / len(data_loader)``, which fixed or shuffled batches do not give (Chua et al., "How
+#: Private are DP-SGD Implementations?", ICML 2024: shuffling can leak far more than the
+#: Poisson epsilon). Opacus accepts it silently (meta-pytorch/opacus PR 745).
+_NO_POISSON_WARNING = (
+    "poisson_sampling=False: the data loader's batches are not Poisson samples, but the "
+    "accountant's epsilon assumes Poisson sampling at rate 1/len(data_loader); for fixed or "
+    "shuffled batches it is not a valid guarantee. Keep poisson_sampling=True for a private "
+    "run (use BatchMemoryManager to bound the physical batch size)"
+)
+_ACCOUNTANT_ERROR = (
+    "clipping='randomized' needs an accountant that can account for sketched norms; "
+    "use accountant='rc'"
+)
+_RANDOMIZED_GRAD_SAMPLE_MODES = ("hooks", "ghost")
+
+
+@dataclass(frozen=True)
+class Request:
+    """The validated options of one ``make_private`` or ``make_private_with_epsilon`` call.
+
+    Attributes:
+        opacus_options: Keyword arguments of ``opacus.PrivacyEngine.make_private`` except
+            ``noise_multiplier`` (the criterion defaulted). For randomized clipping,
+            ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and returns
+            four values; the module itself is built by the engine's ``prepare_model_seam``
+            (:class:`~opacus_rc.engine.seams.RandomizedClippingSeams`).
+        kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
+        config: The randomized-clipping configuration, or None for Opacus' own clipping.
+        post: The post-processing to attach.
+        sizes: The sampling rate and divisor, from public inputs.
+    """
+
+    opacus_options: dict[str, Any]
+    kwargs: dict[str, Any]
+    config: RandomizedClippingConfig | None
+    post: PostProcessing
+    sizes: PublicSizes
+
+
+#: Samplers that draw every record uniformly: Opacus' Poisson sampler replaces them without a
+#: change of what the loader's weighting means (a ``DistributedSampler`` shards uniformly too).
+_UNIFORM_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+#: Batch samplers Opacus replaces by Poisson sampling as the loader's own (``BatchSampler``) or
+#: keeps as Poisson samplers already.
+_KNOWN_BATCH_SAMPLERS = (
+    BatchSampler,
+    UniformWithReplacementSampler,
+    DistributedUniformWithReplacementSampler,
+)
+
+
+def check_data_loader(data_loader: Any, *, poisson_sampling: bool) -> None:
+    """Refuse a loader Poisson sampling (or the accountant) cannot use; warn on a replaced sampler.
+
+    Poisson sampling includes every record independently with probability ``q`` (the
+    accountant's model): it needs a map-style dataset of known size ``N`` (records by index,
+    ``len(dataset)``), and it replaces the loader's sampler (Opacus does it silently).
+
+    Raises:
+        TypeError: If ``data_loader`` is not a ``DataLoader``.
+        ValueError: If its dataset is an ``IterableDataset``, or has no ``len()``.
+    """
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(
+            f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}"
+        )
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"the data loader's dataset is an IterableDataset ({type(dataset).__name__}): "
+            "Poisson sampling, which the privacy guarantee assumes, includes every record "
+            "independently with probability q, so it needs a map-style dataset of known size "
+            "(a torch.utils.data.Dataset with __len__ and __getitem__). Materialise the "
+            "stream first (e.g. a Hugging Face datasets.Dataset instead of streaming=True / "
+            "IterableDataset, or a list of its records)"
+        )
+    try:
+        len(dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise ValueError(
+            f"the data loader's dataset ({type(dataset).__name__}) has no len(): Poisson "
+            "sampling and the sampling rate q need a map-style dataset of known size "
+            "(define __len__)"
+        ) from err
+    if not poisson_sampling or isinstance(data_loader, (DPDataLoader, UnitDataLoader)):
+        return
+    batch_sampler = data_loader.batch_sampler
+    if not isinstance(batch_sampler, _KNOWN_BATCH_SAMPLERS):
+        replaced = f"batch_sampler {type(batch_sampler).__name__}"
+    elif isinstance(batch_sampler, BatchSampler) and not isinstance(
+        batch_sampler.sampler, _UNIFORM_SAMPLERS
+    ):
+        replaced = f"sampler {type(batch_sampler.sampler).__name__}"
+    else:
+        return
+    warnings.warn(
+        f"the data loader's {replaced} is replaced by Poisson sampling (every record "
+        "included independently with the same probability q), which the privacy guarantee "
+        "assumes: its weighting or order is not used. Sampling with unequal probabilities "
+        "is not what the accountant analyses. To reweight records, weight each sample's loss "
+        "instead (the per-sample gradient is clipped after weighting); pass a plain "
+        "DataLoader(dataset, batch_size=B) to silence this warning",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def build_request(
+    options: MakePrivateOptions, *, accountant: Any, secure_mode: bool, dataset: Any
+) -> Request:
+    """Validate one call's options (attaching nothing) and build its configuration.
+
+    Args:
+        options: The call's options.
+        accountant: The engine's accountant (randomized clipping needs one whose class has
+            ``supports_randomized_clipping``).
+        secure_mode: The engine's secure mode (it enters the configuration).
+        dataset: The engine's ``dataset`` now (restored if attaching post-processing fails).
+
+    Returns:
+        The validated request.
+
+    Raises:
+        ValueError, TypeError, NotImplementedError: As ``PrivacyEngine.make_private``.
+    """
+    opacus_options = options.opacus_options()
+    module = options.module
+    data_loader = options.data_loader
+    poisson_sampling = options.poisson_sampling
+    check_data_loader(data_loader, poisson_sampling=poisson_sampling)
+    if options.dataset_size is not None and not poisson_sampling:
+        raise ValueError(
+            "dataset_size sets the Poisson sampling rate; it needs poisson_sampling=True"
+        )
+    # refuses an empty loader
+    sizes = public_sizes(data_loader, dataset_size=options.dataset_size)
+    post = prepare_post_processing(
+        module=module,
+        grad_sample_mode=options.grad_sample_mode,
+        denoise=options.denoise,
+        denoise_kappa=options.denoise_kappa,
+        denoise_options=options.denoise_options,
+        check_lora_update=options.check_lora_update,
+        dataset=dataset,
+    )
+    if opacus_options["criterion"] is None:
+        opacus_options["criterion"] = nn.CrossEntropyLoss()
+    if not poisson_sampling and not isinstance(data_loader, (DPDataLoader, UnitDataLoader)):
+        # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
+        # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.
+        warnings.warn(_NO_POISSON_WARNING, UserWarning, stacklevel=3)
+    clipping = options.clipping
+    sketch_options = (
+        options.sketch,
+        options.sketch_dim,
+        options.sketch_head_dim,
+        options.sketch_generator,
+    )
+    if clipping != "randomized":
+        if any(o is not None for o in sketch_options):
+            raise ValueError(
+                "sketch, sketch_dim, sketch_head_dim and sketch_generator only apply to "
+                f"clipping='randomized' (got clipping={clipping!r})"
+            )
+        if options.bookkeeping is not True:
+            raise ValueError(
+                f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
+            )
+        return Request(opacus_options, dict(options.kwargs), None, post, sizes)
+
+    if options.kwargs:
+        raise TypeError(
+            f"unexpected keyword arguments for clipping='randomized': {sorted(options.kwargs)}"
+        )
+    if not getattr(type(accountant), "supports_randomized_clipping", False):
+        raise ValueError(_ACCOUNTANT_ERROR)
+    config = RandomizedClippingConfig(
+        max_grad_norm=options.max_grad_norm,
+        sketch=DEFAULT_SKETCH if options.sketch is None else options.sketch,
+        sketch_dim=DEFAULT_SKETCH_DIM if options.sketch_dim is None else options.sketch_dim,
+        sketch_head_dim=options.sketch_head_dim,
+        sketch_generator=options.sketch_generator,
+        secure_mode=secure_mode,
+        batch_first=options.batch_first,
+        loss_reduction=options.loss_reduction,
+        bookkeeping=options.bookkeeping,
+    )
+    criterion_reduction = getattr(opacus_options["criterion"], "reduction", None)
+    if criterion_reduction is not None and criterion_reduction != config.loss_reduction:
+        raise ValueError(
+            f"the criterion has reduction={criterion_reduction!r} but "
+            f"loss_reduction={config.loss_reduction!r}; they must match"
+        )
+    grad_sample_mode = options.grad_sample_mode
+    if grad_sample_mode not in _RANDOMIZED_GRAD_SAMPLE_MODES:
+        raise ValueError(
+            f"clipping='randomized' uses its own grad-sample module; grad_sample_mode must "
+            f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
+        )
+    # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.
+    opacus_options["grad_sample_mode"] = "ghost"
+    return Request(opacus_options, {}, config, post, sizes)

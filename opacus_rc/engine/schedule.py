@@ -1,0 +1,157 @@
+"""The engine's sampling schedule, from public inputs (docs/privacy/mechanism.md#mechanism-public).
+
+One concept: how many records a step samples and how the accountant counts it, decided before
+any loader is built.
+
+* :func:`public_sizes`: the Poisson rate ``q`` and the divisor of the noisy sum, from the
+  loader's ``batch_size`` (and a public ``dataset_size``), never from the private number of
+  records where the loader gives a batch size.
+* :func:`accounted_schedule`: the rate the accountant records and the steps of one epoch
+  (Opacus' ``1 / len(loader)`` of the loader the run iterates); the noise search of
+  ``make_private_with_epsilon`` and :class:`~opacus_rc.integrations.transformers.DPTrainer`
+  both search at it.
+* :func:`poisson_loader`: Opacus' Poisson ``DPDataLoader`` at a given rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from opacus.data_loader import DPDataLoader
+from torch.utils.data import DataLoader
+
+from opacus_rc.data_loader import worker_options
+from opacus_rc.unit_data_loader import UnitDataLoader
+
+__all__ = ["PublicSizes", "accounted_schedule", "poisson_loader", "public_sizes"]
+
+
+@dataclass(frozen=True)
+class PublicSizes:
+    """The sizes the mechanism uses, computed from public inputs only (docs/privacy/mechanism.md).
+
+    Attributes:
+        sample_rate: ``q``, the Poisson rate the loader samples at; an epoch is ``int(1 / q)``
+            steps, each accounted at ``1 / int(1 / q)`` (Opacus' ``1 / len(loader)``, at least
+            ``q``: see :func:`accounted_schedule`).
+        expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"`` (per
+            process: divided by the world size in a distributed run, as Opacus does).
+    """
+
+    sample_rate: float
+    expected_batch_size: int
+
+
+def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> PublicSizes:
+    """Sampling rate and divisor from public inputs (Opacus #819, #571).
+
+    Opacus computes ``q = 1 / len(data_loader)`` and divides by ``int(len(dataset) * q)``: the
+    divisor is a function of the private number of records ``N`` (neighbours ``N = 12`` and
+    ``N = 11`` at batch size 4 get the same ``q`` but divisors 4 and 3). Here:
+
+    * a loader with a ``batch_size`` ``B`` (the usual ``DataLoader(dataset, batch_size=B)``):
+      the divisor is ``B`` itself, and ``q = 1 / n`` with ``n = ceil(N' / B)`` batches
+      (``floor`` with ``drop_last=True``, as ``len(DataLoader)``), ``N' = dataset_size`` if
+      given, else ``len(dataset)`` (Opacus' rate);
+    * a loader without one (an Opacus ``DPDataLoader``, a custom ``batch_sampler``):
+      ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``, ``1 / int(1 / its sample_rate)``)
+      and the divisor ``int(N' q)``, as Opacus. For a
+      :class:`~opacus_rc.unit_data_loader.UnitDataLoader` the records are the units:
+      ``N'`` is ``dataset_size`` if given, else the number of units.
+
+    Args:
+        data_loader: The user's (map-style) data loader.
+        dataset_size: The public number of records ``N'``, or None.
+
+    Returns:
+        The sizes.
+
+    Raises:
+        ValueError: If the data loader (or ``dataset_size``) gives no batch, or
+            ``dataset_size`` is not an integer >= 1.
+    """
+    if dataset_size is not None and (
+        isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
+    ):
+        raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
+    batch_size = data_loader.batch_size
+    if batch_size is not None and dataset_size is not None:
+        n_batches = (
+            dataset_size // batch_size
+            if data_loader.drop_last
+            else math.ceil(dataset_size / batch_size)
+        )
+    else:
+        n_batches = len(data_loader)
+    if n_batches == 0:
+        raise ValueError(
+            "the data loader is empty"
+            if dataset_size is None
+            else f"dataset_size={dataset_size} gives no batch of batch_size={batch_size} "
+            "with drop_last=True"
+        )
+    sample_rate = 1 / n_batches
+    if batch_size is not None:
+        return PublicSizes(sample_rate, batch_size)
+    if dataset_size is not None:
+        size = dataset_size
+    elif isinstance(data_loader, UnitDataLoader):
+        size = data_loader.num_units  # unit-level DP: the records are the units
+    else:
+        size = len(data_loader.dataset)  # type: ignore[arg-type]
+    return PublicSizes(sample_rate, int(size * sample_rate))
+
+
+def accounted_schedule(
+    sizes: PublicSizes, *, data_loader: DataLoader, poisson_sampling: bool
+) -> tuple[float, int]:
+    """The rate the accountant records and the steps of one epoch, before the loader exists.
+
+    Opacus accounts each step at ``1 / len(loader)`` of the loader the run iterates. A Poisson
+    loader built at rate ``q`` (Opacus' ``DPDataLoader``, :class:`DistributedDPDataLoader`)
+    has ``int(1 / q)`` batches, one short of ``1 / q`` for some ``q`` in floating point
+    (``q = 1/93``: 92); a loader used as it is (a :class:`UnitDataLoader`, or
+    ``poisson_sampling=False``) has ``len(data_loader)``.
+
+    Args:
+        sizes: The public sizes of the run.
+        data_loader: The user's data loader.
+        poisson_sampling: Whether the engine builds a Poisson loader.
+
+    Returns:
+        ``(1 / n, n)`` with ``n`` the batches per epoch.
+    """
+    if isinstance(data_loader, UnitDataLoader) or not poisson_sampling:
+        per_epoch = len(data_loader)
+    else:
+        per_epoch = max(1, int(1 / sizes.sample_rate))
+    return 1 / per_epoch, per_epoch
+
+
+def poisson_loader(
+    loader_class: type[DPDataLoader],
+    data_loader: DataLoader,
+    *,
+    sample_rate: float,
+    distributed: bool,
+    generator: torch.Generator | None,
+    batch_first: bool,
+    rand_on_empty: bool,
+) -> DPDataLoader:
+    """Opacus' ``DPDataLoader.from_data_loader`` (opacus 1.6) at a given ``sample_rate``.
+
+    ``from_data_loader`` always samples at ``1 / len(data_loader)``; everything else (workers,
+    collate function, generator: ``generator`` or the loader's) is carried over as it does.
+    """
+    return loader_class(
+        dataset=data_loader.dataset,
+        sample_rate=sample_rate,
+        **worker_options(data_loader),
+        drop_last=data_loader.drop_last,
+        generator=generator if generator else data_loader.generator,
+        distributed=distributed,
+        batch_first=batch_first,
+        rand_on_empty=rand_on_empty,
+    )

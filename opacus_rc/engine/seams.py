@@ -1,0 +1,271 @@
+"""The engine's Opacus seams: what ``make_private`` builds for ``clipping="randomized"``.
+
+Opacus' ``make_private`` is a template that calls four build steps; the adapter
+:class:`~opacus_rc._compat.opacus.PrivacyEngineSeams` forwards them to public
+``prepare_*_seam`` methods (docs/architecture.md#architecture-seams).
+:class:`RandomizedClippingSeams` fills them:
+
+* ``prepare_model_seam`` builds a
+  :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` (or its hooks-only twin for
+  ``wrap_model=False``; for an FSDP2 model
+  :class:`~opacus_rc.grad_sample.fsdp.GradSampleModuleRandomizedClippingFSDP`);
+* ``prepare_data_loader_seam`` is Opacus' (Poisson sampling), at the public rate of
+  :func:`~opacus_rc.engine.schedule.public_sizes`, except that a distributed model gets
+  :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
+* ``prepare_optimizer_seam`` builds the optimizer registered for ``("randomized",
+  distributed)`` in :mod:`opacus_rc.optimizers.registry`
+  (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer` or its DDP or FSDP2 variant), dividing
+  by the public expected batch size;
+* ``prepare_criterion_seam`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`.
+
+For any other ``clipping`` each seam is Opacus' own step (except the public rate and divisor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from opacus.data_loader import DPDataLoader
+from opacus.optimizers import DPOptimizer
+from torch import nn, optim
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader
+
+from opacus_rc._compat.opacus import PrivacyEngineSeams, wrapped_module_if_built
+from opacus_rc.config import RandomizedClippingConfig
+from opacus_rc.data_loader import DistributedDPDataLoader, RandomOnEmptyCollate
+from opacus_rc.engine.schedule import PublicSizes, poisson_loader
+from opacus_rc.grad_sample import (
+    GradSampleHooksRandomizedClipping,
+    GradSampleModuleRandomizedClipping,
+)
+from opacus_rc.grad_sample.fsdp import (
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
+)
+from opacus_rc.grad_sample.grad_sample_module import check_training_mode
+from opacus_rc.optimizers import DPLossRandomizedClipping
+from opacus_rc.optimizers.registry import get_optimizer_class
+from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
+
+__all__ = ["RandomizedBuild", "RandomizedClippingSeams"]
+
+
+@dataclass
+class RandomizedBuild:
+    """State shared by the ``prepare_*_seam`` methods during one randomized ``make_private``.
+
+    Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs`` (its
+    call passes ``batch_first``, ``max_grad_norm``, ``loss_reduction`` and ``grad_sample_mode``),
+    so the configuration reaches the seams through this object, set on the engine for the
+    duration of the call only.
+
+    Attributes:
+        config: The configuration of this call.
+        module: The grad-sample module once ``prepare_model_seam`` has built it.
+    """
+
+    config: RandomizedClippingConfig
+    module: Any = None
+
+
+class RandomizedClippingSeams(PrivacyEngineSeams):
+    """Opacus' build steps for randomized clipping and the public sizes (see the module docstring).
+
+    The base of :class:`~opacus_rc.PrivacyEngine`, whose ``make_private`` sets ``_build`` (a
+    randomized call) and ``_sizes`` (every call) for the duration of Opacus' template; with
+    both None each seam is Opacus' own.
+    """
+
+    _build: RandomizedBuild | None = None
+    _sizes: PublicSizes | None = None
+
+    def prepare_model_seam(
+        self,
+        module: nn.Module,
+        *,
+        batch_first: bool = True,
+        max_grad_norm: float | list[float] = 1.0,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+    ) -> Any:
+        """Opacus' seam; for randomized clipping, the module built from the configuration."""
+        build = self._build
+        if build is None:
+            return super().prepare_model_seam(
+                module,
+                batch_first=batch_first,
+                max_grad_norm=max_grad_norm,
+                loss_reduction=loss_reduction,
+                grad_sample_mode=grad_sample_mode,
+                wrap_model=wrap_model,
+            )
+        # The module checks this too, but Opacus' validator would first reject an eval-mode
+        # model with a message that does not say what to do.
+        check_training_mode(module)
+        self.validate(module=module, optimizer=None, data_loader=None)
+        if isinstance(module, FSDPModule):
+            module_class = (
+                GradSampleModuleRandomizedClippingFSDP
+                if wrap_model
+                else GradSampleHooksRandomizedClippingFSDP
+            )
+        else:
+            module_class = (
+                GradSampleModuleRandomizedClipping
+                if wrap_model
+                else GradSampleHooksRandomizedClipping
+            )
+        build.module = module_class(module, config=build.config)
+        return build.module
+
+    def prepare_data_loader_seam(
+        self,
+        data_loader: DataLoader,
+        *,
+        poisson_sampling: bool,
+        distributed: bool,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+    ) -> DataLoader:
+        """Opacus' seam: Poisson sampling at the public rate of
+        :func:`~opacus_rc.engine.schedule.public_sizes`.
+
+        Opacus samples at ``1 / len(data_loader)``, which is that rate unless a public
+        ``dataset_size`` was given; then the loader is built at the public rate instead. A
+        distributed randomized run gets :class:`DistributedDPDataLoader`: Opacus' distributed
+        Poisson sampler drops a rank's empty batch, so that rank runs one step less (its
+        all-reduces misalign, its accountant counts fewer steps);
+        :class:`DistributedDPDataLoader` yields it as a noise-only step. A
+        :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
+        """
+        if isinstance(data_loader, UnitDataLoader):
+            return prepare_unit_data_loader(
+                data_loader,
+                engine=self,
+                distributed=distributed,
+                randomized=self._build is not None,
+            )
+        sizes = self._sizes
+        own_rate = (
+            poisson_sampling and sizes is not None and sizes.sample_rate != 1 / len(data_loader)
+        )
+        own_distributed = self._build is not None and distributed and poisson_sampling
+        if not (own_rate or own_distributed):
+            loader = super().prepare_data_loader_seam(
+                data_loader,
+                poisson_sampling=poisson_sampling,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        else:
+            # Opacus' method without sampling: it records (or checks) the engine's dataset.
+            super().prepare_data_loader_seam(
+                data_loader,
+                poisson_sampling=False,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+            loader = poisson_loader(
+                DistributedDPDataLoader if own_distributed else DPDataLoader,
+                data_loader,
+                sample_rate=1 / len(data_loader) if sizes is None else sizes.sample_rate,
+                distributed=distributed,
+                generator=self.secure_rng,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        if (
+            self._build is not None
+            and rand_on_empty
+            and isinstance(loader, DPDataLoader)
+            and not isinstance(loader, DistributedDPDataLoader)
+        ):
+            # Opacus' wrapper returns B = 0 for an empty batch before the first non-empty
+            # one even with rand_on_empty; ours honours it from the first batch on.
+            loader.collate_fn = RandomOnEmptyCollate(
+                collate_fn=loader.collate_fn.wrapped_collator_fn,
+                dataset=loader.dataset,
+                batch_first=batch_first,
+                rand_on_empty=True,
+            )
+        return loader
+
+    def prepare_optimizer_seam(
+        self,
+        *,
+        optimizer: optim.Optimizer,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        expected_batch_size: int,
+        loss_reduction: str = "mean",
+        distributed: bool = False,
+        clipping: str = "flat",
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> DPOptimizer:
+        """Opacus' seam; for randomized clipping, the registry's optimizer for the module.
+
+        Opacus passes ``int(len(dataset) * q)`` as ``expected_batch_size``: a function of the
+        private number of records. The divisor used is the public one of
+        :func:`~opacus_rc.engine.schedule.public_sizes` (per process in a distributed run, as
+        Opacus).
+        """
+        if self._sizes is not None:
+            expected_batch_size = self._sizes.expected_batch_size
+            if distributed:
+                expected_batch_size /= torch.distributed.get_world_size()
+        build = self._build
+        if build is None:
+            return super().prepare_optimizer_seam(
+                optimizer=optimizer,
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                expected_batch_size=expected_batch_size,
+                loss_reduction=loss_reduction,
+                distributed=distributed,
+                clipping=clipping,
+                noise_generator=noise_generator,
+                grad_sample_mode=grad_sample_mode,
+                **kwargs,
+            )
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
+        optimizer_class = get_optimizer_class(
+            clipping, distributed="fsdp" if sharded else distributed
+        )
+        return optimizer_class(
+            optimizer,
+            grad_sample_module=build.module,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            generator=self.secure_rng if self.secure_mode else noise_generator,
+            secure_mode=build.config.secure_mode,
+        )
+
+    def prepare_criterion_seam(
+        self,
+        *,
+        module: Any,
+        optimizer: DPOptimizer,
+        criterion: Any,
+        loss_reduction: str = "mean",
+        **kwargs: Any,
+    ) -> Any:
+        """Opacus' seam; for randomized clipping, :class:`DPLossRandomizedClipping`."""
+        if self._build is None:
+            return super().prepare_criterion_seam(
+                module=module,
+                optimizer=optimizer,
+                criterion=criterion,
+                loss_reduction=loss_reduction,
+                **kwargs,
+            )
+        return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)

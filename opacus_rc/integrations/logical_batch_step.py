@@ -1,0 +1,163 @@
+"""A DP trainer's step: one Poisson logical batch, in micro-batches, and each one's DP loss.
+
+* :func:`logical_batch_step`: the body of ``DPTrainerMixin.training_step``: the private
+  backward of every micro-batch of a :class:`~opacus_rc.integrations.logical_batches.LogicalBatch`,
+  their clipped sums accumulated (every micro-batch but the last a skipped Opacus step), or the
+  noise-only step of an empty batch; the Trainer's ``optimizer.step()`` then noises the sum,
+  steps and accounts one step.
+* :func:`micro_batch_loss`: the body of ``DPTrainerMixin.compute_private_loss``: one
+  micro-batch's per-example losses through the engine's criterion
+  (:func:`~opacus_rc.integrations.per_sample_loss.per_sample_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from opacus_rc._compat.transformers import prepare_inputs
+from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
+from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
+
+__all__ = ["logical_batch_step", "micro_batch_loss"]
+
+
+def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Tensor:
+    """One logical batch of ``trainer`` (see ``DPTrainerMixin.training_step``).
+
+    Each micro-batch's loss is ``trainer.compute_private_loss(model, micro)`` (so an override
+    of it is used), inside the trainer's ``compute_loss_context_manager()`` and its activation
+    offload context, if any.
+
+    Args:
+        trainer: The DP trainer, made private.
+        model: The model (prepared by the accelerator; a ``DistributedDataParallel`` wrapper is
+            run past).
+        inputs: A :class:`~opacus_rc.integrations.logical_batches.LogicalBatch`.
+
+    Returns:
+        The mean per-example loss of the logical batch, a detached float32 scalar (NaN for an
+        empty batch when ``logging_nan_inf_filter`` is on, else 0).
+
+    Raises:
+        TypeError: If ``inputs`` is not a ``LogicalBatch``.
+        RuntimeError: A step beyond the schedule the noise was searched for; the
+            randomized-clipping backward failed on another rank.
+    """
+    private = trainer._require_private()
+    if not isinstance(inputs, LogicalBatch):
+        raise TypeError(
+            f"a DP trainer's training batches come from its Poisson loader (LogicalBatch), "
+            f"got {type(inputs).__name__}; do not override get_train_dataloader"
+        )
+    if (
+        private.planned_steps is not None
+        and len(private.engine.accountant) >= private.planned_steps
+    ):
+        raise RuntimeError(
+            f"the noise multiplier was chosen so that {private.planned_steps} steps reach "
+            f"epsilon={trainer.privacy_args.target_epsilon}; another step would pass it"
+        )
+    model.train()
+    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
+        trainer.optimizer.train()
+    optimizer = private.optimizer
+    if isinstance(model, DistributedDataParallel):
+        model = model.module  # DDP's reducer is not used (DPTrainerMixin.training_step)
+    # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
+    optimizer.zero_grad()
+    device = trainer.args.device
+    if inputs.num_examples == 0:
+        # No record is in the batch: the step is the noise alone, noised and accounted by
+        # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
+        private.module.step_state.mark_empty_batch()
+        optimizer.discard_gradients()
+        # Under DDP: this rank's part of the agreement the other ranks' last backward
+        # issues (in one process, no collective).
+        if not optimizer.all_ranks_ok(True):
+            raise RuntimeError(
+                "the randomized-clipping backward failed on another rank; no rank takes this step"
+            )
+        fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
+        return torch.tensor(fill, device=device)
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    records = 0  # examples, or units with privacy_unit
+    last = len(inputs.micro_batches) - 1
+    context = getattr(trainer, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+    with context:
+        for i, micro in enumerate(inputs.micro_batches):
+            micro = prepare_inputs(trainer, micro)
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_private_loss(model, micro)
+            if i < last:
+                # Said before the backward, so that under DDP only the last micro-batch's
+                # backward issues the ranks' agreement (the ranks' counts differ).
+                optimizer.signal_skip_step(do_skip=True)
+            loss.backward()
+            total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
+            records += loss.loss_per_sample.numel()
+            if i < last:
+                optimizer.step()  # accumulates the clipped sum only
+                optimizer.zero_grad()
+    return (total / max(records, 1)).float().detach()
+
+
+def micro_batch_loss(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    *,
+    criterion: Any,
+    shift_labels: bool,
+    expand_positions: bool,
+) -> Any:
+    """The DP loss of one micro-batch (see ``DPTrainerMixin.compute_private_loss``).
+
+    Args:
+        model: The model.
+        inputs: One collated micro-batch with ``labels`` ``(B, T)`` or ``(B,)`` (and, with
+            ``privacy_unit``, the units ``(B,)`` under
+            :data:`~opacus_rc.integrations.logical_batches.UNITS_KEY`).
+        criterion: The engine's DP criterion.
+        shift_labels: Whether targets are the next tokens (a causal LM).
+        expand_positions: Whether the model takes ``position_ids``: then, when the batch has
+            none, they are passed as ``(B, T)`` rows ``0..T-1``, one per example.
+
+    Returns:
+        The DP loss (see :func:`~opacus_rc.integrations.per_sample_loss.per_sample_cross_entropy`).
+
+    Raises:
+        ValueError: No ``labels`` in the batch.
+    """
+    inputs = dict(inputs)
+    units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
+    labels = inputs.pop("labels", None)
+    given_shift_labels = inputs.pop("shift_labels", None)
+    if labels is None:
+        raise ValueError(
+            "a DP trainer computes each example's loss from the batch's 'labels' (-100 where "
+            "ignored); the data collator returned none (for a causal LM use a collator that "
+            "copies input_ids to labels, e.g. DataCollatorForLanguageModeling(mlm=False))"
+        )
+    if expand_positions and "position_ids" not in inputs and "input_ids" in inputs:
+        # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
+        # position embedding one norm for the whole batch (Opacus issue 841); the expanded
+        # ids are the same values, one row per example.
+        b, t = inputs["input_ids"].shape[:2]
+        positions = torch.arange(t, device=inputs["input_ids"].device)
+        inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
+    outputs = model(**inputs)
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    return per_sample_cross_entropy(
+        criterion,
+        logits,
+        labels,
+        shift=shift_labels,
+        shift_labels=given_shift_labels,
+        units=units,
+    )
