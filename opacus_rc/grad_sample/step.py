@@ -27,6 +27,16 @@ its activations and use counters on the modules and parameters.
 Anything out of order raises :class:`StepProtocolError` (a ``RuntimeError``) before noise is
 drawn or a step is accounted, and leaves the state as it was (or, for a failed backward,
 FAILED with every stored tensor dropped).
+
+Why this module stays one concept (it is somewhat over 500 lines): :class:`StepState` is one
+state machine over one set of records. The recording, the backward plan (checkpointing, the
+first pass, the stash size, the step's units), the issue of the clip factors and the step
+check all read and reset the same private records (phase, norms, gradients seen, stashes) in
+the same transitions (a new step's first forward, ``consume``, ``fail``); moving the flags or
+the factor issue to a module of their own would give the step a second owner of those records
+and a second reset path, which the step object exists to avoid. The clip factors themselves
+are computed elsewhere (:func:`~opacus_rc.grad_sample.clip.clip_factors`). About a fifth of
+the lines are the error messages that say which misuse stopped a step.
 """
 
 from __future__ import annotations
