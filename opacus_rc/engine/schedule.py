@@ -69,8 +69,10 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
         The sizes.
 
     Raises:
-        ValueError: If the data loader (or ``dataset_size``) gives no batch, or
-            ``dataset_size`` is not an integer >= 1.
+        ValueError: If the data loader (or ``dataset_size``) gives no batch,
+            ``dataset_size`` is not an integer >= 1, or a
+            :class:`~opacus_rc.unit_data_loader.UnitDataLoader`'s expected number of units per
+            step (the divisor) is 0.
     """
     if dataset_size is not None and (
         isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
@@ -101,7 +103,17 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
         size = data_loader.num_units  # unit-level DP: the records are the units
     else:
         size = len(data_loader.dataset)  # type: ignore[arg-type]
-    return PublicSizes(sample_rate, int(size * sample_rate))
+    divisor = int(size * sample_rate)
+    if divisor == 0 and isinstance(data_loader, UnitDataLoader):
+        # The noisy sum would be divided by 0: inf/NaN parameters from the first step on,
+        # every step still accounted.
+        raise ValueError(
+            f"the expected number of units per step, int({size} units * rate "
+            f"{sample_rate:.6g}), is 0, and the noisy sum under loss_reduction='mean' is "
+            "divided by it: raise the UnitDataLoader's sample_rate or train on more units "
+            "(or a larger public dataset_size), so that at least one unit is expected per step"
+        )
+    return PublicSizes(sample_rate, divisor)
 
 
 def accounted_schedule(

@@ -369,3 +369,37 @@ def test_virtual_steps_of_a_distributed_unit_loader_are_refused(split_units: boo
             data_loader=loader, max_physical_batch_size=4, optimizer=None, split_units=split_units
         )
     assert "add ranks or lower the sample rate" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("sample_rate", "steps", "dataset_size", "with_epsilon"),
+    [(0.01, None, None, False), (0.01, None, None, True), (0.25, None, 3, False)],
+)
+def test_a_unit_loader_expecting_no_unit_per_step_is_refused(
+    sample_rate: float, steps: int | None, dataset_size: int | None, with_epsilon: bool
+) -> None:
+    """20 units at q = 0.01 (or a public dataset_size of 3 at q = 0.25): the divisor
+    int(N_units q) is 0, the first step would divide the noisy sum by 0 (NaN parameters,
+    still accounted). Refused at make_private, naming the fix."""
+    loader = UnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 2, sample_rate=sample_rate, steps=steps
+    )
+    model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, C))
+    engine = PrivacyEngine(accountant="rc")
+    common = {
+        "module": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "data_loader": loader,
+        "max_grad_norm": 1.0,
+        "clipping": "randomized",
+        "criterion": nn.CrossEntropyLoss(),
+        "dataset_size": dataset_size,
+    }
+    with pytest.raises(ValueError, match="expected number of units per step.*is 0.*sample_rate"):
+        if with_epsilon:
+            engine.make_private_with_epsilon(
+                **common, target_epsilon=4.0, target_delta=1e-3, epochs=1
+            )
+        else:
+            engine.make_private(**common, noise_multiplier=1.0)
+    assert not engine.accountant.history
