@@ -112,8 +112,9 @@ class DistributedUnitDataLoader(UnitDataLoader):
     :class:`DistributedUnitPoissonSampler`.
 
     Given to ``PrivacyEngine.make_private`` with a DDP/DPDDP model, the accountant takes
-    ``q = 1 / len(loader)`` as in one process, and the divisor of each rank's noisy sum under
-    ``loss_reduction="mean"`` is ``int(num_units / len(loader)) / world_size`` (Opacus' rule:
+    ``1 / int(1 / sample_rate)`` as in one process, and the divisor of each rank's noisy sum
+    under ``loss_reduction="mean"`` is ``int(num_units / int(1 / sample_rate)) / world_size``
+    (Opacus' rule:
     the all-reduced mean of the ranks' sums divided by it is the single-process mean over the
     expected number of units, ``num_units`` being the units of the whole dataset). Noise is added
     once, on rank 0, by the distributed optimizer.

@@ -48,6 +48,7 @@ from opacus_rc.engine.request import Request, build_request
 from opacus_rc.engine.seams import RandomizedBuild, RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
+from opacus_rc.unit_data_loader import UnitDataLoader
 
 __all__ = ["PrivacyEngine"]
 
@@ -396,6 +397,12 @@ class PrivacyEngine(RandomizedClippingSeams):
         finally:
             self._build = None
             self._sizes = None
+        if isinstance(request.opacus_options["data_loader"], UnitDataLoader):
+            # Opacus' template accounts at 1 / len(loader), the loader's ``steps``; the units
+            # are drawn at its sample rate (public_sizes' rate): the accountant records that.
+            out[1].attach_step_hook(
+                self.accountant.get_optimizer_hook_fn(sample_rate=request.sizes.sample_rate)
+            )
         if build is not None and build.config.sketch_generator is not None:
             warnings.warn(
                 f"{_GENERATOR_WARNING_PREFIX}: the 'hidden' privacy guarantee of randomized "

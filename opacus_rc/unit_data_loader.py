@@ -82,8 +82,8 @@ class UnitPoissonSampler(Sampler[list[int]]):
     Args:
         members: ``members[u]``: the dataset indices of unit ``u``'s (selected) sequences.
         sample_rate: ``q`` in ``(0, 1]``.
-        steps: Batches per epoch (default ``int(1 / q)``; the engine accounts each step at rate
-            ``1 / steps >= q``, which is conservative).
+        steps: Batches per epoch (default ``int(1 / q)``); the engine accounts each step at
+            the rate the units are drawn at, ``1 / int(1 / q) >= q``, whatever ``steps`` is.
         generator: Source of the inclusion masks; None seeds one from the operating system.
 
     Raises:
@@ -308,11 +308,13 @@ class UnitDataLoader(DataLoader):
     sampled) yields a batch of ``B = 0`` sequences shaped like the dataset's first one.
 
     Given to ``PrivacyEngine.make_private(..., clipping="randomized")`` it is used as it is
-    (not re-sampled), the accountant takes ``q = 1 / len(loader)`` (``= sample_rate`` when
-    ``1 / sample_rate`` is an integer, else slightly larger: conservative) and the expected
-    batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the expected
-    number of units at that rate, ``int(N_units / len(loader))`` (``N_units`` replaced by
-    ``make_private``'s ``dataset_size`` if given: the public number of units).
+    (not re-sampled), the accountant takes the rate the units are drawn at, as for Opacus'
+    ``DPDataLoader``: ``1 / int(1 / sample_rate)`` (``= sample_rate`` when ``1 / sample_rate``
+    is an integer, else slightly larger: conservative), whatever ``steps`` is, and the
+    expected batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the
+    expected number of units at that rate, ``int(N_units / int(1 / sample_rate))``
+    (``N_units`` replaced by ``make_private``'s ``dataset_size`` if given: the public number
+    of units), which must be at least 1 (``make_private`` raises ``ValueError`` otherwise).
 
     Args:
         dataset: The sequences (map-style).
@@ -327,7 +329,8 @@ class UnitDataLoader(DataLoader):
             ``u``'s choice depends on ``(selection_seed, its id)`` only, never on the other
             units or on any content.
         generator: Source of the per-step inclusion masks (None: seeded from the OS).
-        steps: Steps per epoch (default ``int(1 / sample_rate)``).
+        steps: Steps per epoch (default ``int(1 / sample_rate)``); the number of steps only,
+            not the accounted rate.
         collate_fn: Collates a list of dataset items (default ``default_collate``).
         units_key: The key of ``units`` in a dict batch.
         **kwargs: Other ``torch.utils.data.DataLoader`` arguments (``num_workers``,

@@ -59,7 +59,10 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
       ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``, ``1 / int(1 / its sample_rate)``)
       and the divisor ``int(N' q)``, as Opacus. For a
       :class:`~opacus_rc.unit_data_loader.UnitDataLoader` the records are the units:
-      ``N'`` is ``dataset_size`` if given, else the number of units.
+      ``N'`` is ``dataset_size`` if given, else the number of units, and the rate is that of
+      a ``DPDataLoader`` at the loader's ``sample_rate``, ``1 / int(1 / sample_rate)``, not
+      ``1 / len(loader)``: the loader's ``steps`` sets the number of steps only, the units
+      are drawn at ``sample_rate`` whatever it is.
 
     Args:
         data_loader: The user's (map-style) data loader.
@@ -79,7 +82,11 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
     ):
         raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
     batch_size = data_loader.batch_size
-    if batch_size is not None and dataset_size is not None:
+    if isinstance(data_loader, UnitDataLoader):
+        # The rate the units are drawn at, as Opacus for its DPDataLoader (whose length is
+        # int(1 / q)): 1 / int(1 / q) >= q whatever ``steps`` (only the number of steps) is.
+        n_batches = max(1, int(1 / data_loader.sample_rate))
+    elif batch_size is not None and dataset_size is not None:
         n_batches = (
             dataset_size // batch_size
             if data_loader.drop_last
@@ -125,7 +132,9 @@ def accounted_schedule(
     loader built at rate ``q`` (Opacus' ``DPDataLoader``, :class:`DistributedDPDataLoader`)
     has ``int(1 / q)`` batches, one short of ``1 / q`` for some ``q`` in floating point
     (``q = 1/93``: 92); a loader used as it is (a :class:`UnitDataLoader`, or
-    ``poisson_sampling=False``) has ``len(data_loader)``.
+    ``poisson_sampling=False``) has ``len(data_loader)``. A :class:`UnitDataLoader`'s steps
+    are accounted at ``sizes.sample_rate`` (:func:`public_sizes`), not ``1 / len(loader)``:
+    its ``steps`` need not be ``int(1 / q)``.
 
     Args:
         sizes: The public sizes of the run.
@@ -133,12 +142,13 @@ def accounted_schedule(
         poisson_sampling: Whether the engine builds a Poisson loader.
 
     Returns:
-        ``(1 / n, n)`` with ``n`` the batches per epoch.
+        ``(1 / n, n)`` with ``n`` the batches per epoch (``(sizes.sample_rate, n)`` for a
+        :class:`UnitDataLoader`).
     """
-    if isinstance(data_loader, UnitDataLoader) or not poisson_sampling:
-        per_epoch = len(data_loader)
-    else:
-        per_epoch = max(1, int(1 / sizes.sample_rate))
+    if isinstance(data_loader, UnitDataLoader):
+        # ``len(loader)`` steps (its ``steps``), each at the rate the units are drawn at.
+        return sizes.sample_rate, len(data_loader)
+    per_epoch = max(1, int(1 / sizes.sample_rate)) if poisson_sampling else len(data_loader)
     return 1 / per_epoch, per_epoch
 
 

@@ -341,19 +341,74 @@ def test_independent_rank_generators_sample_every_unit_at_rate_q() -> None:
 
 def test_an_empty_step_is_noised_and_accounted() -> None:
     """No unit sampled: a B = 0 forward and backward with units of shape (0,) is a noise-only
-    step, accounted like any other (docs/privacy/mechanism.md)."""
-    loader = UnitDataLoader(
-        dataset(8),
-        unit_of=torch.arange(8) // 2,
-        sample_rate=1e-9,
-        steps=2,
-        generator=torch.Generator().manual_seed(0),
-    )
-    engine, m, opt, crit, dl = make_private(loader)
+    step, accounted like any other (docs/privacy/mechanism.md), at the rate the units are
+    drawn at (0.25, not 1 / steps = 0.5: ``steps`` is only the number of steps)."""
+
+    def loader() -> UnitDataLoader:
+        return UnitDataLoader(
+            dataset(8),
+            unit_of=torch.arange(8) // 2,
+            sample_rate=0.25,
+            steps=2,
+            generator=torch.Generator().manual_seed(9),
+        )
+
+    assert [units.numel() for _, _, units in loader()] == [0, 0]  # both empty (this seed)
+    engine, m, opt, crit, dl = make_private(loader())
     before = [p.detach().clone() for p in m.parameters()]
     assert train(engine, m, opt, crit, dl) == 2
     assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters()))  # noised
-    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.5, 2)]
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.25, 2)]
+
+
+@pytest.mark.parametrize(("sample_rate", "steps"), [(0.5, 4), (0.25, 2), (0.3, 7)])
+def test_steps_set_the_number_of_steps_not_the_accounted_rate(
+    sample_rate: float, steps: int
+) -> None:
+    """UnitDataLoader(steps=S) draws units at q whatever S is: the accountant records
+    1 / int(1 / q) >= q (Opacus' DPDataLoader rate), never 1 / S (0.25 < 0.5 for q = 0.5,
+    S = 4), and the divisor is int(N_units / int(1 / q))."""
+    loader = UnitDataLoader(
+        dataset(),
+        unit_of=torch.arange(40) // 2,
+        sample_rate=sample_rate,
+        steps=steps,
+        generator=torch.Generator().manual_seed(0),
+    )
+    engine, m, opt, crit, dl = make_private(loader)
+    assert len(dl) == steps
+    assert train(engine, m, opt, crit, dl) == steps
+    rate = 1 / int(1 / sample_rate)
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(rate, steps)]
+    assert opt.expected_batch_size == int(20 * rate)
+
+
+def test_make_private_with_epsilon_searches_at_the_unit_rate() -> None:
+    """q = 0.25, steps = 8, epochs = 2: the search is over 16 steps at 0.25 (not 0.125), so
+    the run's epsilon after 16 steps is the target (the user's run got 7.49 for a target 4)."""
+    loader = UnitDataLoader(
+        dataset(),
+        unit_of=torch.arange(40) // 2,
+        sample_rate=0.25,
+        steps=8,
+        generator=torch.Generator().manual_seed(0),
+    )
+    model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, C))
+    engine = PrivacyEngine(accountant="rc")
+    m, opt, crit, dl = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        target_epsilon=4.0,
+        target_delta=1e-3,
+        epochs=2,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        criterion=nn.CrossEntropyLoss(),
+    )
+    assert train(engine, m, opt, crit, dl, epochs=2) == 16
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(0.25, 16)]
+    assert 3.9 < engine.get_epsilon(1e-3) <= 4.0
 
 
 @pytest.mark.parametrize("split_units", [False, True])
