@@ -21,8 +21,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc.data_loader import worker_options
 from opacus_rc.distributed_unit_data_loader import DistributedUnitDataLoader
+from opacus_rc.grad_sample.unit_record import CollatedUnits
 from opacus_rc.grad_sample.units import UnitSplit
 from opacus_rc.unit_data_loader import (
+    RecordingUnitLoader,
     UnitDataLoader,
     UnitPoissonSampler,
     _Tagged,
@@ -112,12 +114,14 @@ class _SplitUnitCollate:
         self.inner = inner
         self.split_key = split_key
 
-    def __call__(self, items: list[tuple[Any, int, int, int]]) -> Any:
+    def __call__(self, items: list[tuple[Any, int, int, int]]) -> CollatedUnits:
+        """The batch with its split attached, its items' units and the split."""
         split = self.unit_split(items)
         # The inner collate checks that every unit is whole: present it the pieces as units.
         pieces = Counter(unit for _, unit, _, _ in items)
         whole = [(item, unit, pieces[unit]) for item, unit, _, _ in items]
-        return self._attach(self.inner(whole), split)
+        out = self.inner(whole)
+        return CollatedUnits(self._attach(out.batch, split), out.units, split)
 
     @staticmethod
     def unit_split(items: list[tuple[Any, int, int, int]]) -> UnitSplit:
@@ -230,7 +234,9 @@ class UnitBatchMemoryManager(BatchMemoryManager):
                     rank[i] = r
             dataset = _Ranked(dataset, rank)
             options["collate_fn"] = _SplitUnitCollate(options["collate_fn"], self.split_key)
-        return DataLoader(
+        return RecordingUnitLoader(
+            split_units=self.split_units,
+            unit_record=loader.unit_record,
             dataset=dataset,
             batch_sampler=UnitBatchSplittingSampler(
                 sampler=loader.batch_sampler,

@@ -49,6 +49,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from opacus_rc.grad_sample.unit_record import CollatedUnits, UnitBatchRecord
 from opacus_rc.validation import validate_sample_rate
 
 if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, at the end)
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # re-exported lazily (the module's __getattr__, at the end)
 
 __all__ = [
     "DistributedUnitDataLoader",
+    "RecordingUnitLoader",
     "DistributedUnitPoissonSampler",
     "UnitBatchMemoryManager",
     "UnitBatchSplittingSampler",
@@ -262,10 +264,12 @@ class _UnitCollate:
         self.template = template
         self.units_key = units_key
 
-    def __call__(self, items: list[tuple[Any, int, int]]) -> Any:
+    def __call__(self, items: list[tuple[Any, int, int]]) -> CollatedUnits:
+        """The batch, and the loader's unit index of each item (for :class:`UnitBatchRecord`)."""
         if not items:
             batch = _empty_like(self.collate_fn([self.template]))
-            return self._attach(batch, torch.zeros(0, dtype=torch.long))
+            empty = torch.zeros(0, dtype=torch.long)
+            return CollatedUnits(self._attach(batch, empty), empty, None)
         label: dict[int, int] = {}
         seen: dict[int, int] = {}
         units = []
@@ -285,7 +289,8 @@ class _UnitCollate:
                 "a smaller max_sequences_per_unit"
             )
         batch = self.collate_fn([item for item, _, _ in items])
-        return self._attach(batch, torch.tensor(units, dtype=torch.long))
+        own = torch.tensor([unit for _, unit, _ in items], dtype=torch.long)
+        return CollatedUnits(self._attach(batch, torch.tensor(units, dtype=torch.long)), own, None)
 
     def _attach(self, batch: Any, units: torch.Tensor) -> Any:
         if isinstance(batch, dict):
@@ -295,7 +300,40 @@ class _UnitCollate:
         return batch, units
 
 
-class UnitDataLoader(DataLoader):
+class RecordingUnitLoader(DataLoader):
+    """A data loader whose collate function returns :class:`CollatedUnits`: it yields the
+    batch and, in the iterating process, records the units of each batch it yields in
+    ``unit_record`` (set by ``make_private``; None: nothing recorded).
+
+    Args:
+        *args: ``torch.utils.data.DataLoader``'s arguments.
+        split_units: Whether the batches cut units (``UnitBatchMemoryManager(split_units=True)``).
+        unit_record: Where to record each yielded batch's units, or None.
+        **kwargs: ``torch.utils.data.DataLoader``'s arguments.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        split_units: bool = False,
+        unit_record: UnitBatchRecord | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.split_units = split_units
+        self.unit_record = unit_record
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for out in super().__iter__():
+            if not isinstance(out, CollatedUnits):  # a user's own collate function
+                yield out
+                continue
+            if self.unit_record is not None:
+                self.unit_record.record(out.units, split=out.split, split_units=self.split_units)
+            yield out.batch
+
+
+class UnitDataLoader(RecordingUnitLoader):
     """A data loader that Poisson-samples privacy units and yields their sequences.
 
     Each step includes every unit independently with probability ``sample_rate`` and yields

@@ -46,6 +46,7 @@ from opacus_rc.grad_sample.fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
 )
 from opacus_rc.grad_sample.grad_sample_module import check_training_mode
+from opacus_rc.grad_sample.unit_record import UnitBatchRecord
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.registry import get_optimizer_class
 from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
@@ -142,6 +143,18 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         :class:`DistributedDPDataLoader` yields it as a noise-only step. A
         :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
         """
+        build = self._build
+        if build is not None and build.module is not None:
+            # What the criterion's units= / unit_split= are checked against (unit_record.py):
+            # the unit loader records each batch it yields; a per-sequence loader refuses them.
+            record = UnitBatchRecord(
+                per_unit=isinstance(data_loader, UnitDataLoader),
+                where="criterion(..., units=batch['units']) with the units the UnitDataLoader "
+                "yielded, and unit_split= under UnitBatchMemoryManager(split_units=True)",
+            )
+            build.module.unit_batch_record = record
+            if isinstance(data_loader, UnitDataLoader):
+                data_loader.unit_record = record
         if isinstance(data_loader, UnitDataLoader):
             return prepare_unit_data_loader(
                 data_loader,

@@ -360,6 +360,10 @@ def unit_layout_for_loss(
         The :class:`UnitLayout`, or None without ``units``.
 
     Raises:
+        ValueError: For a module made private by the engine, ``units``/``split`` that are not
+            the batch the loader yielded (missing ``units=`` under unit sampling, ``units=``
+            under per-sequence sampling, another grouping, another ``unit_split``; see
+            :meth:`opacus_rc.grad_sample.unit_record.UnitBatchRecord.check`).
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
             or a step whose other criterion calls disagree (:meth:`StepState.set_units`); a
@@ -370,6 +374,9 @@ def unit_layout_for_loss(
             model (DDP, DPDDP, FSDP2; whole units are supported there, each on one rank:
             :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
     """
+    record = getattr(module, "unit_batch_record", None)
+    if record is not None:  # made private by the engine: units= must be the loader's batch's
+        record.check(units, split)
     state = getattr(module, "step_state", None)
     if units is None:
         if split is not None:

@@ -86,6 +86,7 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
             )
         fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
         return torch.tensor(fill, device=device)
+    record = getattr(private.module, "unit_batch_record", None)
     total = torch.zeros((), device=device, dtype=torch.float64)
     records = 0  # examples, or units with privacy_unit
     last = len(inputs.micro_batches) - 1
@@ -93,6 +94,9 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     with context:
         for i, micro in enumerate(inputs.micro_batches):
             micro = prepare_inputs(trainer, micro)
+            if record is not None and record.per_unit:
+                # The units the criterion's units= must group the rows as (unit_record.py).
+                record.record(micro[UNITS_KEY])
             with trainer.compute_loss_context_manager():
                 loss = trainer.compute_private_loss(model, micro)
             if i < last:

@@ -29,7 +29,8 @@ from torch import nn
 from opacus_rc._compat.transformers import loss_shifts_labels
 from opacus_rc.accountants import get_noise_multiplier
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.integrations.logical_batches import seeded_generator
+from opacus_rc.grad_sample.unit_record import UnitBatchRecord
+from opacus_rc.integrations.logical_batches import UNITS_KEY, seeded_generator
 from opacus_rc.integrations.privacy_arguments import BOOKKEEPING
 from opacus_rc.integrations.train_data import trainer_schedule
 from opacus_rc.privacy_engine import PrivacyEngine
@@ -246,6 +247,14 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
         pa.max_grad_norm,
         module.sketch_spec,
         "" if planned is None else f", searched for {planned} steps",
+    )
+    # The engine was given the rate loader (per-example batches), but with privacy_unit the
+    # records are units: each micro-batch's units are recorded by logical_batch_step and the
+    # criterion's units= is checked against them (grad_sample/unit_record.py).
+    module.unit_batch_record = UnitBatchRecord(
+        per_unit=pa.privacy_unit is not None,
+        where=f'units=inputs["{UNITS_KEY}"]: an override of compute_private_loss must pass '
+        f'the micro-batch\'s inputs["{UNITS_KEY}"] to the criterion as units=',
     )
     return PrivateRun(
         engine=engine,

@@ -392,6 +392,9 @@ class DPTrainerMixin(TrainerSeams):
 
         Override to train on another loss: return ``self.dp_criterion_call(...)``-style output,
         i.e. what the engine's criterion returns (``self._private.criterion(..., shape=)``).
+        With ``PrivacyArguments.privacy_unit``, ``inputs["dp_privacy_units"]`` holds the
+        ``(B,)`` unit of each row: pass it to the criterion as ``units=`` (a call without it,
+        or with another grouping of the rows, is refused with a ``ValueError``).
 
         Args:
             model: The model.

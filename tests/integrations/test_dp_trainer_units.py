@@ -213,3 +213,41 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
     assert [x.sizes for x in full.batches[2:]] == [x.sizes for x in resumed.batches]
+
+
+@pytest.mark.parametrize("bad", ["dropped", "each_row_its_own"])
+def test_an_override_of_compute_private_loss_must_pass_the_units(tmp_path: Path, bad: str) -> None:
+    """An override of compute_private_loss (the documented extension point) that does not
+    forward inputs["dp_privacy_units"] clipped each row alone (2 units of 4 rows gave 2.81 C,
+    accounted per unit); one that passes units=torch.arange(B) the same. Both are refused at
+    the criterion call, naming the key, and nothing is accounted."""
+    from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
+
+    class Override(RecordingTrainer):
+        def compute_private_loss(self, model: Any, inputs: dict) -> Any:
+            units = inputs.pop(UNITS_KEY)
+            kw = {} if bad == "dropped" else {"units": torch.arange(len(units))}
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            return per_sample_cross_entropy(
+                self._private.criterion, logits, labels, shift=True, **kw
+            )
+
+    tr = Override(
+        model=th.tiny_gpt2_exact(),
+        args=th.training_args(tmp_path, max_steps=1, per_device_train_batch_size=8, **SGD),
+        train_dataset=unit_rows([4, 4, 4, 4]),
+        data_collator=th.pad_collate,
+        privacy_args=PrivacyArguments(
+            target_delta=DELTA,
+            expected_batch_size=4,
+            seed=3,
+            privacy_unit="doc",
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        ),
+    )
+    match = "dp_privacy_units" if bad == "dropped" else "does not group the batch's sequences"
+    with pytest.raises(ValueError, match=match):
+        tr.train()
+    assert not tr.privacy_engine.accountant.history
