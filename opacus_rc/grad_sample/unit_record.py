@@ -91,6 +91,8 @@ class UnitBatchRecord:
                 sampling; ``units=`` that groups the sequences otherwise than the loader's
                 batch; a ``unit_split=`` that is not the one the manager yielded with the batch.
         """
+        from opacus_rc.grad_sample.units import UnitSplit
+
         if not self.per_unit:
             if units is not None:
                 raise ValueError(
@@ -123,4 +125,17 @@ class UnitBatchRecord:
                 f"{torch.unique(self.units).numel()} units): each sampled unit must be one unit "
                 "of units= (any labels), or its clip bound and the accountant's per-unit rate "
                 f"would not match. Pass the batch's own units ({self.where})"
+            )
+        if self.split_units:
+            if not isinstance(split, UnitSplit) or split != self.split:
+                raise ValueError(
+                    f"unit_split={split!r}, but UnitBatchMemoryManager(split_units=True) "
+                    f"yielded this batch with {self.split!r}: a unit cut across physical "
+                    "batches is clipped once only if every physical batch passes its own "
+                    "UnitSplit (criterion(..., units=units, unit_split=split), split as yielded)"
+                )
+        elif isinstance(split, tuple) and len(split) == 2 and (split[0] or split[1]):
+            raise ValueError(
+                f"unit_split={split!r} says a unit is cut, but the loader yielded this batch "
+                "with whole units (cut units come from UnitBatchMemoryManager(split_units=True))"
             )

@@ -113,3 +113,65 @@ def test_units_with_a_per_sequence_loader_are_refused() -> None:
     loss_of(m, crit, x, index).backward()  # without units=: per-sequence DP, as accounted
     opt.step()
     assert len(engine.accountant.history) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# UnitBatchMemoryManager(split_units=True): each batch's unit_split must be the one yielded
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["omitted", "none", "whole", "plain_tuple"])
+def test_a_cut_batch_without_its_own_unit_split_is_refused(bad: str) -> None:
+    """The unit of 8 sequences cut into physical batches of 2: without its UnitSplit each part
+    was clipped alone (2.02 C for the unit, accounted as one). Refused at the first criterion
+    call: omitted, None, UnitSplit(False, False) on a batch that cuts the unit, or a plain
+    tuple equal to the yielded one (not the manager's UnitSplit)."""
+    from opacus_rc.grad_sample.units import UnitSplit
+    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+
+    engine, model, m, opt, crit, dl = private(unit_loader())
+    before = params(model)
+    with UnitBatchMemoryManager(
+        data_loader=dl, max_physical_batch_size=2, optimizer=opt, split_units=True
+    ) as mem:
+        x, index, units, split = next(iter(mem))
+    assert split == UnitSplit(False, True)  # the first 2 of the unit of 8
+    kw = {
+        "omitted": {},
+        "none": {"unit_split": None},
+        "whole": {"unit_split": UnitSplit(False, False)},
+        "plain_tuple": {"unit_split": (False, True)},
+    }[bad]
+    with pytest.raises(ValueError, match=r"UnitBatchMemoryManager\(split_units=True\) yielded"):
+        loss_of(m, crit, x, index, units=units, **kw)
+    assert not engine.accountant.history
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_cut_run_with_the_yielded_splits_is_one_accounted_step() -> None:
+    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+
+    engine, model, m, opt, crit, dl = private(unit_loader())
+    parts = 0
+    with UnitBatchMemoryManager(
+        data_loader=dl, max_physical_batch_size=2, optimizer=opt, split_units=True
+    ) as mem:
+        for x, index, units, split in mem:
+            loss_of(m, crit, x, index, units=units, unit_split=split).backward()
+            opt.step()
+            opt.zero_grad()
+            parts += 1
+    assert parts == 7  # 14 sequences in batches of 2
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(1.0, 1)]
+
+
+def test_a_split_that_says_cut_on_a_whole_unit_batch_is_refused() -> None:
+    from opacus_rc.grad_sample.units import UnitSplit
+    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+
+    engine, model, m, opt, crit, dl = private(unit_loader())
+    with UnitBatchMemoryManager(data_loader=dl, max_physical_batch_size=8, optimizer=opt) as mem:
+        x, index, units = next(iter(mem))
+    with pytest.raises(ValueError, match="with whole units"):
+        loss_of(m, crit, x, index, units=units, unit_split=UnitSplit(False, True))
+    assert not engine.accountant.history
