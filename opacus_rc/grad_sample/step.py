@@ -79,7 +79,9 @@ _TWO_BACKWARDS = (
     "the randomized-clipping loss cannot accumulate gradients over backward calls (the first "
     "batch's clipped gradients would be dropped, Opacus issue 683). Step after every backward, "
     "and use opacus.utils.batch_memory_manager.BatchMemoryManager to split a logical batch "
-    "into physical ones."
+    "into physical ones (with a UnitDataLoader, units=: "
+    "opacus_rc.unit_data_loader.UnitBatchMemoryManager, which keeps units whole or, with "
+    "split_units=True, cuts them and yields each batch's unit_split=)."
 )
 _FAILED = (
     "the last backward() of the randomized-clipping loss raised; its gradients may be "

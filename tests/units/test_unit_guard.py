@@ -175,3 +175,15 @@ def test_a_split_that_says_cut_on_a_whole_unit_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="with whole units"):
         loss_of(m, crit, x, index, units=units, unit_split=UnitSplit(False, True))
     assert not engine.accountant.history
+
+
+def test_two_backwards_with_units_name_the_unit_manager() -> None:
+    """Opacus' BatchMemoryManager is refused for a UnitDataLoader: the advice for two
+    backward passes without a step names UnitBatchMemoryManager."""
+    from opacus_rc.grad_sample.step import StepProtocolError
+
+    engine, model, m, opt, crit, dl = private(unit_loader())
+    ((x, index, units),) = list(dl)
+    loss_of(m, crit, x, index, units=units).backward()
+    with pytest.raises(StepProtocolError, match="UnitBatchMemoryManager"):
+        loss_of(m, crit, x, index, units=units).backward()
