@@ -56,12 +56,13 @@ class PrivacyArguments:
             A seed makes the sketch reproducible; the engine then accounts every step under the
             more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
         privacy_unit: A column of the training dataset naming each row's privacy unit (a
-            document, a user: any hashable values), or None (each row is its own unit). When
-            set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U / expected_batch_size)``
-            for ``U`` units (``expected_batch_size`` then counts units), every row of a sampled
-            unit is in the step, each unit's summed gradient is clipped once at
-            ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Under DDP each
-            sampled unit trains on one rank.
+            document, a user: one hashable scalar per row, such as an int or a str; a missing
+            id, None or NaN, and a list such as ``input_ids`` are refused), or None (each row is
+            its own unit). When set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U /
+            expected_batch_size)`` for ``U`` units (``expected_batch_size`` then counts units),
+            every row of a sampled unit is in the step, each unit's summed gradient is clipped
+            once at ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Under DDP
+            each sampled unit trains on one rank.
         max_sequences_per_unit: With ``privacy_unit``: at most this many rows of a unit are used
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch

@@ -213,3 +213,58 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
     assert [x.sizes for x in full.batches[2:]] == [x.sizes for x in resumed.batches]
+
+
+def test_unit_ids_must_be_present_hashable_scalars() -> None:
+    """A missing unit id (None, NaN) is not a unit, and a list (a model input such as
+    input_ids) is not a unit id: both are refused before training, naming the column, the
+    count and the first row. 0-d tensors are their values (not one unit per row)."""
+    from opacus_rc.integrations.train_data import unit_members
+
+    def rows(ids: list) -> list[dict]:
+        return [{"doc": v} for v in ids]
+
+    with pytest.raises(
+        ValueError,
+        match=r"privacy_unit='doc': 3 of the 6 rows have no unit id \(None or NaN; the first "
+        r"is row 1\)\. A missing unit id is not a unit",
+    ):
+        unit_members(rows(["a", None, "b", None, "a", None]), "doc", max_sequences_per_unit=None)
+    with pytest.raises(ValueError, match=r"2 of the 4 rows .* the first is row 2"):
+        unit_members(
+            rows([1.0, 2.0, float("nan"), float("nan")]), "doc", max_sequences_per_unit=None
+        )
+    with pytest.raises(ValueError, match=r"1 of the 3 rows .* the first is row 0"):
+        unit_members(rows([torch.tensor(float("nan")), 1, 2]), "doc", max_sequences_per_unit=None)
+    for bad, kind in (([1, 2], "list"), ({"x": 1}, "dict")):
+        with pytest.raises(
+            ValueError,
+            match=rf"privacy_unit='doc': row 1 has a {kind} as its unit id .*; a unit id must "
+            r"be one hashable scalar per row",
+        ):
+            unit_members(rows(["a", bad, "a"]), "doc", max_sequences_per_unit=None)
+    with pytest.raises(ValueError, match=r"row 0 has a Tensor of shape \(2,\) as its unit id"):
+        unit_members(rows([torch.tensor([1, 2])]), "doc", max_sequences_per_unit=None)
+    # 0-d tensors are compared by value: two units, not three.
+    unit_of, members = unit_members(
+        rows([torch.tensor(7), torch.tensor(8), torch.tensor(7)]),
+        "doc",
+        max_sequences_per_unit=None,
+    )
+    assert unit_of == [0, 1, 0] and members == [[0, 2], [1]]
+
+
+def test_a_model_input_column_as_the_unit_is_refused(tmp_path: Path) -> None:
+    data = unit_rows([1, 2, 3, 1] * 2, seed=4)
+    tr = make(
+        tmp_path,
+        data=data,
+        privacy={"noise_multiplier": 1.0, "privacy_unit": "input_ids", "target_delta": 1e-2},
+        max_steps=1,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"privacy_unit='input_ids': row 0 has a .* as its unit id.*Is the column a model "
+        r"input",
+    ):
+        tr.train()
