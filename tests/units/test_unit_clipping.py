@@ -219,6 +219,31 @@ def test_mixing_criterion_calls_with_and_without_units_raises() -> None:
         crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape)
 
 
+def test_a_nan_unit_norm_is_counted_per_unit() -> None:
+    """One NaN unit among U = 3 (6 sequences): the message counts units, not sequences."""
+    model = TokenModel()
+    x, y = data()
+    x[x == V - 1] = 1
+    x[3] = V - 1  # the only sequence of unit 2, and the only one with token V - 1
+    with torch.no_grad():
+        model.emb.weight[V - 1] = float("nan")
+    m, _opt, crit = private(model)
+    out = m(x)
+    with pytest.raises(
+        FloatingPointError, match=r"^1 of 3 per-unit gradient norm estimates are NaN or inf"
+    ):
+        crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=UNITS).backward()
+    # Without units= the same batch counts its 6 sequences.
+    m, _opt, crit = private(TokenModel())
+    with torch.no_grad():
+        m._module.emb.weight[V - 1] = float("nan")
+    out = m(x)
+    with pytest.raises(
+        FloatingPointError, match=r"^1 of 6 per-sample gradient norm estimates are NaN or inf"
+    ):
+        crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape).backward()
+
+
 @pytest.mark.parametrize(
     ("units", "error", "match"),
     [
