@@ -310,7 +310,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
 
     @property
     def per_sample_gradient_norms(self) -> torch.Tensor:
-        """``(B,)`` float64 norm estimates of the whole model from the last clip factors.
+        """``(B,)`` float64 norm estimates of the whole model from the last clip factors
+        (``(U,)``, one per unit, when the step's criterion had ``units=``).
 
         Readable from the clip factors of a step until the next hooked forward pass. These are
         not privatized: for debugging and logging only.
@@ -335,7 +336,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
     @property
     def norm_samples(self) -> dict[str, torch.Tensor]:
         """``{parameter name: (B,) norm}``: this step's per-parameter norms (after its backward),
-        or those of the last clip factors (until the next forward). Not privatized."""
+        or those of the last clip factors (until the next forward); ``(U,)``, one per unit, with
+        ``units=``. Not privatized."""
         return {self._name_of(p): t for p, t in self.step_state.norm_samples.items()}
 
     def generator_for(self, device: torch.device | str) -> torch.Generator:

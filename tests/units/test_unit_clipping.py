@@ -172,6 +172,21 @@ def test_per_unit_norms_and_clipped_sum_match_the_oracle(bookkeeping: bool, redu
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def test_the_norm_readers_have_one_entry_per_unit() -> None:
+    """With ``units=`` (U = 3 of B = 6) get_norm_sample(), per_sample_gradient_norms and each
+    norm_samples entry are ``(U,)`` (as documented), and the per-parameter norms combine to the
+    whole-model ones."""
+    m, _opt, crit = private(TokenModel(), c=0.5)
+    unit_step(m, crit, *data(), UNITS)
+    whole = m.get_norm_sample()
+    assert whole.shape == (3,)
+    torch.testing.assert_close(whole, m.per_sample_gradient_norms, rtol=0, atol=0)
+    parts = m.norm_samples
+    assert {tuple(t.shape) for t in parts.values()} == {(3,)}
+    combined = torch.stack([t.double() for t in parts.values()]).norm(dim=0)
+    torch.testing.assert_close(combined, whole, rtol=1e-6, atol=0)
+
+
 def test_identity_units_reproduce_the_per_sequence_step() -> None:
     """``units = arange(B)`` (every sequence its own unit) is the per-sequence step: the same
     norms and gradients, probe for probe (same seed)."""
