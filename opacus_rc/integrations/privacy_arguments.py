@@ -31,7 +31,8 @@ class PrivacyArguments:
         noise_multiplier: ``sigma``: the noise std is ``sigma * max_grad_norm``. Epsilon is
             then whatever the run spends.
         target_delta: Delta of the reported epsilon, in ``(0, 1 / N)`` for ``N`` training
-            examples.
+            examples; with ``privacy_unit``, in ``(0, 1 / U)`` for the ``U`` units (the
+            records of the guarantee; ``U <= N``, so a bound over rows is not enough).
         max_grad_norm: ``C``, the per-example clipping bound, in the units of the per-example
             gradient's Euclidean norm (of the per-example loss, a mean over its labelled
             tokens).
@@ -79,7 +80,9 @@ class PrivacyArguments:
     noise_multiplier: float | None = field(
         default=None, metadata={"help": "Noise multiplier sigma (instead of target_epsilon)."}
     )
-    target_delta: float = field(default=1e-5, metadata={"help": "Delta, below 1 / N."})
+    target_delta: float = field(
+        default=1e-5, metadata={"help": "Delta, below 1 / N (1 / U units with privacy_unit)."}
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Per-example clipping bound C."})
     expected_batch_size: int | None = field(
         default=None,

@@ -268,3 +268,20 @@ def test_a_model_input_column_as_the_unit_is_refused(tmp_path: Path) -> None:
         r"input",
     ):
         tr.train()
+
+
+def test_target_delta_is_bounded_by_one_over_the_units(tmp_path: Path) -> None:
+    """With privacy_unit the records are the units: 5 units of 10 rows, delta must be below
+    1 / U = 0.2 (not 1 / N_rows = 0.1), as the docstring says. 0.15 trains, 0.25 is refused."""
+    assert "``(0, 1 / U)`` for the ``U`` units" in " ".join(PrivacyArguments.__doc__.split())
+    data = unit_rows([2, 2, 2, 2, 2], seed=5)
+    privacy = {"noise_multiplier": 1.0, "expected_batch_size": 2}
+    tr = make(tmp_path, data=data, privacy={**privacy, "target_delta": 0.15}, max_steps=1)
+    tr.train()
+    assert tr._num_records == 5
+    with pytest.raises(
+        ValueError, match=r"target_delta=0.25 is not below 1 / N = 0.2 \(N = 5 units of 'doc'\)"
+    ):
+        make(
+            tmp_path / "b", data=data, privacy={**privacy, "target_delta": 0.25}, max_steps=1
+        ).train()
