@@ -285,3 +285,37 @@ def test_target_delta_is_bounded_by_one_over_the_units(tmp_path: Path) -> None:
         make(
             tmp_path / "b", data=data, privacy={**privacy, "target_delta": 0.25}, max_steps=1
         ).train()
+
+
+def test_a_batch_that_already_has_the_units_key_is_refused(tmp_path: Path) -> None:
+    """Rows (and a collator keeping them) with their own ``dp_privacy_units``: the trainer would
+    overwrite it with each row's unit. Refused at the first logical batch, before any step is
+    taken or accounted."""
+    data = [{**r, UNITS_KEY: 99} for r in unit_rows([1, 2, 3, 1] * 2, seed=6)]
+
+    def keep_units(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return {**th.pad_collate(rows), UNITS_KEY: torch.tensor([r[UNITS_KEY] for r in rows])}
+
+    model = th.tiny_gpt2_exact()
+    before = [p.detach().clone() for p in model.parameters()]
+    tr = RecordingTrainer(
+        model=model,
+        args=th.training_args(tmp_path, max_steps=1, remove_unused_columns=False),
+        train_dataset=data,
+        data_collator=keep_units,
+        privacy_args=PrivacyArguments(
+            noise_multiplier=1.0,
+            target_delta=DELTA,
+            expected_batch_size=4,
+            seed=3,
+            privacy_unit="doc",
+        ),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"already has the key 'dp_privacy_units', which the trainer writes on the "
+        r"privacy_unit path .* would be silently replaced",
+    ):
+        tr.train()
+    assert tr.privacy_engine.accountant.history == []
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
