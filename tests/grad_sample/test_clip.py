@@ -179,13 +179,15 @@ def test_every_clip_factor_goes_through_the_one_function(
         for name, mod in sys.modules.items()
         if name.startswith("opacus_rc.") and getattr(mod, "apply_clip_factors", None) is real
     ]
-    # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping)
+    # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping),
+    # unit_split (cut units)
     assert {m.__name__.rsplit(".", 1)[1] for m in callers} >= {
         "private_step",
         "linear",
         "embedding",
         "embedding_bag",
         "bookkeeping",
+        "unit_split",  # a unit cut across physical batches (its closed unit's summed gradient)
     }
     for mod in callers:
         monkeypatch.setattr(mod, "apply_clip_factors", zero_factors)
