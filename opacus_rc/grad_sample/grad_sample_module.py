@@ -22,6 +22,10 @@ routes, generators, hooks) and holds their public properties; the rest lives in 
   clipped sum; :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable
   parameters, parameters used outside their module's forward.
 
+What stays here (about 500 lines, one concept: building a grad-sample module and reading it) is
+the construction, whose checks must all run before the first hook is attached, and the public
+properties; about half of it is the constructor's documented arguments and refusal messages.
+
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
 caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
