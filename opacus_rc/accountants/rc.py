@@ -2,7 +2,9 @@
 
 Each optimizer step reports ``(noise_multiplier, sample_rate, sketch spec)``; the accountant
 composes the privacy loss random variables of docs/privacy/prv.md#prv for that exact sketch (both
-adjacency directions, remove and add) with ``prv_accountant`` and reports the larger epsilon.
+adjacency directions, remove and add) and reports the larger epsilon: the PRVs are
+``prv_accountant`` PRVs, composed by ``prv_accountant``'s method (discretise, FFT) re-implemented
+with an explicit error bound in :mod:`opacus_rc.accountants.analysis.compose`.
 Steps without a sketch (plain Opacus optimizers, exact clipping) are accounted as exact
 clipping, so ``opacus.PrivacyEngine(accountant="rc")`` works for unmodified Opacus scripts.
 

@@ -22,6 +22,10 @@ routes, generators, hooks) and holds their public properties; the rest lives in 
   clipped sum; :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable
   parameters, parameters used outside their module's forward.
 
+What stays here (about 500 lines, one concept: building a grad-sample module and reading it) is
+the construction, whose checks must all run before the first hook is attached, and the public
+properties; about half of it is the constructor's documented arguments and refusal messages.
+
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
 caller passes one (then accounted as not secret). Probes are drawn inside the backward hook,
@@ -310,7 +314,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
 
     @property
     def per_sample_gradient_norms(self) -> torch.Tensor:
-        """``(B,)`` float64 norm estimates of the whole model from the last clip factors.
+        """``(B,)`` float64 norm estimates of the whole model from the last clip factors
+        (``(U,)``, one per unit, when the step's criterion had ``units=``).
 
         Readable from the clip factors of a step until the next hooked forward pass. These are
         not privatized: for debugging and logging only.
@@ -335,7 +340,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
     @property
     def norm_samples(self) -> dict[str, torch.Tensor]:
         """``{parameter name: (B,) norm}``: this step's per-parameter norms (after its backward),
-        or those of the last clip factors (until the next forward). Not privatized."""
+        or those of the last clip factors (until the next forward); ``(U,)``, one per unit, with
+        ``units=``. Not privatized."""
         return {self._name_of(p): t for p, t in self.step_state.norm_samples.items()}
 
     def generator_for(self, device: torch.device | str) -> torch.Generator:

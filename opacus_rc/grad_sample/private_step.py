@@ -344,10 +344,13 @@ class PrivateBackwardMixin:
 
         After a backward pass: the norms the step's clip factors will be made from. After the
         clip factors: the norms they were made from, until the next hooked forward pass (as
-        Opacus' ``get_norm_sample`` is readable after ``backward()``). Not privatized.
+        Opacus' ``get_norm_sample`` is readable after ``backward()``). Not privatized. With
+        ``units=`` (the criterion's, docs/privacy/units.md) there is one norm per unit: that
+        of the unit's summed gradient.
 
         Returns:
-            Tensor of shape ``(B,)``, float64.
+            Tensor of shape ``(B,)`` (one norm per sample), or ``(U,)`` for the ``U`` units of
+            the step's ``units=``; float64.
 
         Raises:
             RuntimeError: No norms were computed since the last step.
@@ -365,17 +368,19 @@ class PrivateBackwardMixin:
         )
 
     def get_clipping_coef(self) -> torch.Tensor:
-        """Per-sample clip factors ``min(1, C / (n_hat_i + 1e-6))`` for the current step.
+        """Per-sample (or, with ``units=``, per-unit) clip factors ``min(1, C / (n_hat_i +
+        1e-6))`` for the current step.
 
         Called between the first backward pass and the clipped one. Consumes the step's norms
         (:meth:`StepState.issue_clip_factors`); in secure mode the sketch generators are
         reseeded from :mod:`secrets` afterwards.
 
         Returns:
-            Tensor of shape ``(B,)``, float32 (float64 if the norms were float64).
+            Tensor of shape ``(B,)``, or ``(U,)`` with ``units=`` (one factor per unit); float32
+            (float64 if the norms were float64).
 
         Raises:
-            FloatingPointError: If any per-sample norm estimate is NaN or inf.
+            FloatingPointError: If any per-sample (per-unit) norm estimate is NaN or inf.
             RuntimeError: See :meth:`StepState.issue_clip_factors`.
         """
         step = self.step_state  # type: ignore[attr-defined]
@@ -406,7 +411,7 @@ class PrivateBackwardMixin:
         are consumed. No random number is drawn.
 
         Args:
-            coef: The clip factors of this step, shape ``(B,)``.
+            coef: The clip factors of this step, shape ``(B,)``, or ``(U,)`` with ``units=``.
 
         Raises:
             RuntimeError: If book-keeping is off, or no stash was handed over by

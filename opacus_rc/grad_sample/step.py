@@ -374,10 +374,14 @@ class StepState:
         norm, coef_dtype = self._combine(params)
         bad = ~torch.isfinite(norm)
         if bool(bad.any()):  # the step's one host synchronisation in the backward
+            # With units= the norms are one per unit (U of them), not per sequence.
+            what = "per-sample" if self.units is None else "per-unit"
             raise FloatingPointError(
-                f"{int(bad.sum())} of {norm.numel()} per-sample gradient norm estimates are "
+                f"{int(bad.sum())} of {norm.numel()} {what} gradient norm estimates are "
                 "NaN or inf; no clip factor was produced and this step must not be taken. "
-                "Check the loss and the inputs for NaN/inf (or lower the learning rate)."
+                "Check the loss and the inputs for NaN/inf (a loss divided by zero, e.g. by an "
+                "expected batch size of 0, included), the parameters (NaN/inf after an earlier "
+                "step), or lower the learning rate."
             )
         ready = list(self._stashes.values())
         if bookkeeping and norm.numel() > 0:

@@ -25,7 +25,7 @@ from torch import nn
 
 from opacus_rc._compat.opacus import wrapped_module
 from opacus_rc.grad_sample.bookkeeping import add_to_grads, compute_clipped_sums
-from opacus_rc.grad_sample.clip import clip_factors
+from opacus_rc.grad_sample.clip import apply_clip_factors, clip_factors
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.grad_sample.step import StepProtocolError
 from opacus_rc.sketching import autocast_off, hutchinson_sqnorm
@@ -338,8 +338,17 @@ def write_split_clipped_sums(
                     "no clip factor was produced and this step must not be taken"
                 )
             # the batch path's clip factor (one function), of the closed unit's whole norm
-            factor = float(clip_factors(norm.reshape(1), max_grad_norm=max_grad_norm)[0])
-            add_to_grads({p: g.mul_(factor) for p, g in buffer.items()})
+            factors = clip_factors(norm.reshape(1), max_grad_norm=max_grad_norm)
+            factor = float(factors[0])
+            # applied by the one function (in place: the buffer is not used afterwards)
+            add_to_grads(
+                {
+                    p: apply_clip_factors(
+                        factors, g.unsqueeze(0), dtype=g.dtype, reduce=True, consume=True
+                    )
+                    for p, g in buffer.items()
+                }
+            )
             norms[0] = norm.to(norms.device)
             closed_factor = factor
     if split.continues and not (split.continued and U == 1):

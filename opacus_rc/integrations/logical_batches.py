@@ -193,7 +193,8 @@ class UnitLogicalBatchCollator(LogicalBatchCollator):
     packed greedily in order (:func:`opacus_rc.unit_data_loader.pack_whole_units`; the trainer
     refuses, before training, a unit larger than ``max_physical_batch_size``). Each collated
     micro-batch gets its ``(B,)`` long tensor of units, numbered ``0..U-1`` in order of
-    appearance, under :data:`UNITS_KEY` (what the criterion's ``units=`` takes).
+    appearance, under :data:`UNITS_KEY` (what the criterion's ``units=`` takes); a collated
+    micro-batch that already has that key is refused (``ValueError``), never overwritten.
 
     Args:
         collate_fn: The Trainer's data collator (with unused columns removed).
@@ -209,6 +210,13 @@ class UnitLogicalBatchCollator(LogicalBatchCollator):
         bounds = self.chunks(examples)
         batch = self.collate_chunks([example for example, _ in examples], bounds)
         for micro, (lo, hi) in zip(batch.micro_batches, bounds):
+            if isinstance(micro, Mapping) and UNITS_KEY in micro:
+                raise ValueError(
+                    f"the collated micro-batch already has the key {UNITS_KEY!r}, which the "
+                    "trainer writes on the privacy_unit path (each row's unit, 0..U-1): a "
+                    f"dataset column or a collator output named {UNITS_KEY!r} would be "
+                    "silently replaced. Rename it (or drop it before training)"
+                )
             label: dict[int, int] = {}
             micro[UNITS_KEY] = torch.tensor(
                 [label.setdefault(unit, len(label)) for _, unit in examples[lo:hi]],

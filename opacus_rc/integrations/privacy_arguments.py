@@ -31,7 +31,8 @@ class PrivacyArguments:
         noise_multiplier: ``sigma``: the noise std is ``sigma * max_grad_norm``. Epsilon is
             then whatever the run spends.
         target_delta: Delta of the reported epsilon, in ``(0, 1 / N)`` for ``N`` training
-            examples.
+            examples; with ``privacy_unit``, in ``(0, 1 / U)`` for the ``U`` units (the
+            records of the guarantee; ``U <= N``, so a bound over rows is not enough).
         max_grad_norm: ``C``, the per-example clipping bound, in the units of the per-example
             gradient's Euclidean norm (of the per-example loss, a mean over its labelled
             tokens).
@@ -56,12 +57,13 @@ class PrivacyArguments:
             A seed makes the sketch reproducible; the engine then accounts every step under the
             more conservative ``"revealed"`` threat model (a larger epsilon) and warns.
         privacy_unit: A column of the training dataset naming each row's privacy unit (a
-            document, a user: any hashable values), or None (each row is its own unit). When
-            set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U / expected_batch_size)``
-            for ``U`` units (``expected_batch_size`` then counts units), every row of a sampled
-            unit is in the step, each unit's summed gradient is clipped once at
-            ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Under DDP each
-            sampled unit trains on one rank.
+            document, a user: one hashable scalar per row, such as an int or a str; a missing
+            id, None or NaN, and a list such as ``input_ids`` are refused), or None (each row is
+            its own unit). When set, the *units* are Poisson-sampled, at ``q = 1 / ceil(U /
+            expected_batch_size)`` for ``U`` units (``expected_batch_size`` then counts units),
+            every row of a sampled unit is in the step, each unit's summed gradient is clipped
+            once at ``max_grad_norm`` and epsilon is per unit (docs/privacy/units.md). Under DDP
+            each sampled unit trains on one rank.
         max_sequences_per_unit: With ``privacy_unit``: at most this many rows of a unit are used
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch
@@ -78,7 +80,9 @@ class PrivacyArguments:
     noise_multiplier: float | None = field(
         default=None, metadata={"help": "Noise multiplier sigma (instead of target_epsilon)."}
     )
-    target_delta: float = field(default=1e-5, metadata={"help": "Delta, below 1 / N."})
+    target_delta: float = field(
+        default=1e-5, metadata={"help": "Delta, below 1 / N (1 / U units with privacy_unit)."}
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Per-example clipping bound C."})
     expected_batch_size: int | None = field(
         default=None,

@@ -15,10 +15,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc._compat.transformers import (
@@ -139,6 +142,58 @@ def _unit_column(dataset: Any, column: str) -> list[Any]:
     return values
 
 
+_UNIT_ID = (
+    "a unit id must be one hashable scalar per row (an int or a str, e.g. a document or user id)"
+)
+
+
+def _unit_ids(values: list[Any], column: str) -> list[Any]:
+    """The unit ids of the rows, checked: 0-d tensors and NumPy scalars become Python scalars
+    (a tensor hashes by identity, which would make every row its own unit).
+
+    Raises:
+        ValueError: A value is missing (None or NaN: a missing unit id is not a unit), or is
+            not a hashable scalar.
+    """
+    ids, missing = [], []
+    for i, v in enumerate(values):
+        if isinstance(v, (torch.Tensor, np.ndarray, np.generic)):
+            if v.ndim != 0:
+                raise ValueError(
+                    f"PrivacyArguments.privacy_unit={column!r}: row {i} has a "
+                    f"{type(v).__name__} of shape {tuple(v.shape)} as its unit id; {_UNIT_ID}. "
+                    "Is the column a model input (input_ids, labels) rather than the column "
+                    "naming each row's document or user?"
+                )
+            v = v.item()
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            missing.append(i)
+            ids.append(v)
+            continue
+        try:
+            hash(v)
+        except TypeError:
+            raise ValueError(
+                f"PrivacyArguments.privacy_unit={column!r}: row {i} has a "
+                f"{type(v).__name__} as its unit id ({_short(v)}); {_UNIT_ID}. Is the column "
+                "a model input (input_ids, labels) rather than the column naming each row's "
+                "document or user?"
+            ) from None
+        ids.append(v)
+    if missing:
+        raise ValueError(
+            f"PrivacyArguments.privacy_unit={column!r}: {len(missing)} of the {len(values)} "
+            f"rows have no unit id (None or NaN; the first is row {missing[0]}). A missing "
+            "unit id is not a unit: give every row its unit, or drop those rows"
+        )
+    return ids
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def unit_members(
     dataset: Any, column: str, *, max_sequences_per_unit: int | None
 ) -> tuple[list[int], list[list[int]]]:
@@ -154,9 +209,11 @@ def unit_members(
         and ``members[u]``, the selected rows of unit ``u``.
 
     Raises:
-        ValueError: The column is missing, or a row does not name its unit.
+        ValueError: The column is missing, a row does not name its unit, a unit id is missing
+            (None or NaN), or a unit id is not a hashable scalar (a list, a dict, a tensor of
+            several values: e.g. ``privacy_unit="input_ids"``).
     """
-    ids = _unit_column(dataset, column)
+    ids = _unit_ids(_unit_column(dataset, column), column)
     # Hashable values to 0..U-1 in order of first appearance (the "first" selection below
     # depends only on each unit's own rows, in dataset order).
     index_of: dict[Any, int] = {}
@@ -240,7 +297,8 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
         The loader.
 
     Raises:
-        ValueError: The unit column is missing, a unit has more selected rows than
+        ValueError: The unit column is missing or has a missing (None, NaN) or unhashable
+            unit id (:func:`unit_members`), a unit has more selected rows than
             ``per_device_train_batch_size`` (it could not be clipped in one micro-batch), or
             ``target_delta`` is not below ``1 / U``.
     """

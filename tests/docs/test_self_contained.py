@@ -33,6 +33,7 @@ EXTERNAL = re.compile(
     r"|\b(?:"
     + "|".join(_EXTERNAL_STEMS[:-1])
     + r")\s+(?:§|sections?\s|[A-G](?:\.\d)?\b)"  # by section
+    r"|\b[Tt]heory\s+notes\b"  # the notes on the theory, by description
     r"|\.\./+shared\b"  # the folder next to the clone that holds them
     r"|(?<![\w.~-])/wor[k]/"  # an absolute path of the development machine
 )

@@ -8,12 +8,12 @@
   a sigma = 0 step of a model with every clipped-sum kind (``nn.Linear``, ``nn.Embedding``,
   ``nn.EmbeddingBag``, an Opacus grad sampler's per-sample gradients) releases exactly zero for
   every parameter, with book-keeping and with two passes: no clip factor is applied elsewhere;
-* equivalence: released gradients recorded on main before the refactor, bit for bit.
+* equivalence: released gradients recorded on main before the refactor (fingerprints to
+  float tolerance: CPUs differ in last bits).
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from typing import Any
 
@@ -179,13 +179,15 @@ def test_every_clip_factor_goes_through_the_one_function(
         for name, mod in sys.modules.items()
         if name.startswith("opacus_rc.") and getattr(mod, "apply_clip_factors", None) is real
     ]
-    # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping)
+    # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping),
+    # unit_split (cut units)
     assert {m.__name__.rsplit(".", 1)[1] for m in callers} >= {
         "private_step",
         "linear",
         "embedding",
         "embedding_bag",
         "bookkeeping",
+        "unit_split",  # a unit cut across physical batches (its closed unit's summed gradient)
     }
     for mod in callers:
         monkeypatch.setattr(mod, "apply_clip_factors", zero_factors)
@@ -196,25 +198,40 @@ def test_every_clip_factor_goes_through_the_one_function(
     }
 
 
-# Recorded on main at dc844e0 (before the clip factor was applied in one place):
-# (batch, dtype, bookkeeping) -> digest of the released gradients (sigma = 0.9, seeded noise).
-MAIN_DIGESTS = {
-    (1, torch.float32, True): "5089648c63c3daff",
-    (1, torch.float32, False): "16758152f26a538c",
-    (1, torch.float64, True): "fcb59d25a02a3076",
-    (1, torch.float64, False): "932068cdb233721f",
-    (6, torch.float32, True): "8eb272c0b033434e",
-    (6, torch.float32, False): "5e77ffd900ee1911",
-    (6, torch.float64, True): "04e428fad8717947",
-    (6, torch.float64, False): "4292d2018590f2a2",
+def fingerprint(flat: torch.Tensor) -> torch.Tensor:
+    """(sum, sum of squares, position-weighted sum) of the released gradients, in float64."""
+    f = flat.detach().double()
+    w = torch.arange(1, f.numel() + 1, dtype=torch.float64) / f.numel()
+    return torch.stack([f.sum(), (f * f).sum(), (f * w).sum()])
+
+
+# Recorded from main at dc844e0 (before the clip factor was applied in one place):
+# (batch, dtype, bookkeeping) -> fingerprint of the released gradients (sigma = 0.9, seeded
+# noise). On the machine that recorded them the current code's released gradients were bit for
+# bit dc844e0's in all eight cases; a SHA-256 of the bytes is not portable across CPUs (AMD
+# EPYC and Intel Xeon differ in last bits: the kernels sum in another order), so the test
+# compares fingerprints. Tolerance: each of the ~160 coordinates may move by a few ulps between
+# CPUs (float32: relative < 1e-6; float64: < 1e-14), so the sums move by < 160 * that * max|g|:
+# atol 1e-4 * ||g||_2 for float32 and 1e-11 * ||g||_2 for float64 (a changed clip factor or
+# divisor moves them by far more).
+MAIN_FINGERPRINTS = {
+    (1, torch.float32, True): (-3.236039716284722, 30.84800890215601, -1.9362364115251691),
+    (1, torch.float32, False): (-3.236039936542511, 30.84800893906629, -1.9362365839537237),
+    (1, torch.float64, True): (3.170039627194797, 37.14481792442364, -0.5236181171641118),
+    (1, torch.float64, False): (3.170039627194797, 37.14481792442364, -0.523618117164112),
+    (6, torch.float32, True): (-0.6622619115514681, 0.8489754154491752, -0.4197848124138546),
+    (6, torch.float32, False): (-0.6622618593974039, 0.8489753999084781, -0.41978476044023416),
+    (6, torch.float64, True): (0.4054180050037285, 1.0541070005864284, -0.184348394011724),
+    (6, torch.float64, False): (0.40541800500372854, 1.0541070005864284, -0.18434839401172393),
 }
 
 
-@pytest.mark.parametrize(("batch", "dtype", "bookkeeping"), list(MAIN_DIGESTS))
-def test_released_gradient_is_bit_identical_to_main(
+@pytest.mark.parametrize(("batch", "dtype", "bookkeeping"), list(MAIN_FINGERPRINTS))
+def test_released_gradient_equals_main_before_the_refactor(
     batch: int, dtype: torch.dtype, bookkeeping: bool
 ) -> None:
     out = released(batch, dtype, bookkeeping)
-    flat = torch.cat([g.flatten() for g in out.values()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-    assert digest == MAIN_DIGESTS[(batch, dtype, bookkeeping)]
+    got = fingerprint(torch.cat([g.flatten() for g in out.values()]))
+    want = torch.tensor(MAIN_FINGERPRINTS[(batch, dtype, bookkeeping)], dtype=torch.float64)
+    tol = (1e-4 if dtype == torch.float32 else 1e-11) * want[1].sqrt().item()
+    assert torch.allclose(got, want, rtol=0, atol=tol), (got.tolist(), want.tolist())

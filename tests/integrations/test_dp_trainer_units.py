@@ -215,6 +215,112 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     assert [x.sizes for x in full.batches[2:]] == [x.sizes for x in resumed.batches]
 
 
+def test_unit_ids_must_be_present_hashable_scalars() -> None:
+    """A missing unit id (None, NaN) is not a unit, and a list (a model input such as
+    input_ids) is not a unit id: both are refused before training, naming the column, the
+    count and the first row. 0-d tensors are their values (not one unit per row)."""
+    from opacus_rc.integrations.train_data import unit_members
+
+    def rows(ids: list) -> list[dict]:
+        return [{"doc": v} for v in ids]
+
+    with pytest.raises(
+        ValueError,
+        match=r"privacy_unit='doc': 3 of the 6 rows have no unit id \(None or NaN; the first "
+        r"is row 1\)\. A missing unit id is not a unit",
+    ):
+        unit_members(rows(["a", None, "b", None, "a", None]), "doc", max_sequences_per_unit=None)
+    with pytest.raises(ValueError, match=r"2 of the 4 rows .* the first is row 2"):
+        unit_members(
+            rows([1.0, 2.0, float("nan"), float("nan")]), "doc", max_sequences_per_unit=None
+        )
+    with pytest.raises(ValueError, match=r"1 of the 3 rows .* the first is row 0"):
+        unit_members(rows([torch.tensor(float("nan")), 1, 2]), "doc", max_sequences_per_unit=None)
+    for bad, kind in (([1, 2], "list"), ({"x": 1}, "dict")):
+        with pytest.raises(
+            ValueError,
+            match=rf"privacy_unit='doc': row 1 has a {kind} as its unit id .*; a unit id must "
+            r"be one hashable scalar per row",
+        ):
+            unit_members(rows(["a", bad, "a"]), "doc", max_sequences_per_unit=None)
+    with pytest.raises(ValueError, match=r"row 0 has a Tensor of shape \(2,\) as its unit id"):
+        unit_members(rows([torch.tensor([1, 2])]), "doc", max_sequences_per_unit=None)
+    # 0-d tensors are compared by value: two units, not three.
+    unit_of, members = unit_members(
+        rows([torch.tensor(7), torch.tensor(8), torch.tensor(7)]),
+        "doc",
+        max_sequences_per_unit=None,
+    )
+    assert unit_of == [0, 1, 0] and members == [[0, 2], [1]]
+
+
+def test_a_model_input_column_as_the_unit_is_refused(tmp_path: Path) -> None:
+    data = unit_rows([1, 2, 3, 1] * 2, seed=4)
+    tr = make(
+        tmp_path,
+        data=data,
+        privacy={"noise_multiplier": 1.0, "privacy_unit": "input_ids", "target_delta": 1e-2},
+        max_steps=1,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"privacy_unit='input_ids': row 0 has a .* as its unit id.*Is the column a model "
+        r"input",
+    ):
+        tr.train()
+
+
+def test_target_delta_is_bounded_by_one_over_the_units(tmp_path: Path) -> None:
+    """With privacy_unit the records are the units: 5 units of 10 rows, delta must be below
+    1 / U = 0.2 (not 1 / N_rows = 0.1), as the docstring says. 0.15 trains, 0.25 is refused."""
+    assert "``(0, 1 / U)`` for the ``U`` units" in " ".join(PrivacyArguments.__doc__.split())
+    data = unit_rows([2, 2, 2, 2, 2], seed=5)
+    privacy = {"noise_multiplier": 1.0, "expected_batch_size": 2}
+    tr = make(tmp_path, data=data, privacy={**privacy, "target_delta": 0.15}, max_steps=1)
+    tr.train()
+    assert tr._num_records == 5
+    with pytest.raises(
+        ValueError, match=r"target_delta=0.25 is not below 1 / N = 0.2 \(N = 5 units of 'doc'\)"
+    ):
+        make(
+            tmp_path / "b", data=data, privacy={**privacy, "target_delta": 0.25}, max_steps=1
+        ).train()
+
+
+def test_a_batch_that_already_has_the_units_key_is_refused(tmp_path: Path) -> None:
+    """Rows (and a collator keeping them) with their own ``dp_privacy_units``: the trainer would
+    overwrite it with each row's unit. Refused at the first logical batch, before any step is
+    taken or accounted."""
+    data = [{**r, UNITS_KEY: 99} for r in unit_rows([1, 2, 3, 1] * 2, seed=6)]
+
+    def keep_units(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return {**th.pad_collate(rows), UNITS_KEY: torch.tensor([r[UNITS_KEY] for r in rows])}
+
+    model = th.tiny_gpt2_exact()
+    before = [p.detach().clone() for p in model.parameters()]
+    tr = RecordingTrainer(
+        model=model,
+        args=th.training_args(tmp_path, max_steps=1, remove_unused_columns=False),
+        train_dataset=data,
+        data_collator=keep_units,
+        privacy_args=PrivacyArguments(
+            noise_multiplier=1.0,
+            target_delta=DELTA,
+            expected_batch_size=4,
+            seed=3,
+            privacy_unit="doc",
+        ),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"already has the key 'dp_privacy_units', which the trainer writes on the "
+        r"privacy_unit path .* would be silently replaced",
+    ):
+        tr.train()
+    assert tr.privacy_engine.accountant.history == []
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("bad", ["dropped", "each_row_its_own"])
 def test_an_override_of_compute_private_loss_must_pass_the_units(tmp_path: Path, bad: str) -> None:
     """An override of compute_private_loss (the documented extension point) that does not

@@ -6,7 +6,7 @@
 * equivalence: with a seeded generator the released gradient is bit for bit Opacus' own
   ``DPOptimizerFastGradientClipping.add_noise`` (what the single-process optimizer inherited
   before the noise path was its own), in secure mode too, and the numbers recorded on the main
-  branch before the refactor;
+  branch before the refactor (fingerprints, to float32 tolerance: CPUs differ in last bits);
 * placements: DDP rank 0 draws as one process, other ranks pass their clipped sums on (a copy,
   no draw); the FSDP2 placement is checked with two processes in tests/distributed/.
 """
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import ast
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -73,30 +72,45 @@ def released(opt: RandomizedClipOptimizer) -> torch.Tensor:
     return seen[0].clone()
 
 
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().numpy().tobytes()).hexdigest()[:16]
+def fingerprint(flat: torch.Tensor) -> torch.Tensor:
+    """(sum, sum of squares, position-weighted sum) of a released gradient, in float64."""
+    f = flat.detach().double()
+    w = torch.arange(1, f.numel() + 1, dtype=torch.float64) / f.numel()
+    return torch.stack([f.sum(), (f * f).sum(), (f * w).sum()])
 
 
-# Recorded on main at dc844e0 (before the noise and clip-factor paths were owned here), with
-# the noise of Opacus' inherited add_noise: (secure_mode, bookkeeping, reduction) -> digest.
-MAIN_DIGESTS = {
-    (False, True, "mean"): "4c74ffd579441d0e",
-    (False, True, "sum"): "ac486cf57ad4976a",
-    (False, False, "mean"): "70cdfee7b0efd511",
-    (False, False, "sum"): "92da4e5027292e68",
-    (True, True, "mean"): "cf284ab9ba8a8949",
-    (True, True, "sum"): "fbd46f96bd98f13f",
-    (True, False, "mean"): "9daf547784194377",
-    (True, False, "sum"): "897d8901a00192bf",
+# Recorded from main at dc844e0 (before the noise and clip-factor paths were owned here, with
+# the noise of Opacus' inherited add_noise): (secure_mode, bookkeeping, reduction) ->
+# fingerprint. On the machine that recorded them the current code's released gradients were
+# bit for bit dc844e0's in all eight cases; a SHA-256 of the bytes is not portable (an AMD EPYC
+# and an Intel Xeon give different last bits: the matmul kernels sum in another order), so the
+# test compares fingerprints. Tolerance: each of the 76 float32 coordinates is a short
+# reduction whose value may move by a few float32 ulps between CPUs (relative 2**-23 each, a
+# few times: < 1e-6); the sums then move by < 76 * 1e-6 * max|g| <= 1e-4 * ||g||_2, which is
+# the tolerance (a changed formula, e.g. the divisor or the noise scale, moves them by >= 1%).
+MAIN_FINGERPRINTS = {
+    (False, True, "mean"): (-0.18089726567268372, 1.313419574526561, 0.062430296255194584),
+    (False, True, "sum"): (-1.4471781253814697, 84.05885276969991, 0.49944237004155667),
+    (False, False, "mean"): (-0.18089724704623222, 1.3134195723788715, 0.06243031138918648),
+    (False, False, "sum"): (-1.4471779763698578, 84.05885263224778, 0.4994424911134918),
+    (True, True, "mean"): (-0.0034940745681524277, 1.006866699378128, 0.09086804085856548),
+    (True, True, "sum"): (-0.02795259654521942, 64.43946876020019, 0.7269443268685238),
+    (True, False, "mean"): (-0.0034940512850880623, 1.0068666995943218, 0.0908680635443686),
+    (True, False, "sum"): (-0.0279524102807045, 64.4394687740366, 0.7269445083549488),
 }
 
 
-@pytest.mark.parametrize(("secure_mode", "bookkeeping", "reduction"), sorted(MAIN_DIGESTS))
-def test_released_gradient_is_bit_identical_to_main(
+@pytest.mark.parametrize(("secure_mode", "bookkeeping", "reduction"), sorted(MAIN_FINGERPRINTS))
+def test_released_gradient_equals_main_before_the_refactor(
     secure_mode: bool, bookkeeping: bool, reduction: str
 ) -> None:
     out = released(setup(secure_mode=secure_mode, bookkeeping=bookkeeping, reduction=reduction))
-    assert digest(out) == MAIN_DIGESTS[(secure_mode, bookkeeping, reduction)]
+    want = torch.tensor(
+        MAIN_FINGERPRINTS[(secure_mode, bookkeeping, reduction)], dtype=torch.float64
+    )
+    got = fingerprint(out)
+    tol = 1e-4 * want[1].sqrt().item()
+    assert torch.allclose(got, want, rtol=0, atol=tol), (got.tolist(), want.tolist())
 
 
 @pytest.mark.parametrize("secure_mode", [False, True])

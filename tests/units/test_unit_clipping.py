@@ -172,6 +172,21 @@ def test_per_unit_norms_and_clipped_sum_match_the_oracle(bookkeeping: bool, redu
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def test_the_norm_readers_have_one_entry_per_unit() -> None:
+    """With ``units=`` (U = 3 of B = 6) get_norm_sample(), per_sample_gradient_norms and each
+    norm_samples entry are ``(U,)`` (as documented), and the per-parameter norms combine to the
+    whole-model ones."""
+    m, _opt, crit = private(TokenModel(), c=0.5)
+    unit_step(m, crit, *data(), UNITS)
+    whole = m.get_norm_sample()
+    assert whole.shape == (3,)
+    torch.testing.assert_close(whole, m.per_sample_gradient_norms, rtol=0, atol=0)
+    parts = m.norm_samples
+    assert {tuple(t.shape) for t in parts.values()} == {(3,)}
+    combined = torch.stack([t.double() for t in parts.values()]).norm(dim=0)
+    torch.testing.assert_close(combined, whole, rtol=1e-6, atol=0)
+
+
 def test_identity_units_reproduce_the_per_sequence_step() -> None:
     """``units = arange(B)`` (every sequence its own unit) is the per-sequence step: the same
     norms and gradients, probe for probe (same seed)."""
@@ -217,6 +232,31 @@ def test_mixing_criterion_calls_with_and_without_units_raises() -> None:
     crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=UNITS)
     with pytest.raises(ValueError, match="different units="):
         crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape)
+
+
+def test_a_nan_unit_norm_is_counted_per_unit() -> None:
+    """One NaN unit among U = 3 (6 sequences): the message counts units, not sequences."""
+    model = TokenModel()
+    x, y = data()
+    x[x == V - 1] = 1
+    x[3] = V - 1  # the only sequence of unit 2, and the only one with token V - 1
+    with torch.no_grad():
+        model.emb.weight[V - 1] = float("nan")
+    m, _opt, crit = private(model)
+    out = m(x)
+    with pytest.raises(
+        FloatingPointError, match=r"^1 of 3 per-unit gradient norm estimates are NaN or inf"
+    ):
+        crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape, units=UNITS).backward()
+    # Without units= the same batch counts its 6 sequences.
+    m, _opt, crit = private(TokenModel())
+    with torch.no_grad():
+        m._module.emb.weight[V - 1] = float("nan")
+    out = m(x)
+    with pytest.raises(
+        FloatingPointError, match=r"^1 of 6 per-sample gradient norm estimates are NaN or inf"
+    ):
+        crit(out.reshape(-1, C), y.reshape(-1), shape=out.shape).backward()
 
 
 @pytest.mark.parametrize(
