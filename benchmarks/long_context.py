@@ -545,6 +545,15 @@ class LMMethod:
                 bookkeeping=name == "rc_bookkeeping",
                 **dp,
             )
+            if units is not None:
+                # A cost measurement on fixed batches, not a unit loader: the module's record
+                # is told the batch's units as a UnitDataLoader would tell it (units= with a
+                # per-sequence loader is refused otherwise; opacus_rc/grad_sample/unit_record.py).
+                from opacus_rc.grad_sample.unit_record import UnitBatchRecord
+
+                record = UnitBatchRecord(per_unit=True)
+                record.record(units)
+                self.model.unit_batch_record = record
 
     def step(self, phase: Callable[[str], None] = _noop) -> None:
         """One training step; ``phase(name)`` is called as each of forward (with the loss),
