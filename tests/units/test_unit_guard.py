@@ -187,3 +187,26 @@ def test_two_backwards_with_units_name_the_unit_manager() -> None:
     loss_of(m, crit, x, index, units=units).backward()
     with pytest.raises(StepProtocolError, match="UnitBatchMemoryManager"):
         loss_of(m, crit, x, index, units=units).backward()
+
+
+def test_the_record_is_written_in_the_iterating_process_with_workers() -> None:
+    """num_workers=1: the batches are collated in a worker process, the record is written
+    where the loader is iterated, so the check still holds (and still refuses)."""
+    loader = UnitDataLoader(
+        dataset(),
+        unit_of=UNIT_OF,
+        sample_rate=1.0,
+        steps=2,
+        generator=torch.Generator().manual_seed(0),
+        num_workers=1,
+    )
+    engine, model, m, opt, crit, dl = private(loader)
+    for step, (x, index, units) in enumerate(dl):
+        if step == 0:
+            loss_of(m, crit, x, index, units=units).backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            with pytest.raises(ValueError, match="does not group"):
+                loss_of(m, crit, x, index, units=torch.zeros_like(units))
+    assert [tuple(h)[1:3] for h in engine.accountant.history] == [(1.0, 1)]
