@@ -374,8 +374,10 @@ def unit_layout_for_loss(
             model (DDP, DPDDP, FSDP2; whole units are supported there, each on one rank:
             :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
     """
+    # Made private by the engine: units= must be the loader's batch's (unit_record.py); a
+    # malformed units= gets its own message below first.
     record = getattr(module, "unit_batch_record", None)
-    if record is not None:  # made private by the engine: units= must be the loader's batch's
+    if record is not None and units is None:
         record.check(units, split)
     state = getattr(module, "step_state", None)
     if units is None:
@@ -402,6 +404,8 @@ def unit_layout_for_loss(
             f"{tuple(losses.shape)}: pass one unit per sequence of the batch (and shape= for a "
             "per-token loss)"
         )
+    if record is not None:
+        record.check(units, split)
     if split is not None:
         if not (isinstance(split, tuple) and len(split) == 2):
             raise TypeError(
