@@ -75,7 +75,7 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
         ValueError: If the data loader (or ``dataset_size``) gives no batch,
             ``dataset_size`` is not an integer >= 1, or a
             :class:`~opacus_rc.unit_data_loader.UnitDataLoader`'s expected number of units per
-            step (the divisor) is 0.
+            step (the divisor) is 0, or any other loader's expected batch size is 0.
     """
     if dataset_size is not None and (
         isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
@@ -119,6 +119,15 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
             f"{sample_rate:.6g}), is 0, and the noisy sum under loss_reduction='mean' is "
             "divided by it: raise the UnitDataLoader's sample_rate or train on more units "
             "(or a larger public dataset_size), so that at least one unit is expected per step"
+        )
+    if divisor == 0:
+        # The same for records: a loader with more batches than records (a custom
+        # batch_sampler, or a small public dataset_size).
+        raise ValueError(
+            f"the expected batch size, int({size} records * rate {sample_rate:.6g}) with rate "
+            f"1 / len(data_loader), is 0, and the noisy sum under loss_reduction='mean' is "
+            "divided by it: give the loader fewer, larger batches (or a larger public "
+            "dataset_size), so that at least one record is expected per step"
         )
     return PublicSizes(sample_rate, divisor)
 
