@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -106,6 +107,8 @@ class UnitPoissonSampler(Sampler[list[int]]):
         self.members = [list(m) for m in members]
         self.sample_rate = float(sample_rate)
         self.num_units = len(self.members)
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, Integral)):
+            raise TypeError(f"steps must be an integer >= 1 or None, got {steps!r}")
         self.steps = int(1 / self.sample_rate) if steps is None else int(steps)
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -333,6 +336,39 @@ class RecordingUnitLoader(DataLoader):
             yield out.batch
 
 
+def _integer_unit_ids(unit_of: Sequence[int] | torch.Tensor) -> list[int]:
+    """``unit_of`` as a list of Python ints; anything but integers is refused.
+
+    A float id would be truncated by ``int`` (``1.5`` and ``1.0`` one unit: two units merged,
+    whose joint clipped sum is not bounded by ``C`` per original unit) and a string has no
+    order to number the units by, so neither is converted.
+
+    Raises:
+        TypeError: A non-integer tensor dtype (floating, complex or bool) or a non-integer
+            entry (a float, a str, a bool).
+    """
+    if isinstance(unit_of, torch.Tensor):
+        if (
+            unit_of.dtype.is_floating_point
+            or unit_of.dtype.is_complex
+            or unit_of.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"unit_of must hold integer unit ids, got a tensor of dtype {unit_of.dtype}: "
+                "map each sequence's document or user to an integer first"
+            )
+        return [int(u) for u in unit_of.reshape(-1).tolist()]
+    ids = []
+    for i, u in enumerate(unit_of):
+        if isinstance(u, bool) or not isinstance(u, Integral):
+            raise TypeError(
+                f"unit_of must hold integer unit ids, got {u!r} ({type(u).__name__}) at "
+                f"position {i}: map each sequence's document or user to an integer first"
+            )
+        ids.append(int(u))
+    return ids
+
+
 class UnitDataLoader(RecordingUnitLoader):
     """A data loader that Poisson-samples privacy units and yields their sequences.
 
@@ -384,7 +420,9 @@ class UnitDataLoader(RecordingUnitLoader):
     Raises:
         ValueError: A ``unit_of`` of the wrong length, an empty dataset, invalid ``sample_rate``,
             ``max_sequences_per_unit`` or ``selection``.
-        TypeError: A batching argument in ``kwargs``.
+        TypeError: A batching argument in ``kwargs``, a non-integer unit id in ``unit_of`` (a
+            float, str or bool: never truncated, which could merge two units), or a
+            non-integer ``steps``.
     """
 
     def __init__(
@@ -407,7 +445,7 @@ class UnitDataLoader(RecordingUnitLoader):
         )
         if taken:
             raise TypeError(f"UnitDataLoader samples the batches itself; do not pass {taken}")
-        ids = unit_of.tolist() if isinstance(unit_of, torch.Tensor) else [int(u) for u in unit_of]
+        ids = _integer_unit_ids(unit_of)
         n = len(dataset)  # type: ignore[arg-type]
         if len(ids) != n:
             raise ValueError(f"unit_of has {len(ids)} entries for a dataset of {n} sequences")

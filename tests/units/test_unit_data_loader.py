@@ -10,7 +10,9 @@ so the test is deterministic). A sampler at rate ``2 q`` or ``q / 2`` lies far o
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -458,3 +460,40 @@ def test_a_unit_loader_expecting_no_unit_per_step_is_refused(
         else:
             engine.make_private(**common, noise_multiplier=1.0)
     assert not engine.accountant.history
+
+
+@pytest.mark.parametrize(
+    "unit_of",
+    [
+        torch.arange(40).double() / 2,  # 0.0, 0.5, 1.0, ...: int() would merge 0.0 and 0.5
+        [i / 2 for i in range(40)],
+        [str(i // 2) for i in range(40)],
+        torch.zeros(40, dtype=torch.bool),
+    ],
+    ids=["float_tensor", "float_list", "str_list", "bool_tensor"],
+)
+def test_non_integer_unit_ids_are_refused(unit_of: Any) -> None:
+    """Before: float ids were truncated by int() (1.5 and 1.0 one unit: two units merged, whose
+    joint clipped sum is not bounded by C per original unit); now a TypeError names the fix."""
+    with pytest.raises(TypeError, match="unit_of must hold integer unit ids"):
+        UnitDataLoader(dataset(), unit_of=unit_of, sample_rate=0.25)
+
+
+def test_integer_unit_ids_of_any_integer_type_are_accepted() -> None:
+    """numpy and torch integer ids give the same units as Python ints."""
+    ids = [i // 2 for i in range(40)]
+    want = UnitDataLoader(dataset(), unit_of=ids, sample_rate=0.25).num_units
+    assert want == 20
+    for unit_of in (
+        np.array(ids),
+        torch.tensor(ids, dtype=torch.int32),
+        [np.int64(u) for u in ids],
+    ):
+        assert UnitDataLoader(dataset(), unit_of=unit_of, sample_rate=0.25).num_units == want
+
+
+@pytest.mark.parametrize("steps", [2.5, 2.0, True, "3"])
+def test_non_integer_steps_are_refused(steps: Any) -> None:
+    """Before: steps=2.5 was truncated to 2 without a word."""
+    with pytest.raises(TypeError, match="steps must be an integer >= 1 or None"):
+        UnitDataLoader(dataset(), unit_of=torch.arange(40) // 2, sample_rate=0.25, steps=steps)
