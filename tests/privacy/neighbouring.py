@@ -687,6 +687,9 @@ def _first_batch_rows(tr: Any) -> list[int]:
 
 def _train_one_step(tr: Any, k: int | None, unit_of: Sequence[int] | None = None) -> Release:
     """Train ``tr`` for its one step and return the release (``D``'s last record: index 7)."""
+    import transformers
+
+    tr.remove_callback(transformers.PrinterCallback)  # the logs are not checked here
     before = trainable(tr.model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="PrivacyArguments.seed")
