@@ -21,8 +21,8 @@ records in both runs.
 
 Each path is a function ``run(*, neighbour, noise_multiplier, public_size) -> Release`` in
 :data:`PATHS`; the distributed paths can reuse :class:`Mechanism`, :class:`Release`,
-:func:`mechanism_differences`, :func:`release_distance`, :func:`sensitivity_bound` and
-:func:`noise_sd_rtol`.
+:func:`mechanism_differences`, :func:`release_distance`, :func:`sensitivity_bound`,
+:func:`noise_sd_rtol`, :func:`add_probe`, :func:`trainable` and :func:`release_of_sgd_step`.
 """
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ __all__ = [
     "PATHS",
     "PROBE",
     "Mechanism",
+    "add_probe",
     "Release",
     "left_position_ids",
     "mechanism_differences",
     "noise_sd_rtol",
     "release_distance",
+    "release_of_sgd_step",
     "sensitivity_bound",
+    "trainable",
 ]
 
 #: The name of the zero-gradient probe module every harness model carries.
@@ -275,7 +278,9 @@ def add_probe(model: nn.Module) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """``Linear(6, 16) -> tanh -> Linear(16, 3)`` (sketched norms), with the probe."""
+    """``Linear(6, 16) -> tanh -> Linear(16, 3)`` on ``(B, 6)`` features, with the probe. Its
+    norms are exact: an ``nn.Linear`` on rank-2 inputs uses the rank-one identity
+    ``||g_i a_i^T|| = ||g_i|| ||a_i||`` (opacus_rc/grad_sample/linear.py), not the sketch."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -311,7 +316,7 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _release(
+def release_of_sgd_step(
     before: dict[str, torch.Tensor],
     model: nn.Module,
     mechanism_of: Callable[[float], Mechanism],
@@ -319,7 +324,20 @@ def _release(
     sketch_dim: int | None,
     removed: int,
 ) -> Release:
-    """The release of one SGD ``lr = 1`` step: ``(before - after) * divisor``."""
+    """The :class:`Release` of one step of SGD at ``lr = 1``: ``(before - after) * divisor``.
+
+    Args:
+        before: :func:`trainable` of the model before the step.
+        model: The model after the step (its trainable parameters include the probe
+            :data:`PROBE`, whose update is the noise alone).
+        mechanism_of: Builds the run's :class:`Mechanism` from the probe's measured noise sd.
+        sampled: The records (or units) in the step.
+        sketch_dim: ``k`` of the sketched norms, or None for exact norms.
+        removed: The index of ``D``'s last record (or unit).
+
+    Returns:
+        The release (the probe excluded from ``noisy_sum``).
+    """
     after = trainable(model)
     probe = {n: before[n] - after[n] for n in before if n.startswith(PROBE + ".")}
     flat = torch.cat([d.flatten() for d in probe.values()])
@@ -424,7 +442,7 @@ def _collate_pairs(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def run_engine_mlp(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> Release:
-    """The engine on a small MLP of ``nn.Linear`` (sketched at ``k = LARGE_K``)."""
+    """The engine on a small MLP of ``nn.Linear`` (exact norms, see :class:`MLP`)."""
     n = N_RECORDS - int(neighbour)
     model = MLP()
     loader = DataLoader(
@@ -438,19 +456,19 @@ def run_engine_mlp(*, neighbour: bool, noise_multiplier: float, public_size: boo
         loader,
         noise_multiplier=noise_multiplier,
         max_grad_norm=C_MLP,
-        sketch_dim=LARGE_K,
+        sketch_dim=2,
         dataset_size=N_RECORDS if public_size else None,
     )
     before = trainable(m)
     x, y, idx = next(iter(dl))
     crit(m(x), y).backward()
     opt.step()
-    return _release(
+    return release_of_sgd_step(
         before,
         m,
         _engine_mechanism(engine, dl, opt, dl.sample_rate),
         idx.tolist(),
-        LARGE_K,
+        None,
         N_RECORDS - 1,
     )
 
@@ -557,7 +575,7 @@ def run_engine_lm(
     logits = m(**batch).logits
     per_sample_cross_entropy(crit, logits, labels, shift=True).backward()
     opt.step()
-    return _release(
+    return release_of_sgd_step(
         before,
         m,
         _engine_mechanism(engine, dl, opt, dl.sample_rate),
@@ -641,7 +659,7 @@ def run_units(mode: str, *, neighbour: bool, noise_multiplier: float, public_siz
                 opt.zero_grad()
                 if len(engine.accountant.history):  # the first logical step is taken
                     break
-    return _release(
+    return release_of_sgd_step(
         before,
         m,
         _engine_mechanism(engine, dl, opt, dl.sample_rate),
@@ -699,7 +717,7 @@ def _train_one_step(tr: Any, k: int | None, unit_of: Sequence[int] | None = None
         tr.train()
     rows = _first_batch_rows(tr)
     sampled = rows if unit_of is None else sorted({unit_of[i] for i in rows})
-    return _release(before, tr.model, _trainer_mechanism(tr), sampled, k, N_RECORDS - 1)
+    return release_of_sgd_step(before, tr.model, _trainer_mechanism(tr), sampled, k, N_RECORDS - 1)
 
 
 def _trainer_args(tmp: str, **overrides: Any) -> Any:
