@@ -177,7 +177,7 @@ def public_sizes(
     if divisor == 0:
         # The noisy sum would be divided by 0: inf/NaN parameters from the first step on,
         # every step still accounted.
-        what = "units per step" if units else "batch size"
+        what = "number of units per step" if units else "batch size"
         raise ValueError(
             f"the expected {what}, int(dataset_size={dataset_size} * rate {sample_rate:.6g}), "
             "is 0, and the noisy sum under loss_reduction='mean' is divided by it: "
