@@ -294,6 +294,7 @@ def hand_loop(
             noise_multiplier=sigma,
             max_grad_norm=cfg["max_grad_norm"],
             poisson_sampling=False,  # the loader draws Poisson batches already (same seed)
+            dataset_size=n,  # the divisor int(n / steps) from a public size (synthetic data)
             clipping="randomized",
             sketch_dim=cfg["sketch_dim"],
             noise_generator=torch.Generator().manual_seed(0),

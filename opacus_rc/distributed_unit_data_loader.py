@@ -113,17 +113,20 @@ class DistributedUnitDataLoader(UnitDataLoader):
 
     Given to ``PrivacyEngine.make_private`` with a DDP/DPDDP model, the accountant takes
     ``1 / int(1 / sample_rate)`` as in one process, and the divisor of each rank's noisy sum
-    under ``loss_reduction="mean"`` is ``int(num_units / int(1 / sample_rate)) / world_size``
-    (Opacus' rule:
-    the all-reduced mean of the ranks' sums divided by it is the single-process mean over the
-    expected number of units, ``num_units`` being the units of the whole dataset). Noise is added
-    once, on rank 0, by the distributed optimizer.
+    under ``loss_reduction="mean"`` is ``E / world_size`` (Opacus' rule: the all-reduced mean
+    of the ranks' sums divided by it is the single-process mean over ``E``), with ``E`` the
+    public expected number of units per step of the whole run: the loader's
+    ``expected_batch_size``, or ``int(U * q)`` for ``make_private``'s ``dataset_size=U``
+    (the public number of units); never the private ``num_units`` (``make_private`` refuses
+    a loader with neither, as :class:`UnitDataLoader`). Noise is added once, on rank 0, by
+    the distributed optimizer.
 
     Args:
         dataset: The sequences (map-style), the whole dataset on every rank.
         num_replicas: The number of ranks (None: the process group's world size).
         rank: This rank (None: the process group's rank).
-        **kwargs: The arguments of :class:`UnitDataLoader` (``unit_of``, ``sample_rate`` ...).
+        **kwargs: The arguments of :class:`UnitDataLoader` (``unit_of``, ``sample_rate``,
+            ``expected_batch_size``: of all ranks together ...).
 
     Attributes:
         num_replicas: The number of ranks.

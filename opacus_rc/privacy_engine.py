@@ -204,12 +204,17 @@ class PrivacyEngine(RandomizedClippingSeams):
                 module's ``bookkeeping`` property says which is used.
             dataset_size: The public number of records ``N`` (an integer >= 1), for the
                 Poisson sampling rate ``q = 1 / ceil(N / B)`` of a loader of batch size ``B``
-                (``floor`` with ``drop_last``), or for the divisor ``int(N q)`` of a loader
-                without ``batch_size`` (an Opacus ``DPDataLoader``). ``None`` (default):
-                ``len(dataset)``, as Opacus, which makes the number of records public. The
-                divisor of a loader with a ``batch_size`` is ``B`` in both cases, never
-                computed from ``len(dataset)`` (docs/privacy/mechanism.md#mechanism-public).
-                Poisson sampling only.
+                (``floor`` with ``drop_last``; Poisson sampling only), or for the divisor
+                ``int(N q)`` of a loader without ``batch_size`` (an Opacus ``DPDataLoader``,
+                a custom ``batch_sampler``; for a
+                :class:`~opacus_rc.unit_data_loader.UnitDataLoader` ``N`` is the public
+                number of units). ``None`` (default): the rate of a loader with a
+                ``batch_size`` comes from ``len(dataset)``, as Opacus, which makes the number
+                of records public, and its divisor is ``B``; a loader without ``batch_size``
+                then has no public divisor and is refused under ``loss_reduction="mean"``
+                (unless a unit loader's ``expected_batch_size`` gives it). The divisor is never
+                computed from ``len(dataset)`` or the number of units
+                (docs/privacy/mechanism.md#mechanism-public).
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -224,7 +229,11 @@ class PrivacyEngine(RandomizedClippingSeams):
         Raises:
             ValueError: A data loader over an ``IterableDataset`` or a dataset without
                 ``len()`` (Poisson sampling needs a map-style dataset of known size); an
-                invalid ``dataset_size``, or one with ``poisson_sampling=False``. Unknown
+                invalid ``dataset_size``, or one with ``poisson_sampling=False`` and a loader
+                with a ``batch_size``; under ``loss_reduction="mean"``, a loader without
+                ``batch_size`` and no public divisor (neither ``dataset_size`` nor a unit
+                loader's ``expected_batch_size``: it would come from the private number of
+                records or units, Opacus #819), or a unit loader with both. Unknown
                 sketch, ``sketch_dim < 1``, an accountant that cannot account
                 for randomized clipping, an eval-mode model, a loss-reduction mismatch, sketch
                 options without ``clipping="randomized"``, and the other invalid inputs listed

@@ -384,11 +384,14 @@ class UnitDataLoader(RecordingUnitLoader):
     Given to ``PrivacyEngine.make_private(..., clipping="randomized")`` it is used as it is
     (not re-sampled), the accountant takes the rate the units are drawn at, as for Opacus'
     ``DPDataLoader``: ``1 / int(1 / sample_rate)`` (``= sample_rate`` when ``1 / sample_rate``
-    is an integer, else slightly larger: conservative), whatever ``steps`` is, and the
-    expected batch size (the divisor of the noisy sum under ``loss_reduction="mean"``) is the
-    expected number of units at that rate, ``int(N_units / int(1 / sample_rate))``
-    (``N_units`` replaced by ``make_private``'s ``dataset_size`` if given: the public number
-    of units), which must be at least 1 (``make_private`` raises ``ValueError`` otherwise).
+    is an integer, else slightly larger: conservative), whatever ``steps`` is. The divisor of
+    the noisy sum under ``loss_reduction="mean"`` (the expected batch size) must be public,
+    the same on neighbouring datasets (docs/privacy/mechanism.md#mechanism-public): it is
+    ``expected_batch_size`` if given, else ``int(U * q)`` with ``U`` the public number of
+    units passed as ``make_private``'s ``dataset_size``; never the loader's own number of
+    units, which is private (12 units against 11 at ``q = 0.25`` would divide by 3 against
+    2, Opacus #819). With neither, ``make_private`` raises ``ValueError`` under
+    ``loss_reduction="mean"``.
 
     Args:
         dataset: The sequences (map-style).
@@ -405,6 +408,13 @@ class UnitDataLoader(RecordingUnitLoader):
         generator: Source of the per-step inclusion masks (None: seeded from the OS).
         steps: Steps per epoch (default ``int(1 / sample_rate)``); the number of steps only,
             not the accounted rate.
+        expected_batch_size: The public expected number of units per step (an integer >= 1,
+            e.g. ``sample_rate`` times the announced number of units; for a
+            :class:`DistributedUnitDataLoader`, of all ranks together), the divisor of the
+            noisy sum under ``loss_reduction="mean"``; None: ``make_private``'s
+            ``dataset_size`` gives it. Any public value keeps the guarantee (dividing by a
+            constant is post-processing); one far from the real number only rescales the
+            step, like a learning rate.
         collate_fn: Collates a list of dataset items (default ``default_collate``).
         units_key: The key of ``units`` in a dict batch.
         **kwargs: Other ``torch.utils.data.DataLoader`` arguments (``num_workers``,
@@ -413,13 +423,15 @@ class UnitDataLoader(RecordingUnitLoader):
 
     Attributes:
         sample_rate: ``q``.
-        num_units: The number of units.
+        expected_batch_size: The public expected number of units per step, or None.
+        num_units: The number of units (private: never used for the mechanism).
         selected: ``selected[u]``: the dataset indices of unit ``u``'s sequences in use.
         unit_ids: ``unit_ids[u]``: the id (from ``unit_of``) of unit ``u``.
 
     Raises:
         ValueError: A ``unit_of`` of the wrong length, an empty dataset, invalid ``sample_rate``,
-            ``max_sequences_per_unit`` or ``selection``.
+            ``max_sequences_per_unit``, ``selection`` or ``expected_batch_size`` (not an
+            integer >= 1).
         TypeError: A batching argument in ``kwargs``, a non-integer unit id in ``unit_of`` (a
             float, str or bool: never truncated, which could merge two units), or a
             non-integer ``steps``.
@@ -436,10 +448,17 @@ class UnitDataLoader(RecordingUnitLoader):
         selection_seed: int | None = None,
         generator: torch.Generator | None = None,
         steps: int | None = None,
+        expected_batch_size: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         units_key: str = "units",
         **kwargs: Any,
     ) -> None:
+        e = expected_batch_size
+        if e is not None and (isinstance(e, bool) or not isinstance(e, Integral) or e < 1):
+            raise ValueError(
+                f"expected_batch_size (the public expected number of units per step) must be "
+                f"an integer >= 1 or None, got {e!r}"
+            )
         taken = sorted(
             {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(kwargs)
         )
@@ -468,6 +487,7 @@ class UnitDataLoader(RecordingUnitLoader):
             **kwargs,
         )
         self.sample_rate = sampler.sample_rate
+        self.expected_batch_size = None if e is None else int(e)
         self.num_units = sampler.num_units
         self.selected = members
         self.unit_ids = unit_ids
@@ -475,7 +495,11 @@ class UnitDataLoader(RecordingUnitLoader):
 
     @property
     def expected_batch_units(self) -> float:
-        """``q * num_units``, the expected number of units per step."""
+        """``q * num_units``, the expected number of units per step.
+
+        Computed from the private number of units: informative only, never the divisor
+        (pass a public ``expected_batch_size`` for that).
+        """
         return self.sample_rate * self.num_units
 
     def _unit_sampler(

@@ -545,16 +545,17 @@ def test_readme_says_what_forgetting_import_opacus_rc_gives(
 
 
 def test_a_loader_expecting_no_record_per_step_is_refused() -> None:
-    """A custom batch_sampler of 10 batches over 5 records: q = 1 / len(loader) = 0.1 and the
-    divisor int(5 * 0.1) is 0, so the first step would divide the noisy sum by 0 (NaN
-    parameters, still accounted). Refused at make_private, before any hook or step."""
+    """A custom batch_sampler of 10 batches over a public dataset_size of 5 records:
+    q = 1 / len(loader) = 0.1 and the divisor int(5 * 0.1) is 0, so the first step would
+    divide the noisy sum by 0 (NaN parameters, still accounted). Refused at make_private, before any
+    hook or step."""
     data = torch.utils.data.TensorDataset(torch.randn(5, 4), torch.randint(0, 2, (5,)))
     batches = [[i % 5] for i in range(10)]
     loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
     model = nn.Linear(4, 2)
     engine = pe.PrivacyEngine(accountant="rc")
     with pytest.raises(
-        ValueError, match=r"expected batch size, int\(5 records \* rate 0.1\).*is 0"
+        ValueError, match=r"expected batch size, int\(dataset_size=5 \* rate 0.1\).*is 0"
     ):
         engine.make_private(
             module=model,
@@ -564,6 +565,7 @@ def test_a_loader_expecting_no_record_per_step_is_refused() -> None:
             max_grad_norm=1.0,
             clipping="randomized",
             criterion=nn.CrossEntropyLoss(),
+            dataset_size=5,
         )
     assert not engine.accountant.history
     assert not isinstance(model, GradSampleModule)  # the user's module was not wrapped

@@ -388,17 +388,17 @@ def test_make_private_with_epsilon_validates_before_the_noise_search(
 def test_unusable_noise_level_fails_in_make_private_and_cleans_up(
     assert_no_hooks: Callable, clipping: str
 ) -> None:
-    """An Opacus DPDataLoader at q = 0.01 over 49 records: its divisor is int(49 * 0.01) = 0,
-    so sigma_e = sigma C / 0 cannot be formed (and the noisy sum would be divided by 0). It is
-    refused in make_private (by the schedule's divisor check, before the denoiser's own check
-    of the same), not at the first step; no hook stays. (A plain loader of batch
-    size 1 over 49 records used to give int(49 * (1/49)) = 0 as well; its divisor is now its
+    """An Opacus DPDataLoader at q = 0.01 over a public dataset_size of 49 records: its
+    divisor is int(49 * 0.01) = 0, so sigma_e = sigma C / 0 cannot be formed (and the noisy sum
+    would be divided by 0). It is refused in make_private (by the schedule's divisor check, before
+    the denoiser's own check of the same), not at the first step; no hook stays. (A plain loader of
+    batch size 1 over 49 records used to give int(49 * (1/49)) = 0 as well; its divisor is now its
     batch size, 1: docs/privacy/mechanism.md#mechanism-public.)"""
     assert int(49 * 0.01) == 0
     model = SmallTransformer()
     engine = PrivacyEngine()
     x, y = data().tensors
-    with pytest.raises(ValueError, match=r"expected batch size, int\(49 records.*is 0"):
+    with pytest.raises(ValueError, match=r"expected batch size, int\(dataset_size=49 .*is 0"):
         engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -407,6 +407,7 @@ def test_unusable_noise_level_fails_in_make_private_and_cleans_up(
             max_grad_norm=CLIP,
             clipping=clipping,
             denoise="spectral",
+            dataset_size=49,
         )
     assert_no_hooks(model)
     assert engine.dataset is None and engine.denoiser is None

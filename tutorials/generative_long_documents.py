@@ -414,6 +414,7 @@ def train_and_evaluate(method: str) -> dict:
                 epochs=s["epochs"],
                 max_grad_norm=s["max_grad_norm"],
                 poisson_sampling=False,  # the loader is Poisson already (q = 1 / len(loader))
+                dataset_size=s["train_docs"],  # public: the divisor int(train_docs * q)
                 **options,
             )
         steps = round(s["epochs"] * len(loader))

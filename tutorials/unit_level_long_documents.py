@@ -245,13 +245,16 @@ print(f"held-out perplexity before fine-tuning: {before:.3f}")
 # `train(run)` trains a fresh copy of the top block with plain SGD and returns its held-out
 # perplexity and epsilon:
 #
-# * `"unit"`: `UnitDataLoader(dataset, unit_of=..., sample_rate=q)` samples speeches;
-#   `make_private_with_epsilon` reads the loader's rate `q` and uses the expected number of
-#   speeches per step as the divisor of the noisy sum; the criterion gets `units=` from the
-#   batch. Each speech's clip factor is `min(1, C / n_u)` with `n_u` the sketched norm of the
-#   sum of its windows' gradients;
+# * `"unit"`: `UnitDataLoader(dataset, unit_of=..., sample_rate=q, expected_batch_size=E)`
+#   samples speeches; `make_private_with_epsilon` reads the loader's rate `q` and divides the
+#   noisy sum by `E`, the public expected number of speeches per step (from the settings: `q`
+#   times the announced number of speeches, never counted from the data, which would make the
+#   noise scale depend on the private number of speeches); the criterion gets `units=` from
+#   the batch. Each speech's clip factor is `min(1, C / n_u)` with `n_u` the sketched norm of
+#   the sum of its windows' gradients;
 # * `"window"`: Opacus' `DPDataLoader` samples windows at the same rate `q`; each window is
-#   clipped to `C` on its own: the usual recipe;
+#   clipped to `C` on its own: the usual recipe (its divisor from the public number of windows,
+#   `dataset_size`: every speech gives `windows_per_speech` of them);
 # * `"none"`: the speech loader, no clipping, no noise.
 #
 # Both private runs target epsilon 8 at delta 1e-5 with the RC accountant (Hutchinson sketch,
@@ -273,6 +276,7 @@ def train(run: str) -> dict:
         loader = DPDataLoader.from_data_loader(
             DataLoader(dataset, batch_size=expected), generator=gen
         )
+        public = {"dataset_size": s["train_speeches"] * M}  # the public number of windows
     else:
         loader = UnitDataLoader(
             dataset,
@@ -280,7 +284,9 @@ def train(run: str) -> dict:
             sample_rate=s["sample_rate"],
             max_sequences_per_unit=M,
             generator=gen,
+            expected_batch_size=round(s["sample_rate"] * s["train_speeches"]),  # public
         )
+        public = {}
     criterion = rc_models.FrozenLMHeadLoss(head_weight)
     engine = None
     if run != "none":
@@ -298,6 +304,7 @@ def train(run: str) -> dict:
             clipping="randomized",
             sketch=s["sketch"],
             sketch_dim=s["sketch_dim"],
+            **public,
         )
     steps = round(s["epochs"] * len(loader))
     losses, records_per_step, clipped = [], [], []

@@ -171,12 +171,17 @@ def build_request(
     data_loader = options.data_loader
     poisson_sampling = options.poisson_sampling
     check_data_loader(data_loader, poisson_sampling=poisson_sampling)
-    if options.dataset_size is not None and not poisson_sampling:
+    if options.dataset_size is not None and not poisson_sampling and data_loader.batch_size:
+        # With a batch_size it sets the Poisson rate; without one (a DPDataLoader, a
+        # UnitDataLoader, a custom batch_sampler) only the divisor, whatever the sampling.
         raise ValueError(
-            "dataset_size sets the Poisson sampling rate; it needs poisson_sampling=True"
+            "dataset_size sets the Poisson sampling rate of a loader with a batch_size; it "
+            "needs poisson_sampling=True"
         )
     # refuses an empty loader
-    sizes = public_sizes(data_loader, dataset_size=options.dataset_size)
+    sizes = public_sizes(
+        data_loader, dataset_size=options.dataset_size, loss_reduction=options.loss_reduction
+    )
     post = prepare_post_processing(
         module=module,
         grad_sample_mode=options.grad_sample_mode,

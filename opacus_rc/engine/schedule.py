@@ -4,8 +4,8 @@ One concept: how many records a step samples and how the accountant counts it, d
 any loader is built.
 
 * :func:`public_sizes`: the Poisson rate ``q`` and the divisor of the noisy sum, from the
-  loader's ``batch_size`` (and a public ``dataset_size``), never from the private number of
-  records where the loader gives a batch size.
+  loader's ``batch_size``, a unit loader's ``expected_batch_size`` or a public
+  ``dataset_size``, never from the private number of records or units.
 * :func:`accounted_schedule`: the rate the accountant records and the steps of one epoch
   (Opacus' ``1 / len(loader)`` of the loader the run iterates); the noise search of
   ``make_private_with_epsilon`` and :class:`~opacus_rc.integrations.transformers.DPTrainer`
@@ -37,52 +37,77 @@ class PublicSizes:
             steps, each accounted at ``1 / int(1 / q)`` (Opacus' ``1 / len(loader)``, at least
             ``q``: see :func:`accounted_schedule`).
         expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"`` (per
-            process: divided by the world size in a distributed run, as Opacus does).
+            process: divided by the world size in a distributed run, as Opacus does); None
+            under ``loss_reduction="sum"`` where no public number was given (nothing is
+            divided).
     """
 
     sample_rate: float
-    expected_batch_size: int
+    expected_batch_size: int | None
 
 
-def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> PublicSizes:
+_NO_PUBLIC_DIVISOR = (
+    "Opacus #819: under loss_reduction='mean' the noisy sum is divided by the expected batch "
+    "size, and {what} would compute it from the private number of {records} "
+    "(int({count} {records} * rate {rate:.6g}) = {divisor}: one {record} more or less changes "
+    "the divisor and so the released noise scale, which the accountant does not cover). "
+    "Give a public number instead: {fix}"
+)
+
+
+def _check_public_count(value: object, name: str) -> None:
+    """Refuse a public size that is not an integer >= 1 (``ValueError``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def public_sizes(
+    data_loader: DataLoader, *, dataset_size: int | None, loss_reduction: str = "mean"
+) -> PublicSizes:
     """Sampling rate and divisor from public inputs (Opacus #819, #571).
 
     Opacus computes ``q = 1 / len(data_loader)`` and divides by ``int(len(dataset) * q)``: the
     divisor is a function of the private number of records ``N`` (neighbours ``N = 12`` and
-    ``N = 11`` at batch size 4 get the same ``q`` but divisors 4 and 3). Here:
+    ``N = 11`` at batch size 4 get the same ``q`` but divisors 4 and 3). Here the divisor is
+    never computed from ``len(dataset)`` or from the number of units:
 
     * a loader with a ``batch_size`` ``B`` (the usual ``DataLoader(dataset, batch_size=B)``):
       the divisor is ``B`` itself, and ``q = 1 / n`` with ``n = ceil(N' / B)`` batches
       (``floor`` with ``drop_last=True``, as ``len(DataLoader)``), ``N' = dataset_size`` if
       given, else ``len(dataset)`` (Opacus' rate);
-    * a loader without one (an Opacus ``DPDataLoader``, a custom ``batch_sampler``):
-      ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``, ``1 / int(1 / its sample_rate)``)
-      and the divisor ``int(N' q)``, as Opacus. For a
-      :class:`~opacus_rc.unit_data_loader.UnitDataLoader` the records are the units:
-      ``N'`` is ``dataset_size`` if given, else the number of units, and the rate is that of
-      a ``DPDataLoader`` at the loader's ``sample_rate``, ``1 / int(1 / sample_rate)``, not
-      ``1 / len(loader)``: the loader's ``steps`` sets the number of steps only, the units
-      are drawn at ``sample_rate`` whatever it is.
+    * a :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (the records are the units): the
+      rate is that of a ``DPDataLoader`` at the loader's ``sample_rate``,
+      ``1 / int(1 / sample_rate)``, not ``1 / len(loader)`` (the loader's ``steps`` sets the
+      number of steps only), and the divisor is the loader's public ``expected_batch_size``
+      (the expected number of units per step, the whole run's in a distributed one), or
+      ``int(dataset_size * q)`` with ``dataset_size`` the public number of units;
+    * any other loader without a ``batch_size`` (an Opacus ``DPDataLoader``, a custom
+      ``batch_sampler``): ``q = 1 / len(data_loader)`` (for a ``DPDataLoader``,
+      ``1 / int(1 / its sample_rate)``) and the divisor ``int(dataset_size * q)``.
+
+    Without a public number, a loader of the last two kinds is refused under
+    ``loss_reduction="mean"``; under ``"sum"`` nothing is divided and the divisor is None.
 
     Args:
         data_loader: The user's (map-style) data loader.
-        dataset_size: The public number of records ``N'``, or None.
+        dataset_size: The public number of records ``N'`` (of units for a
+            :class:`~opacus_rc.unit_data_loader.UnitDataLoader`), or None.
+        loss_reduction: ``"mean"`` (the noisy sum is divided by the divisor) or ``"sum"``.
 
     Returns:
         The sizes.
 
     Raises:
-        ValueError: If the data loader (or ``dataset_size``) gives no batch,
-            ``dataset_size`` is not an integer >= 1, or a
-            :class:`~opacus_rc.unit_data_loader.UnitDataLoader`'s expected number of units per
-            step (the divisor) is 0, or any other loader's expected batch size is 0.
+        ValueError: If the data loader (or ``dataset_size``) gives no batch, ``dataset_size``
+            is not an integer >= 1, the divisor is 0, or under ``loss_reduction="mean"`` a
+            loader without ``batch_size`` comes with no public number (neither
+            ``dataset_size`` nor a unit loader's ``expected_batch_size``), or a unit loader
+            with both.
     """
-    if dataset_size is not None and (
-        isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
-    ):
-        raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
+    _check_public_count(dataset_size, "dataset_size")
     batch_size = data_loader.batch_size
-    if isinstance(data_loader, UnitDataLoader):
+    units = isinstance(data_loader, UnitDataLoader)
+    if units:
         # The rate the units are drawn at, as Opacus for its DPDataLoader (whose length is
         # int(1 / q)): 1 / int(1 / q) >= q whatever ``steps`` (only the number of steps) is.
         n_batches = max(1, int(1 / data_loader.sample_rate))
@@ -104,30 +129,65 @@ def public_sizes(data_loader: DataLoader, *, dataset_size: int | None) -> Public
     sample_rate = 1 / n_batches
     if batch_size is not None:
         return PublicSizes(sample_rate, batch_size)
-    if dataset_size is not None:
-        size = dataset_size
-    elif isinstance(data_loader, UnitDataLoader):
-        size = data_loader.num_units  # unit-level DP: the records are the units
-    else:
-        size = len(data_loader.dataset)  # type: ignore[arg-type]
-    divisor = int(size * sample_rate)
-    if divisor == 0 and isinstance(data_loader, UnitDataLoader):
+    if units:
+        given = data_loader.expected_batch_size
+        if given is not None and dataset_size is not None:
+            raise ValueError(
+                f"both the UnitDataLoader's expected_batch_size={given} and "
+                f"make_private's dataset_size={dataset_size} give the divisor of the noisy "
+                "sum (the expected number of units per step); give one of them"
+            )
+        if given is not None:
+            return PublicSizes(sample_rate, given)
+    if dataset_size is None:
+        if loss_reduction == "sum":
+            return PublicSizes(sample_rate, None)  # nothing is divided
+        if units:
+            what, records, record = "the UnitDataLoader", "units", "unit"
+            count = data_loader.num_units
+            fix = (
+                "build the loader with expected_batch_size=E, the expected number of units "
+                "per step (e.g. sample_rate times the announced number of units; "
+                "DistributedUnitDataLoader: of all ranks together), or pass "
+                "make_private(..., dataset_size=U) with U the public number of units. Any "
+                "such public number keeps the guarantee; a wrong one only rescales the step"
+            )
+        else:
+            what, records, record = "a data loader without batch_size", "records", "record"
+            count = len(data_loader.dataset)  # type: ignore[arg-type]
+            fix = (
+                "pass make_private(..., dataset_size=N) with N the public number of records "
+                "(the divisor is then int(N * rate)), or give the loader a batch_size "
+                "(DataLoader(dataset, batch_size=B): the divisor is B)"
+            )
+        raise ValueError(
+            _NO_PUBLIC_DIVISOR.format(
+                what=what,
+                records=records,
+                record=record,
+                count=count,
+                rate=sample_rate,
+                divisor=int(count * sample_rate),
+                fix=fix,
+            )
+        )
+    divisor = int(dataset_size * sample_rate)
+    if divisor == 0 and loss_reduction == "sum":
+        return PublicSizes(sample_rate, None)  # nothing is divided
+    if divisor == 0:
         # The noisy sum would be divided by 0: inf/NaN parameters from the first step on,
         # every step still accounted.
+        what = "number of units per step" if units else "batch size"
         raise ValueError(
-            f"the expected number of units per step, int({size} units * rate "
-            f"{sample_rate:.6g}), is 0, and the noisy sum under loss_reduction='mean' is "
-            "divided by it: raise the UnitDataLoader's sample_rate or train on more units "
-            "(or a larger public dataset_size), so that at least one unit is expected per step"
-        )
-    if divisor == 0:
-        # The same for records: a loader with more batches than records (a custom
-        # batch_sampler, or a small public dataset_size).
-        raise ValueError(
-            f"the expected batch size, int({size} records * rate {sample_rate:.6g}) with rate "
-            f"1 / len(data_loader), is 0, and the noisy sum under loss_reduction='mean' is "
-            "divided by it: give the loader fewer, larger batches (or a larger public "
-            "dataset_size), so that at least one record is expected per step"
+            f"the expected {what}, int(dataset_size={dataset_size} * rate {sample_rate:.6g}), "
+            "is 0, and the noisy sum under loss_reduction='mean' is divided by it: "
+            + (
+                "raise the UnitDataLoader's sample_rate or give a larger public dataset_size "
+                "(or expected_batch_size >= 1)"
+                if units
+                else "give the loader fewer, larger batches (or a larger public dataset_size)"
+            )
+            + ", so that at least one is expected per step"
         )
     return PublicSizes(sample_rate, divisor)
 

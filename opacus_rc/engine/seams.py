@@ -232,7 +232,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         """
         if self._sizes is not None:
             expected_batch_size = self._sizes.expected_batch_size
-            if distributed:
+            if distributed and expected_batch_size is not None:
                 expected_batch_size /= torch.distributed.get_world_size()
         build = self._build
         if build is None:

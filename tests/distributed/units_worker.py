@@ -113,6 +113,7 @@ def unit_loader(rank: int, *, seed: int, steps: int = 2) -> DistributedUnitDataL
         num_replicas=WORLD,
         rank=rank,
         generator=torch.Generator().manual_seed(seed),  # the same on both ranks
+        expected_batch_size=int(N_UNITS * Q),  # public: of both ranks together (issue 30)
     )
 
 
@@ -284,7 +285,7 @@ def scenario_engine(rank: int, sigma: float, wrapper: type = DPDDP) -> dict[str,
     assert type(opt) is (
         FSDPRandomizedClipOptimizer if sharded else DistributedRandomizedClipOptimizer
     )
-    E = int(N_UNITS * Q)
+    E = int(N_UNITS * Q)  # the loader's public expected_batch_size, per rank E / WORLD
     assert opt.expected_batch_size == E / WORLD, opt.expected_batch_size
     steps, residuals, out = 0, [], {}
     for batch in dl:

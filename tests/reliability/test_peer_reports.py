@@ -494,6 +494,7 @@ def test_poisson_sampling_false_with_a_poisson_loader_does_not_warn() -> None:
             clipping="randomized",
             sketch_dim=8,
             poisson_sampling=False,
+            dataset_size=16,  # public: the divisor of a loader without batch_size (issue 30)
         )
     train_all(module, opt, crit, loader)
     assert engine.accountant.history[0][:2] == (1.0, 0.25)

@@ -354,9 +354,11 @@ def test_custom_sampler_replaced_by_poisson_sampling_warns(
 ) -> None:
     """Issue 20 item 4: a ``WeightedRandomSampler`` (or a custom batch sampler) was replaced
     by uniform Poisson sampling without a word. Now a ``UserWarning`` at the caller's line says
-    which, why, and what to do; the replacement (the accounted Poisson sampler) is unchanged."""
+    which, why, and what to do; the replacement (the accounted Poisson sampler) is unchanged.
+    (The batch sampler gives no batch_size: its divisor comes from the public dataset_size,
+    issue 30.)"""
     with pytest.warns(UserWarning, match=f"data loader's {name} is replaced by Poisson") as rec:
-        _, out = private(make_loader(dataset(12)), clipping=clipping)
+        _, out = private(make_loader(dataset(12)), clipping=clipping, dataset_size=12)
     assert {w.filename for w in rec if "replaced by Poisson" in str(w.message)} == {__file__}
     assert type(out[-1]).__name__ == "DPDataLoader"
 
@@ -375,7 +377,7 @@ def test_uniform_samplers_do_not_warn(make_loader: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        private(make_loader(dataset(12)))
+        private(make_loader(dataset(12)), dataset_size=12)  # public: the DPDataLoader's divisor
 
 
 # ----------------------------------------------------------------------------------------------

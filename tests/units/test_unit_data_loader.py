@@ -132,7 +132,7 @@ def test_dict_batches_get_a_units_key() -> None:
     assert batch["units"].tolist() == [0, 0, 1, 1, 1, 2]
 
 
-def make_private(loader: UnitDataLoader, noise: float = 1.0):
+def make_private(loader: UnitDataLoader, noise: float = 1.0, **kwargs: Any):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, C))
     engine = PrivacyEngine(accountant="rc")
@@ -144,6 +144,7 @@ def make_private(loader: UnitDataLoader, noise: float = 1.0):
         max_grad_norm=1.0,
         clipping="randomized",
         criterion=nn.CrossEntropyLoss(),
+        **kwargs,
     )
     return engine, *out
 
@@ -166,11 +167,15 @@ def train(engine, m, opt, crit, loader, epochs: int = 1) -> int:
 def test_engine_accounts_the_unit_rate_and_divides_by_expected_units() -> None:
     unit_of = torch.arange(40) // 3  # 14 units
     loader = UnitDataLoader(
-        dataset(), unit_of=unit_of, sample_rate=0.25, generator=torch.Generator().manual_seed(0)
+        dataset(),
+        unit_of=unit_of,
+        sample_rate=0.25,
+        generator=torch.Generator().manual_seed(0),
+        expected_batch_size=3,  # public: the expected units per step (issue 30)
     )
     engine, m, opt, crit, dl = make_private(loader)
     assert dl is loader  # used as is, not re-sampled per sequence
-    assert opt.expected_batch_size == int(14 * 0.25)  # units, not 40 * 0.25 sequences
+    assert opt.expected_batch_size == 3  # the public number of units, not 40 * 0.25 sequences
     steps = train(engine, m, opt, crit, dl, epochs=2)
     assert steps == 8
     ((sigma, q, n, spec),) = [tuple(h) for h in engine.accountant.history]
@@ -179,14 +184,18 @@ def test_engine_accounts_the_unit_rate_and_divides_by_expected_units() -> None:
 
 
 def test_sigma_zero_is_recorded_at_infinite_epsilon() -> None:
-    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    loader = UnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, expected_batch_size=5
+    )
     engine, m, opt, crit, dl = make_private(loader, noise=0.0)
     train(engine, m, opt, crit, dl)
     assert engine.get_epsilon(1e-5) == math.inf
 
 
 def test_a_unit_split_across_physical_batches_is_refused() -> None:
-    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 8, sample_rate=1.0)
+    loader = UnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 8, sample_rate=1.0, expected_batch_size=5
+    )
     engine, m, opt, crit, dl = make_private(loader)
     with (
         BatchMemoryManager(data_loader=dl, max_physical_batch_size=12, optimizer=opt) as mem,
@@ -196,7 +205,9 @@ def test_a_unit_split_across_physical_batches_is_refused() -> None:
 
 
 def test_unit_loader_needs_randomized_clipping() -> None:
-    loader = UnitDataLoader(dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5)
+    loader = UnitDataLoader(
+        dataset(), unit_of=torch.arange(40) // 4, sample_rate=0.5, expected_batch_size=5
+    )
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="needs clipping='randomized'"):
         PrivacyEngine().make_private(
@@ -224,6 +235,7 @@ def test_virtual_steps_of_whole_units_give_the_same_update() -> None:
             unit_of=unit_of,
             sample_rate=0.5,
             generator=torch.Generator().manual_seed(4),
+            expected_batch_size=6,
         )
         engine = PrivacyEngine(accountant="rc")
         m, opt, crit, dl = engine.make_private(
@@ -353,6 +365,7 @@ def test_an_empty_step_is_noised_and_accounted() -> None:
             sample_rate=0.25,
             steps=2,
             generator=torch.Generator().manual_seed(9),
+            expected_batch_size=1,
         )
 
     assert [units.numel() for _, _, units in loader()] == [0, 0]  # both empty (this seed)
@@ -369,7 +382,7 @@ def test_steps_set_the_number_of_steps_not_the_accounted_rate(
 ) -> None:
     """UnitDataLoader(steps=S) draws units at q whatever S is: the accountant records
     1 / int(1 / q) >= q (Opacus' DPDataLoader rate), never 1 / S (0.25 < 0.5 for q = 0.5,
-    S = 4), and the divisor is int(N_units / int(1 / q))."""
+    S = 4), and the divisor is int(U / int(1 / q)) for the public dataset_size=U units."""
     loader = UnitDataLoader(
         dataset(),
         unit_of=torch.arange(40) // 2,
@@ -377,7 +390,7 @@ def test_steps_set_the_number_of_steps_not_the_accounted_rate(
         steps=steps,
         generator=torch.Generator().manual_seed(0),
     )
-    engine, m, opt, crit, dl = make_private(loader)
+    engine, m, opt, crit, dl = make_private(loader, dataset_size=20)
     assert len(dl) == steps
     assert train(engine, m, opt, crit, dl) == steps
     rate = 1 / int(1 / sample_rate)
@@ -394,6 +407,7 @@ def test_make_private_with_epsilon_searches_at_the_unit_rate() -> None:
         sample_rate=0.25,
         steps=8,
         generator=torch.Generator().manual_seed(0),
+        expected_batch_size=5,
     )
     model = nn.Sequential(nn.Embedding(V, 6), nn.Linear(6, C))
     engine = PrivacyEngine(accountant="rc")
@@ -430,13 +444,13 @@ def test_virtual_steps_of_a_distributed_unit_loader_are_refused(split_units: boo
 
 @pytest.mark.parametrize(
     ("sample_rate", "steps", "dataset_size", "with_epsilon"),
-    [(0.01, None, None, False), (0.01, None, None, True), (0.25, None, 3, False)],
+    [(0.01, None, 20, False), (0.01, None, 20, True), (0.25, None, 3, False)],
 )
 def test_a_unit_loader_expecting_no_unit_per_step_is_refused(
     sample_rate: float, steps: int | None, dataset_size: int | None, with_epsilon: bool
 ) -> None:
-    """20 units at q = 0.01 (or a public dataset_size of 3 at q = 0.25): the divisor
-    int(N_units q) is 0, the first step would divide the noisy sum by 0 (NaN parameters,
+    """A public dataset_size of 20 units at q = 0.01 (or of 3 at q = 0.25): the divisor
+    int(U q) is 0, the first step would divide the noisy sum by 0 (NaN parameters,
     still accounted). Refused at make_private, naming the fix."""
     loader = UnitDataLoader(
         dataset(), unit_of=torch.arange(40) // 2, sample_rate=sample_rate, steps=steps

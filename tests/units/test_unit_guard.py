@@ -53,7 +53,11 @@ def private(loader: DataLoader):
 
 def unit_loader() -> UnitDataLoader:
     return UnitDataLoader(
-        dataset(), unit_of=UNIT_OF, sample_rate=1.0, generator=torch.Generator().manual_seed(0)
+        dataset(),
+        unit_of=UNIT_OF,
+        sample_rate=1.0,
+        generator=torch.Generator().manual_seed(0),
+        expected_batch_size=4,  # public: the 4 units, all sampled
     )
 
 
@@ -199,6 +203,7 @@ def test_the_record_is_written_in_the_iterating_process_with_workers() -> None:
         steps=2,
         generator=torch.Generator().manual_seed(0),
         num_workers=1,
+        expected_batch_size=4,
     )
     engine, model, m, opt, crit, dl = private(loader)
     for step, (x, index, units) in enumerate(dl):

@@ -429,6 +429,7 @@ def test_manager_split_run_equals_whole_units_and_accounts_the_same() -> None:
             unit_of=unit_of,
             sample_rate=0.5,
             generator=torch.Generator().manual_seed(4),
+            expected_batch_size=5,  # public: 10 units at q = 0.5
         )
         engine = PrivacyEngine(accountant="rc")
         m, opt, crit, dl = engine.make_private(
