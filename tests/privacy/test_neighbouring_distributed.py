@@ -204,3 +204,34 @@ def test_distributed_sampler_loader_divides_by_the_global_batch(
     assert r["max_abs_diff"] < 1e-6, r
     # The accounted rate is the global one, 8 / 40 records, 5 steps an epoch.
     assert r["accounted_rate"] == 0.2 and r["steps_per_epoch"] == 5, r
+
+
+def test_public_sizes_count_per_rank_batches_globally() -> None:
+    """``public_sizes`` in a 2-process run, from public inputs only (no process group needed):
+    a ``DistributedSampler`` loader's batch 4 is per rank, so the global batch (the divisor
+    before the engine's division by the world size) is 8 and the rate 8 / 40, with or without
+    a public ``dataset_size`` (40, also on the neighbour of 39 records); a loader used as it is
+    (``poisson_sampling=False``) is per rank too; a plain loader that Poisson sampling shards
+    keeps its batch as the global one, and one process is unchanged."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from opacus_rc.engine.schedule import PublicSizes, public_sizes
+
+    def loader(n: int, *, sharded: bool) -> DataLoader:
+        ds = TensorDataset(torch.zeros(n, 1))
+        sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False) if sharded else None
+        return DataLoader(ds, batch_size=4, sampler=sampler)
+
+    for n in (40, 39):
+        for size in (None, 40):
+            got = public_sizes(loader(n, sharded=True), dataset_size=size, world_size=2)
+            assert got == PublicSizes(0.2, 8), (n, size, got)
+    fixed = public_sizes(
+        loader(40, sharded=True), dataset_size=None, world_size=2, poisson_sampling=False
+    )
+    assert fixed == PublicSizes(0.2, 8)
+    assert public_sizes(loader(40, sharded=False), dataset_size=None, world_size=2) == (
+        PublicSizes(0.1, 4)
+    )
+    assert public_sizes(loader(40, sharded=True), dataset_size=40) == PublicSizes(0.1, 4)
