@@ -17,12 +17,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP  # noqa: N817
 from opacus.utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
     UniformWithReplacementSampler,
 )
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -148,6 +152,17 @@ def check_data_loader(data_loader: Any, *, poisson_sampling: bool) -> None:
     )
 
 
+def _data_parallel_world_size(module: Any) -> int:
+    """The number of processes of a data-parallel ``module`` (1 for any other module).
+
+    The model types Opacus' ``make_private`` treats as distributed: Opacus' DPDDP, torch DDP
+    and FSDP2 (``FSDPModule``), whose process group is initialised (their constructors need it).
+    """
+    if isinstance(module, (DPDDP, DDP, FSDPModule)) and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
 def build_request(
     options: MakePrivateOptions, *, accountant: Any, secure_mode: bool, dataset: Any
 ) -> Request:
@@ -180,7 +195,11 @@ def build_request(
         )
     # refuses an empty loader
     sizes = public_sizes(
-        data_loader, dataset_size=options.dataset_size, loss_reduction=options.loss_reduction
+        data_loader,
+        dataset_size=options.dataset_size,
+        loss_reduction=options.loss_reduction,
+        world_size=_data_parallel_world_size(module),
+        poisson_sampling=poisson_sampling,
     )
     post = prepare_post_processing(
         module=module,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from opacus.data_loader import DPDataLoader
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_rc.data_loader import worker_options
 from opacus_rc.unit_data_loader import UnitDataLoader
@@ -36,10 +36,10 @@ class PublicSizes:
         sample_rate: ``q``, the Poisson rate the loader samples at; an epoch is ``int(1 / q)``
             steps, each accounted at ``1 / int(1 / q)`` (Opacus' ``1 / len(loader)``, at least
             ``q``: see :func:`accounted_schedule`).
-        expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"`` (per
-            process: divided by the world size in a distributed run, as Opacus does); None
-            under ``loss_reduction="sum"`` where no public number was given (nothing is
-            divided).
+        expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"``, the
+            expected *global* batch (per process: divided by the world size in a distributed
+            run, as Opacus does); None under ``loss_reduction="sum"`` where no public number
+            was given (nothing is divided).
     """
 
     sample_rate: float
@@ -62,7 +62,12 @@ def _check_public_count(value: object, name: str) -> None:
 
 
 def public_sizes(
-    data_loader: DataLoader, *, dataset_size: int | None, loss_reduction: str = "mean"
+    data_loader: DataLoader,
+    *,
+    dataset_size: int | None,
+    loss_reduction: str = "mean",
+    world_size: int = 1,
+    poisson_sampling: bool = True,
 ) -> PublicSizes:
     """Sampling rate and divisor from public inputs (Opacus #819, #571).
 
@@ -88,11 +93,25 @@ def public_sizes(
     Without a public number, a loader of the last two kinds is refused under
     ``loss_reduction="mean"``; under ``"sum"`` nothing is divided and the divisor is None.
 
+    In a distributed run of ``W`` processes the ``batch_size`` of a loader whose batches are
+    *per rank* counts one rank's records: a loader used as it is (``poisson_sampling=False``:
+    every rank iterates its own loader, usually over a ``DistributedSampler``), or one whose
+    sampler is a ``DistributedSampler`` (Poisson sampling then samples the whole dataset at
+    ``q = 1 / len(data_loader)``, the loader's batches per rank, and keeps each rank's shard).
+    The global batch, and so the divisor, is then ``B W`` (Opacus PR #745: dividing by ``B``
+    takes twice the step at ``W = 2``), and with a ``dataset_size`` the number of batches is
+    that of the rank's loader, ``n = ceil(ceil(N' / W) / B)`` (``N' // W`` records per rank
+    with the sampler's ``drop_last``). A plain loader with Poisson sampling is sharded by the
+    engine: its ``batch_size`` is the global batch.
+
     Args:
         data_loader: The user's (map-style) data loader.
         dataset_size: The public number of records ``N'`` (of units for a
             :class:`~opacus_rc.unit_data_loader.UnitDataLoader`), or None.
         loss_reduction: ``"mean"`` (the noisy sum is divided by the divisor) or ``"sum"``.
+        world_size: The number of processes ``W`` of a distributed run (1: not distributed).
+        poisson_sampling: Whether the engine replaces the loader by a Poisson one
+            (``make_private``'s argument); False uses it as it is, per rank.
 
     Returns:
         The sizes.
@@ -106,16 +125,26 @@ def public_sizes(
     """
     _check_public_count(dataset_size, "dataset_size")
     batch_size = data_loader.batch_size
+    # Batches per rank (see above): the global batch is W of them.
+    ranks = (
+        world_size
+        if world_size > 1
+        and batch_size is not None
+        and (not poisson_sampling or isinstance(data_loader.sampler, DistributedSampler))
+        else 1
+    )
     units = isinstance(data_loader, UnitDataLoader)
     if units:
         # The rate the units are drawn at, as Opacus for its DPDataLoader (whose length is
         # int(1 / q)): 1 / int(1 / q) >= q whatever ``steps`` (only the number of steps) is.
         n_batches = max(1, int(1 / data_loader.sample_rate))
     elif batch_size is not None and dataset_size is not None:
+        per_rank = dataset_size
+        if ranks > 1:  # the records of one rank's shard, as DistributedSampler counts them
+            drop = getattr(data_loader.sampler, "drop_last", False)
+            per_rank = dataset_size // ranks if drop else math.ceil(dataset_size / ranks)
         n_batches = (
-            dataset_size // batch_size
-            if data_loader.drop_last
-            else math.ceil(dataset_size / batch_size)
+            per_rank // batch_size if data_loader.drop_last else math.ceil(per_rank / batch_size)
         )
     else:
         n_batches = len(data_loader)
@@ -128,7 +157,7 @@ def public_sizes(
         )
     sample_rate = 1 / n_batches
     if batch_size is not None:
-        return PublicSizes(sample_rate, batch_size)
+        return PublicSizes(sample_rate, batch_size * ranks)
     if units:
         given = data_loader.expected_batch_size
         if given is not None and dataset_size is not None:

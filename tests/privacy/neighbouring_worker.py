@@ -1,0 +1,456 @@
+"""One rank of the distributed neighbouring-dataset harness (2 processes, gloo, CPU), run by
+test_neighbouring_distributed.py under ``torchrun --standalone --nproc-per-node 2``.
+
+``python -m torch.distributed.run --standalone --nproc-per-node 2 neighbouring_worker.py OUT``
+runs every case below on each rank, one process group for all of them (the imports dominate
+the cost), and rank 0 writes ``OUT/results.json``: per case, per dataset (``D`` and ``D-1``,
+the last record or unit removed) the mechanism's quantities and the released noisy sums. The
+worker asserts nothing about the guarantee itself: the test reads the numbers, so that each
+case passes or fails (or is an expected failure) on its own.
+
+Each case runs the same first step on D and on D-1 with the same seeds:
+
+* sigma = 1 (with and without a public ``dataset_size=`` where the path has one): the
+  accounted sampling rate, the steps of an epoch, the divisor of the noisy sum (per rank and
+  global) and the sd of the update of a trainable parameter that receives zero gradient (the
+  noise alone: ``sigma C / divisor``);
+* sigma = 0: the released noisy sum, the all-reduced gradient (SGD with lr 1: the update)
+  times the run's global divisor, and whether the removed record (unit) was sampled.
+
+The samplers couple the runs: with the same seed the first step's mask of D-1 is that of D
+without its last entry (``torch.rand(n)`` is a prefix of ``torch.rand(n + 1)`` from the same
+generator state; the worker records both batches and the test checks that they differ by the
+removed record only). The engine's distributed Poisson sampler shuffles its shards by default
+(a permutation of ``N`` indices, different for ``N - 1``), so the harness turns shuffling off.
+
+``fixed_batches`` (issue 30, Opacus PR #745) checks one step of ``poisson_sampling=False`` with
+a ``DistributedSampler`` loader of per-rank batch 4 (and the same loader with Poisson
+sampling) against the single-process clipped sum of the global batch divided by the global
+batch, 8.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from opacus.utils.fsdp_utils import FSDP2Wrapper
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "integrations"))
+
+import opacus_rc  # noqa: E402,F401  (registers the "rc" accountant)
+from opacus_rc.privacy_engine import PrivacyEngine  # noqa: E402
+from opacus_rc.unit_data_loader import DistributedUnitDataLoader  # noqa: E402
+
+WORLD = 2
+D_IN, CLASSES, T = 5, 3, 4
+H = 6
+DEAD = 400  # the zero-gradient layer: D_IN * DEAD = 2000 weights
+C = 0.5
+LR = 1.0  # SGD with lr 1: the update is the released gradient
+
+# Records: N records, loader batch 8 (the engine's global expected batch; 4 per rank).
+N_RECORDS, BATCH = 40, 8
+# Units: 12 units, rate 0.25; units 0-10 of 3 sequences, the last one of 12 (unit_data).
+N_UNITS, SEQ_PER_UNIT, LAST_UNIT_SEQ, UNIT_RATE, K_UNITS, C_UNITS = 12, 3, 12, 0.25, 4096, 7.0
+
+
+class DeadMLP(nn.Module):
+    """Two layers that learn plus ``dead``, a layer used with weight 0: its gradient is exactly
+    zero for every sample, so its update is the noise alone. Rank-2 inputs give exact norms;
+    rank-3 (``seq=True``) inputs are averaged over the sequence (sketched norms)."""
+
+    def __init__(self, *, seq: bool = False) -> None:
+        super().__init__()
+        self.seq = seq
+        self.lin1 = nn.Linear(D_IN, H)
+        self.lin2 = nn.Linear(H, CLASSES)
+        self.dead = nn.Linear(D_IN, DEAD, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin2(torch.tanh(self.lin1(x))) + 0.0 * self.dead(x).sum(-1, keepdim=True)
+        return out.mean(1) if self.seq else out
+
+
+def named_full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded (a collective for FSDP2), by its name without wrappers."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[".".join(name.split(".")[-2:])] = full.detach().clone()
+    return out
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    both: list[Any] = [None] * WORLD
+    dist.all_gather_object(both, obj)
+    return both
+
+
+def released(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], divisor: float
+) -> dict[str, Any]:
+    """The released noisy sum (update / lr times the global divisor) of the learning layers,
+    and the sd of the dead layer's update (the noise over the divisor)."""
+    live = torch.cat(
+        [(before[k] - after[k]).flatten() for k in sorted(before) if not k.startswith("dead")]
+    )
+    dead = (before["dead.weight"] - after["dead.weight"]).flatten() / LR
+    return {
+        "release": (live / LR * divisor).tolist(),
+        "dead_sd": dead.std().item(),
+        "dead_coords": dead.numel(),
+    }
+
+
+def record_data(n: int) -> TensorDataset:
+    """The first ``n`` of ``N_RECORDS`` fixed records ``(x, y, index)``."""
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(N_RECORDS, D_IN, generator=g)
+    y = torch.randint(0, CLASSES, (N_RECORDS,), generator=g)
+    return TensorDataset(x[:n], y[:n], torch.arange(n))
+
+
+def engine_records(
+    rank: int, wrapper: Any, *, n: int, sigma: float, dataset_size: int | None, seed: int = 0
+) -> dict[str, Any]:
+    """One step of ``PrivacyEngine.make_private`` (DDP or FSDP2, per-record Poisson loader)."""
+    torch.manual_seed(1)
+    model = wrapper(DeadMLP())
+    engine = PrivacyEngine()
+    loader = DataLoader(
+        record_data(n),
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(30 + 2 * seed + rank),
+    )
+    module, opt, crit, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=loader,
+        noise_multiplier=sigma,
+        max_grad_norm=C,
+        clipping="randomized",
+        criterion=nn.CrossEntropyLoss(),
+        sketch_dim=8,
+        noise_generator=torch.Generator().manual_seed(7),
+        dataset_size=dataset_size,
+    )
+    dl.batch_sampler.shuffle = False  # the coupling of D and D-1 (module docstring)
+    before = named_full(module)
+    x, y, index = next(iter(dl))
+    crit(module(x), y).backward()
+    opt.step()
+    after = named_full(module)
+    divisor = float(opt.expected_batch_size) * WORLD
+    ((s, q, steps, _spec),) = [tuple(h) for h in engine.accountant.history]
+    batch = sorted(i for part in gather_objects(index.tolist()) for i in part)
+    return {
+        "sample_rate": q,
+        "steps_per_epoch": len(dl),
+        "accounted_steps": steps,
+        "divisor_rank": float(opt.expected_batch_size),
+        "divisor_global": divisor,
+        "batch": batch,
+        "removed_sampled": (N_RECORDS - 1) in batch,
+        **released(before, after, divisor),
+    }
+
+
+def unit_data(n_units: int) -> tuple[TensorDataset, torch.Tensor]:
+    """The sequences of the first ``n_units`` of ``N_UNITS`` units: units 0-10 have
+    ``SEQ_PER_UNIT`` sequences each, the last unit (the one removed) ``LAST_UNIT_SEQ``; a unit's
+    sequences are close copies, so their gradients add up and the last unit's gradient is the
+    largest (the sigma = 0 comparison needs it clipped and the others not: see the test)."""
+    g = torch.Generator().manual_seed(0)
+    n_first = (N_UNITS - 1) * SEQ_PER_UNIT
+    unit_of = torch.cat(
+        [torch.arange(n_first) % (N_UNITS - 1), torch.full((LAST_UNIT_SEQ,), N_UNITS - 1)]
+    )
+    n_seq = len(unit_of)
+    base = 3 * torch.randn(N_UNITS, T, D_IN, generator=g)
+    x = base[unit_of] + 0.3 * torch.randn(n_seq, T, D_IN, generator=g)
+    y = torch.randint(0, CLASSES, (N_UNITS,), generator=g)[unit_of]
+    keep = unit_of < n_units
+    return TensorDataset(x[keep], y[keep], torch.arange(n_seq)[keep]), unit_of[keep]
+
+
+def engine_units(
+    rank: int, *, n: int, sigma: float, dataset_size: int | None, seed: int = 0
+) -> dict[str, Any]:
+    """One step of ``make_private`` with a DDP model and a ``DistributedUnitDataLoader``."""
+    torch.manual_seed(2)
+    model = DDP(DeadMLP(seq=True))
+    ds, unit_of = unit_data(n)
+    loader = DistributedUnitDataLoader(
+        ds,
+        unit_of=unit_of,
+        sample_rate=UNIT_RATE,
+        num_replicas=WORLD,
+        rank=rank,
+        generator=torch.Generator().manual_seed(50 + seed),  # the same on both ranks
+    )
+    engine = PrivacyEngine()
+    module, opt, crit, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=loader,
+        noise_multiplier=sigma,
+        max_grad_norm=C_UNITS,
+        clipping="randomized",
+        criterion=nn.CrossEntropyLoss(),
+        sketch_dim=K_UNITS,
+        noise_generator=torch.Generator().manual_seed(7),
+        dataset_size=dataset_size,
+    )
+    before = named_full(module)
+    x, y, index, units = next(iter(dl))
+    crit(module(x), y, units=units).backward()
+    norms = module.per_sample_gradient_norms.tolist()  # one per unit, in units' order
+    opt.step()
+    after = named_full(module)
+    divisor = float(opt.expected_batch_size) * WORLD
+    ((s, q, steps, _spec),) = [tuple(h) for h in engine.accountant.history]
+    full_unit_of = unit_data(N_UNITS)[1]
+    mine = [int(full_unit_of[index[units == j][0]]) for j in range(len(norms))]
+    both = gather_objects((mine, norms))
+    batch = sorted(u for m, _ in both for u in m)
+    unit_norms = {u: v for m, ns in both for u, v in zip(m, ns)}
+    return {
+        "sample_rate": q,
+        "steps_per_epoch": len(dl),
+        "accounted_steps": steps,
+        "divisor_rank": float(opt.expected_batch_size),
+        "divisor_global": divisor,
+        "batch": batch,
+        "removed_sampled": (N_UNITS - 1) in batch,
+        "max_norm_of_others": max(
+            [v for u, v in unit_norms.items() if u != N_UNITS - 1], default=0.0
+        ),
+        "norm_of_removed": unit_norms.get(N_UNITS - 1),
+        **released(before, after, divisor),
+    }
+
+
+# DPTrainer: tiny GPT-2 with exact per-example norms (tests/integrations/trainer_helpers.py);
+# the examples are 4-11 tokens long, so rows 12-31 of the learned position embedding (20 x 16 =
+# 320 coordinates) never receive a gradient: their update is the noise alone. C = 1.5 is below
+# every example's norm (1.9-4.0), so every sampled example is clipped.
+TRAINER_N, TRAINER_E, TRAINER_C, TRAINER_DEAD_ROWS = 40, 8, 1.5, 12
+
+
+def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) -> dict[str, Any]:
+    """One step of ``DPTrainer`` (the launch makes it DDP) on the first ``n`` examples."""
+    import trainer_helpers as th
+
+    from opacus_rc.integrations.train_data import trainer_schedule
+    from opacus_rc.integrations.transformers import DPTrainer, LogicalBatch, PrivacyArguments
+
+    shares: list[int] = []
+
+    class Recording(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            assert isinstance(inputs, LogicalBatch)
+            shares.append(inputs.num_examples)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model = th.tiny_gpt2_exact()
+    before = {k: v.double() for k, v in th.params(model).items()}
+    trainer = Recording(
+        model=model,
+        args=th.training_args(
+            out,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            optim="sgd",
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+        ),  # fmt: skip
+        train_dataset=th.token_examples(TRAINER_N)[:n],
+        data_collator=th.pad_collate,
+        privacy_args=PrivacyArguments(
+            noise_multiplier=sigma,
+            max_grad_norm=TRAINER_C,
+            expected_batch_size=TRAINER_E,
+            target_delta=1e-3,
+            seed=3 + seed,
+        ),
+    )
+    trainer.train()
+    after = {k: v.double() for k, v in th.params(trainer.model).items()}
+    divisor_rank = float(trainer.dp_optimizer.expected_batch_size)
+    divisor = divisor_rank * trainer.args.world_size
+    ((s, q, steps, _spec),) = [tuple(h) for h in trainer.privacy_engine.accountant.history]
+    wpe = "transformer.wpe.weight"
+    dead = (before[wpe] - after[wpe])[TRAINER_DEAD_ROWS:].flatten() / LR
+    live = torch.cat(
+        [(before[k] - after[k])[: TRAINER_DEAD_ROWS if k == wpe else None].flatten()
+         for k in sorted(before)]
+    )  # fmt: skip
+    total = sum(gather_objects(shares[0]))
+    return {
+        "sample_rate": q,
+        "steps_per_epoch": trainer_schedule(n, expected_batch_size=TRAINER_E).steps,
+        "accounted_steps": steps,
+        "divisor_rank": divisor_rank,
+        "divisor_global": divisor,
+        "batch": total,  # a count: the examples of the first step, over both ranks
+        "release": (live / LR * divisor).tolist(),
+        "dead_sd": dead.std().item(),
+        "dead_coords": dead.numel(),
+    }
+
+
+def fixed_batches(rank: int, *, poisson: bool) -> dict[str, Any]:
+    """One step at sigma = 0 with a ``DistributedSampler`` loader of per-rank batch 4 (global
+    8): the update against the single-process clipped sum of the global batch over 8."""
+    torch.manual_seed(4)
+    base = DeadMLP()
+    model = DDP(copy.deepcopy(base))
+    data = record_data(N_RECORDS)
+    loader = DataLoader(
+        data,
+        batch_size=BATCH // WORLD,
+        sampler=DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False),
+        generator=torch.Generator().manual_seed(40 + rank),
+    )
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, opt, crit, dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            clipping="randomized",
+            criterion=nn.CrossEntropyLoss(),
+            sketch_dim=8,
+            poisson_sampling=poisson,
+        )
+    if poisson:
+        dl.batch_sampler.shuffle = False
+    before = named_full(module)
+    x, y, index = next(iter(dl))
+    crit(module(x), y).backward()
+    opt.step()
+    after = named_full(module)
+    batch = sorted(i for part in gather_objects(index.tolist()) for i in part)
+    # The oracle: each record's gradient alone (float64), clipped at C, summed, over 8.
+    ref = copy.deepcopy(base).double()
+    x_all, y_all, _ = data.tensors
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in before.items()}
+    clipped = 0
+    for i in batch:
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x_all[i : i + 1].double()), y_all[i : i + 1]).backward()
+        grads = dict(ref.named_parameters())
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in grads.values()))
+        factor = min(1.0, C / (float(norm) + 1e-6))
+        clipped += int(factor < 1)
+        for k in total:
+            total[k] += factor * grads[k].grad
+    diffs = [
+        ((before[k].double() - after[k].double()) - LR * total[k] / BATCH).abs().max().item()
+        for k in total
+    ]
+    update = torch.cat([(before[k] - after[k]).flatten() for k in sorted(total)]).double()
+    oracle = torch.cat([(LR * total[k] / BATCH).flatten() for k in sorted(total)])
+    return {
+        "batch": batch,
+        "clipped": clipped,
+        "divisor_rank": float(opt.expected_batch_size),
+        "accounted_rate": float(engine.accountant.history[0][1]),
+        "steps_per_epoch": len(dl),
+        "max_abs_diff": max(diffs),
+        "update_over_oracle": float(update.norm() / oracle.norm()),
+    }
+
+
+def neighbours(run: Any, removed: int, *, seeds: int = 8) -> dict[str, Any]:
+    """``run`` on D and on D minus its last record (unit) ``removed``.
+
+    The mechanism at sigma 1 (seed 0); the releases at sigma 0 for seeds 0, 1, ... up to the
+    first whose first step samples the removed record (``run`` returns ``removed_sampled``, or
+    for the Trainer the count of examples, one more on D when it is sampled).
+    """
+    out: dict[str, Any] = {}
+    for label, n in (("D", removed + 1), ("D-1", removed)):
+        noisy = run(n=n, sigma=1.0)
+        out[label] = {k: v for k, v in noisy.items() if k != "release"}
+    pairs = []
+    for seed in range(seeds):
+        a = run(n=removed + 1, sigma=0.0, seed=seed)
+        b = run(n=removed, sigma=0.0, seed=seed)
+        sampled = a.get("removed_sampled", a["batch"] != b["batch"])
+        delta = torch.tensor(a.pop("release"), dtype=torch.float64) - torch.tensor(
+            b.pop("release"), dtype=torch.float64
+        )
+        pairs.append(
+            {"seed": seed, "delta_norm": delta.norm().item(), "removed_sampled": sampled,
+             "D": a, "D-1": b}
+        )  # fmt: skip
+        if sampled:
+            break
+    out["pairs"] = pairs
+    return out
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        results: dict[str, Any] = {}
+        for name, wrapper in (("ddp", DDP), ("fsdp2", FSDP2Wrapper)):
+            for size in (None, N_RECORDS):
+                results[f"{name}-records-{'size' if size else 'nosize'}"] = neighbours(
+                    lambda *, w=wrapper, s=size, **kw: engine_records(
+                        rank, w, dataset_size=s, **kw
+                    ),
+                    N_RECORDS - 1,
+                )
+        results["ddp-units-size"] = neighbours(
+            lambda **kw: engine_units(rank, dataset_size=N_UNITS, **kw), N_UNITS - 1
+        )
+        # Without a public number of units the divisor could only come from the private
+        # count: make_private refuses, on D and on D-1 alike.
+        refusals = []
+        for n in (N_UNITS, N_UNITS - 1):
+            try:
+                engine_units(rank, dataset_size=None, n=n, sigma=1.0)
+                refusals.append(None)
+            except ValueError as error:
+                refusals.append(str(error))
+        results["ddp-units-nosize-refusals"] = refusals
+        results["fixed_batches"] = {
+            "poisson_false": fixed_batches(rank, poisson=False),
+            "poisson_true": fixed_batches(rank, poisson=True),
+        }
+        results["trainer-ddp"] = neighbours(
+            lambda *, n, sigma, seed=0: trainer_run(
+                rank, out / f"r{rank}-{n}-{sigma}-{seed}", n=n, sigma=sigma, seed=seed
+            ),
+            TRAINER_N - 1,
+        )
+        if rank == 0:
+            (out / "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
