@@ -16,8 +16,8 @@ What is checked, and against what:
 * physical splitting equals one micro-batch per logical batch, with and without clipping;
   activation checkpointing equals no checkpointing;
 * resuming from a checkpoint with ``resume_exact=True`` gives exactly the uninterrupted run's
-  epsilon, accountant history and (seeded sketch) weights; a checkpoint without privacy state, or with other settings, is
-  refused; saved weights load with ``from_pretrained``;
+  epsilon, accountant history and (seeded sketch) weights; a checkpoint without privacy state,
+  or with other settings, is refused; saved weights load with ``from_pretrained``;
 * LoRA (peft) trains only the adapters; ``evaluate()`` and ``generate()`` work;
 * every refused configuration raises with a message that says what to do.
 """
