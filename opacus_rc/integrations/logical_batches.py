@@ -56,11 +56,12 @@ class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
     independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
     ``torch.rand(num_samples) < sample_rate``); an empty batch is yielded as ``[]``. Seeding
     per epoch makes an epoch replayable: skipping its first ``j`` batches (what the Trainer does
-    on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
-    epoch (the Trainer calls it); each iteration otherwise moves to the next epoch. The epoch is
-    taken when the first batch is drawn (an iterator never advanced takes none), so a
-    ``DataLoader`` with workers, which makes an iterator it discards, draws the batches of one
-    with no worker; the masks are drawn in the main process.
+    on an exact resume, ``PrivacyArguments.resume_exact``) reproduces the batches of the
+    uninterrupted run (the default resume reseeds the sampler: fresh masks).
+    :meth:`set_epoch` chooses the epoch (the Trainer calls it); each iteration otherwise moves
+    to the next epoch. The epoch is taken when the first batch is drawn (an iterator never
+    advanced takes none), so a ``DataLoader`` with workers, which makes an iterator it
+    discards, draws the batches of one with no worker; the masks are drawn in the main process.
 
     With ``world_size > 1`` every rank draws the same global mask (same ``seed``) and keeps the
     sampled indices of its shard, ``i % world_size == rank`` (the shard of Opacus'

@@ -499,7 +499,9 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             FileNotFoundError: The checkpoint has no privacy state (resuming would restart
                 epsilon from zero).
-            ValueError: The checkpoint was trained with other privacy settings.
+            ValueError: The checkpoint was trained with other privacy settings, or
+                ``PrivacyArguments.resume_exact`` with ``ignore_data_skip`` (it would replay
+                accounted masks).
         """
         super().load_optimizer_and_scheduler_seam(checkpoint)
         if checkpoint is None:

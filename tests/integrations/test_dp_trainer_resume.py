@@ -211,3 +211,8 @@ def test_two_workers_train_the_zero_worker_batches_and_resume_exactly(tmp_path: 
     a, b, c = th.params(zero.model), th.params(two.model), th.params(resumed.model)
     for name in a:
         assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
+
+
+def test_resume_exact_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="resume_exact must be a bool"):
+        PrivacyArguments(noise_multiplier=1.0, expected_batch_size=8, resume_exact="yes")
