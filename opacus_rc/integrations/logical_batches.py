@@ -56,8 +56,12 @@ class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
     independently with probability ``sample_rate`` (Opacus' ``UniformWithReplacementSampler``:
     ``torch.rand(num_samples) < sample_rate``); an empty batch is yielded as ``[]``. Seeding
     per epoch makes an epoch replayable: skipping its first ``j`` batches (what the Trainer does
-    on resume) reproduces the batches of the uninterrupted run. :meth:`set_epoch` chooses the
-    epoch (the Trainer calls it); each iteration otherwise moves to the next epoch.
+    on an exact resume, ``PrivacyArguments.resume_exact``) reproduces the batches of the
+    uninterrupted run (the default resume reseeds the sampler: fresh masks).
+    :meth:`set_epoch` chooses the epoch (the Trainer calls it); each iteration otherwise moves
+    to the next epoch. The epoch is taken when the first batch is drawn (an iterator never
+    advanced takes none), so a ``DataLoader`` with workers, which makes an iterator it
+    discards, draws the batches of one with no worker; the masks are drawn in the main process.
 
     With ``world_size > 1`` every rank draws the same global mask (same ``seed``) and keeps the
     sampled indices of its shard, ``i % world_size == rank`` (the shard of Opacus'
@@ -100,13 +104,20 @@ class PoissonLogicalBatchSampler(UniformWithReplacementSampler):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        self.generator = seeded_generator(self.seed, self.epoch)
+        # A generator function: the epoch is taken, and its generator seeded, when the first
+        # batch is asked for, not when the iterator is made. A DataLoader with workers makes
+        # two iterators of its batch sampler and uses the second: a seeding at iter() time
+        # would skip an epoch and draw other batches than with no worker. The masks are drawn
+        # here, in the main process, from a generator local to this iteration.
+        generator = seeded_generator(self.seed, self.epoch)
         self.epoch += 1
-        if self.world_size == 1:
-            return super().__iter__()
-        return (
-            [i for i in batch if i % self.world_size == self.rank] for batch in super().__iter__()
-        )
+        for _ in range(self.steps):
+            # Opacus' UniformWithReplacementSampler, with this iteration's generator.
+            mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
+            batch = mask.nonzero(as_tuple=False).reshape(-1).tolist()
+            if self.world_size > 1:
+                batch = [i for i in batch if i % self.world_size == self.rank]
+            yield batch
 
 
 @dataclass
@@ -288,9 +299,10 @@ class UnitLogicalBatchSampler(DistributedUnitPoissonSampler):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Seeded at the first batch, not at iter() (see PoissonLogicalBatchSampler.__iter__).
         self.generator = seeded_generator(self.seed, self.epoch)
         self.epoch += 1
-        return super().__iter__()
+        yield from super().__iter__()
 
 
 class UnitRows(Dataset):

@@ -68,6 +68,19 @@ class PrivacyArguments:
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch
             (``per_device_train_batch_size``).
+        resume_exact: How ``train(resume_from_checkpoint=...)`` continues a run. ``False``
+            (default): the resumed run draws *fresh* Poisson masks and fresh noise (the sampler
+            and the noise generator reseeded from the checkpoint's seed and a new nonce from the
+            operating system), so no mask already trained and accounted is trained again and
+            two continuations of one checkpoint are independent releases; its epsilon is the
+            uninterrupted run's for the same steps, but its weights are not bit-identical to it.
+            ``True``: the checkpoint's sampler seed and noise-generator state are restored and
+            the resumed run equals the uninterrupted run bit for bit (same masks, same noise).
+            Unsafe when two continuations of one checkpoint are published (say after replacing a
+            record, or re-running a later part with other settings): they add the *same* noise,
+            so their difference is noise-free and the epsilons do not compose; and with
+            ``TrainingArguments.ignore_data_skip=True`` (refused with a ``ValueError`` at resume),
+            which would train again the masks of the checkpoint epoch's accounted steps.
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -121,6 +134,13 @@ class PrivacyArguments:
         default=None,
         metadata={"help": "With privacy_unit: at most this many rows per unit (its first)."},
     )
+    resume_exact: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume bit-identically (restore the sampler and noise generators); unsafe "
+            "when two continuations of one checkpoint are published. Default: fresh draws."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.bookkeeping, bool):
@@ -167,6 +187,8 @@ class PrivacyArguments:
             )
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_sequences_per_unit must be an integer >= 1 or None, got {m!r}")
+        if not isinstance(self.resume_exact, bool):
+            raise ValueError(f"resume_exact must be a bool, got {self.resume_exact!r}")
         if self.bookkeeping not in BOOKKEEPING:
             raise ValueError(
                 f"bookkeeping must be one of {sorted(BOOKKEEPING)}, got {self.bookkeeping!r}"

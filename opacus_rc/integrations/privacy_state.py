@@ -1,22 +1,33 @@
 """A DP trainer's privacy state in a checkpoint: what is saved, checked and restored.
 
 Every checkpoint of a DP trainer holds :data:`PRIVACY_STATE_NAME`: the accountant's history, the
-sampler's seed, the noise generator's state (and the sketch generators', if seeded), and the
-privacy settings the run was trained with. Restoring it makes a resumed run draw the batches and
-noise of the uninterrupted run, so its epsilon is the same; a checkpoint of other settings is
-refused. The file is as private as the training data (the seed reveals the batches).
+sampler's seed, the noise generator's state (and the sketch generators', if seeded), the nonces
+of the run's fresh resumes, and the privacy settings the run was trained with. Resuming restores
+the accountant (a checkpoint of other settings is refused), so the resumed run's epsilon is the
+uninterrupted run's for the same steps, and then, by default, draws *fresh* Poisson masks and
+noise: the sampler seed and the noise generator are reseeded from the checkpoint's sampler seed
+mixed with a nonce from the operating system's CSPRNG (recorded in the run's later
+checkpoints). No mask already trained and accounted is drawn again (``ignore_data_skip=True``
+included), and two continuations of one checkpoint are independent releases, whose epsilons
+compose. ``PrivacyArguments.resume_exact=True`` restores the generators instead, for a resume
+bit-identical to the uninterrupted run (unsafe when two continuations of one checkpoint are
+published, or part of a run is re-run: they share their noise and masks). The file is as
+private as the training data (the seed reveals the batches).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "PRIVACY_STATE_NAME",
+    "fresh_seeds",
     "load_privacy_state",
     "privacy_state",
     "restore_privacy_state",
@@ -68,6 +79,7 @@ def privacy_state(private: Any, *, sampler_seed: int, world_size: int) -> dict[s
         "noise_generator": private.noise_generator.get_state(),
         "sketch_generator": None if sketch_states is None else sketch_states[0],
         "sketch_generators_by_rank": sketch_states,
+        "fresh_resumes": list(private.fresh_resumes),
     }
 
 
@@ -88,25 +100,72 @@ def load_privacy_state(checkpoint: str) -> dict[str, Any]:
     return torch.load(path, weights_only=False)
 
 
+def fresh_seeds(sampler_seed: int, nonce: int) -> tuple[int, int]:
+    """The sampler and noise seeds of a fresh resume: two independent streams of a
+    :class:`numpy.random.SeedSequence` of the checkpoint's sampler seed and the resume's nonce.
+
+    Args:
+        sampler_seed: The checkpointed run's sampler seed.
+        nonce: The resume's nonce (from :mod:`secrets`).
+
+    Returns:
+        ``(sampler_seed, noise_seed)`` of the resumed run.
+    """
+    words = [int(sampler_seed), int(nonce)]
+    sampler = np.random.SeedSequence(words, spawn_key=(0,)).generate_state(1, np.uint64)[0]
+    noise = np.random.SeedSequence(words, spawn_key=(1,)).generate_state(1, np.uint64)[0]
+    return int(sampler), int(noise)
+
+
 def restore_privacy_state(
-    private: Any, state: dict[str, Any], *, rank: int, world_size: int
+    private: Any,
+    state: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    exact: bool = False,
+    ignore_data_skip: bool = False,
 ) -> int:
-    """Restore the accountant and the generators of ``private`` from ``state``.
+    """Restore the accountant of ``private`` from ``state``, and reseed or restore its generators.
+
+    The accountant's history is restored in both modes (the resumed run's epsilon counts the
+    checkpointed steps). By default (``exact=False``) the Poisson sampler and the noise are
+    reseeded (:func:`fresh_seeds`) from the checkpoint's sampler seed and a nonce from the
+    operating system's CSPRNG (rank 0's under DDP: a collective, every rank calls it), appended
+    to ``private.fresh_resumes``: the resumed run's masks and noise are new draws, independent
+    of the checkpointed run's and of any other continuation of the checkpoint. With
+    ``exact=True`` the noise generator's state and the sampler seed are restored: the resumed run
+    draws the masks and noise of the uninterrupted run. A seeded sketch generator is restored in
+    both modes (a seeded sketch is accounted as revealed).
 
     Args:
         private: The trainer's :class:`~opacus_rc.integrations.private_run.PrivateRun`.
         state: What :func:`privacy_state` returned for the checkpointed run.
         rank: This process' rank.
         world_size: The number of processes.
+        exact: ``PrivacyArguments.resume_exact``.
+        ignore_data_skip: ``TrainingArguments.ignore_data_skip``.
 
     Returns:
-        The sampler seed of the checkpointed run.
+        The sampler seed of the resumed run.
 
     Raises:
-        ValueError: An unknown format version, or other privacy settings than this run's.
+        ValueError: An unknown format version, or other privacy settings than this run's;
+            ``exact`` with ``ignore_data_skip`` (the Trainer would restart the checkpoint's
+            epoch from its first batch and train again the masks of the epoch's steps already
+            trained and accounted).
     """
     if state.get("version") != _STATE_VERSION:
         raise ValueError(f"unknown privacy-state version {state.get('version')!r}")
+    if exact and ignore_data_skip:
+        raise ValueError(
+            "PrivacyArguments.resume_exact=True with TrainingArguments.ignore_data_skip=True: "
+            "the resumed run would restart the checkpoint's epoch from its first batch with the "
+            "checkpointed sampler, training again the Poisson masks of steps already trained "
+            "and accounted (the accountant would count them as fresh independent steps). Set "
+            "ignore_data_skip=False (the exact resume skips those masks), or leave "
+            "resume_exact=False (fresh masks and noise)"
+        )
     mine = _settings(private, world_size=world_size)
     # A checkpoint written before DDP support has no world size: one process.
     differ = {k: (state.get(k, 1), v) for k, v in mine.items() if state.get(k, 1) != v}
@@ -120,8 +179,18 @@ def restore_privacy_state(
             "num_train_epochs / max_steps and number of processes"
         )
     private.engine.accountant.load_state_dict(state["accountant"])
-    private.noise_generator.set_state(state["noise_generator"])
     by_rank = state.get("sketch_generators_by_rank") or [state["sketch_generator"]]
     if private.sketch_generator is not None and by_rank[rank] is not None:
         private.sketch_generator.set_state(by_rank[rank])
-    return int(state["sampler_seed"])
+    resumes = [int(x) for x in state.get("fresh_resumes", [])]
+    if exact:
+        private.noise_generator.set_state(state["noise_generator"])
+        private.fresh_resumes = resumes
+        return int(state["sampler_seed"])
+    nonce = [secrets.randbits(63)]
+    if world_size > 1:  # every rank draws rank 0's masks; only rank 0's noise is added
+        dist.broadcast_object_list(nonce, src=0)
+    sampler_seed, noise_seed = fresh_seeds(int(state["sampler_seed"]), int(nonce[0]))
+    private.noise_generator.manual_seed(noise_seed)
+    private.fresh_resumes = [*resumes, int(nonce[0])]
+    return sampler_seed

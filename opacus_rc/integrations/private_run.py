@@ -17,7 +17,7 @@ import inspect
 import logging
 import secrets
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,9 @@ class PrivateRun:
         planned_steps: Steps the noise was searched for (None with a given noise multiplier).
         noise_generator: The noise generator.
         sketch_generator: The sketch generator if seeded, else None.
+        fresh_resumes: The nonces of the fresh resumes of this run's lineage, oldest first
+            (:func:`~opacus_rc.integrations.privacy_state.restore_privacy_state`); empty for a
+            run that was never resumed, or only resumed with ``resume_exact=True``.
     """
 
     engine: PrivacyEngine
@@ -73,6 +76,7 @@ class PrivateRun:
     planned_steps: int | None
     noise_generator: torch.Generator
     sketch_generator: torch.Generator | None
+    fresh_resumes: list[int] = field(default_factory=list)
 
 
 def run_seeds(seed: int | None, *, world_size: int) -> tuple[int, int]:

@@ -41,11 +41,16 @@ differently:
   ``train()`` returns.
 * **Checkpoints.** Every checkpoint also holds ``privacy_state.pt``: the accountant's history,
   the sampler's seed, the noise generator's state (and the sketch generator's, if seeded).
-  ``train(resume_from_checkpoint=...)`` restores them, so the resumed run draws the same
-  batches and noise as an uninterrupted one and its epsilon equals it exactly (the sketch,
-  unless seeded, is fresh). Keep checkpoints as private as the training data: the sampler seed
-  reveals which examples were in which batch, and the noise state the noise. The saved model is
-  the plain model (the hooks are attached without a wrapper): ``from_pretrained`` loads it.
+  ``train(resume_from_checkpoint=...)`` restores the accountant, so the resumed run's epsilon
+  equals the uninterrupted run's exactly, and by default draws *fresh* Poisson masks and noise
+  (reseeded from the checkpoint's seed and a new OS nonce): no mask already trained and
+  accounted is trained again, ``ignore_data_skip=True`` included, and two continuations of one
+  checkpoint are independent releases. ``PrivacyArguments.resume_exact=True`` restores the
+  generators instead (a resume equal to the uninterrupted run bit for bit; unsafe when two
+  continuations of one checkpoint are published; refused with ``ignore_data_skip=True``).
+  Keep checkpoints as private as the training data: the sampler seed reveals which examples
+  were in which batch, and the noise state the noise. The saved model is the plain model (the
+  hooks are attached without a wrapper): ``from_pretrained`` loads it.
 * **Refused, with what to do:** ``gradient_accumulation_steps > 1``, a training sampler of the
   Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
   overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
@@ -494,7 +499,9 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             FileNotFoundError: The checkpoint has no privacy state (resuming would restart
                 epsilon from zero).
-            ValueError: The checkpoint was trained with other privacy settings.
+            ValueError: The checkpoint was trained with other privacy settings, or
+                ``PrivacyArguments.resume_exact`` with ``ignore_data_skip`` (it would replay
+                accounted masks).
         """
         super().load_optimizer_and_scheduler_seam(checkpoint)
         if checkpoint is None:
@@ -502,8 +509,14 @@ class DPTrainerMixin(TrainerSeams):
         self._restore_privacy_state(load_privacy_state(checkpoint))
 
     def _restore_privacy_state(self, state: dict[str, Any]) -> None:
+        # Fresh masks and noise unless PrivacyArguments.resume_exact (module docstring).
         seed = restore_privacy_state(
-            self._require_private(), state, rank=self._rank, world_size=self._world_size
+            self._require_private(),
+            state,
+            rank=self._rank,
+            world_size=self._world_size,
+            exact=self.privacy_args.resume_exact,
+            ignore_data_skip=self.args.ignore_data_skip,
         )
         self._epsilon_cache = None
         self._poisson_sampler.seed = seed

@@ -99,28 +99,37 @@ def main() -> None:
 
 def resume(out: Path) -> dict[str, Any]:
     """The ``budget`` run with a seeded sketch, saved at step 2 and run to the end, then
-    resumed from that checkpoint by a new trainer: both runs' records."""
+    resumed from that checkpoint by a new trainer with ``resume_exact=True`` and by one with
+    the default fresh resume (in another output folder, the checkpoint kept): the runs'
+    records."""
     run = RUNS["budget"]
     privacy = {"target_delta": DELTA, "seed": SEED, "sketch_seed": 11, **run["privacy"]}
+    checkpoint = str(out / "out" / "checkpoint-2")  # training_args: out/out
     records = []
-    for checkpoint in (None, str(out / "out" / "checkpoint-2")):  # training_args: out/out
+    for folder, start, exact in (
+        (out, None, True),
+        (out, checkpoint, True),
+        (out / "fresh", checkpoint, False),
+    ):
         trainer = DPTrainer(
             model=th.tiny_gpt2_exact(),
-            args=th.training_args(out, save_strategy="steps", save_steps=2, **run["args"]),
+            args=th.training_args(folder, save_strategy="steps", save_steps=2, **run["args"]),
             train_dataset=th.token_examples(N),
             data_collator=th.pad_collate,
-            privacy_args=PrivacyArguments(**privacy),
+            privacy_args=PrivacyArguments(**privacy, resume_exact=exact),
         )
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.train(resume_from_checkpoint=start)
         records.append(
             {
                 "params": th.params(trainer.model),
                 "epsilon": trainer.get_epsilon(),
                 "history": list(trainer.privacy_engine.accountant.history),
                 "sketch_state": trainer.dp_module.sketch_generator.get_state(),
+                "sampler_seed": trainer._poisson_sampler.seed,
+                "fresh_resumes": list(trainer._private.fresh_resumes),
             }
         )
-    return {"uninterrupted": records[0], "resumed": records[1]}
+    return {"uninterrupted": records[0], "resumed": records[1], "fresh": records[2]}
 
 
 def fsdp_refusal(out: Path) -> dict[str, Any]:

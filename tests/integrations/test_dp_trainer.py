@@ -15,9 +15,9 @@ What is checked, and against what:
   ``lr / B_exp``);
 * physical splitting equals one micro-batch per logical batch, with and without clipping;
   activation checkpointing equals no checkpointing;
-* resuming from a checkpoint gives exactly the uninterrupted run's epsilon, accountant history
-  and (seeded sketch) weights; a checkpoint without privacy state, or with other settings, is
-  refused; saved weights load with ``from_pretrained``;
+* resuming from a checkpoint with ``resume_exact=True`` gives exactly the uninterrupted run's
+  epsilon, accountant history and (seeded sketch) weights; a checkpoint without privacy state,
+  or with other settings, is refused; saved weights load with ``from_pretrained``;
 * LoRA (peft) trains only the adapters; ``evaluate()`` and ``generate()`` work;
 * every refused configuration raises with a message that says what to do.
 """
@@ -289,8 +289,10 @@ def test_gradient_checkpointing_equals_plain(tmp_path: Path, flag: str) -> None:
 
 
 @pytest.mark.parametrize("save_steps", [3, 5], ids=["mid-epoch", "epoch-boundary"])
-def test_resume_equals_uninterrupted(tmp_path: Path, save_steps: int) -> None:
-    privacy = {"sketch_seed": 5}
+def test_resume_exact_equals_uninterrupted(tmp_path: Path, save_steps: int) -> None:
+    """``resume_exact=True`` (the default resume draws fresh masks and noise:
+    test_dp_trainer_resume.py) restores the generators: the uninterrupted run bit for bit."""
+    privacy = {"sketch_seed": 5, "resume_exact": True}
     save = {"save_strategy": "steps", "save_steps": save_steps, "max_steps": 7}
     full = make(tmp_path / "full", privacy=privacy, **save)
     full.train()
@@ -301,10 +303,10 @@ def test_resume_equals_uninterrupted(tmp_path: Path, save_steps: int) -> None:
     assert len(resumed.batches) == 7 - save_steps
     assert resumed.privacy_engine.accountant.history == full.privacy_engine.accountant.history
     assert resumed.get_epsilon() == full.get_epsilon()
-    # Same batches, noise and (seeded) sketch: the same weights.
+    # Same batches, noise and (seeded) sketch: the same weights, bit for bit.
     a, b = th.params(full.model), th.params(resumed.model)
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+        assert torch.equal(a[name], b[name]), name
     assert [x.num_examples for x in full.batches[save_steps:]] == [
         x.num_examples for x in resumed.batches
     ]

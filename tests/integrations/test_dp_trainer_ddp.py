@@ -21,7 +21,8 @@ seed the ranks' shares partition the single process' Poisson batches, so:
 * (c) the trained weights are identical (bitwise) across ranks.
 
 A checkpoint written at step 2 (by rank 0, with every rank's sketch-generator state) resumes
-on both ranks to the uninterrupted run's epsilon and weights. FSDP through the Trainer is
+on both ranks (``resume_exact=True``) to the uninterrupted run's epsilon and weights; the
+default (fresh) resume takes rank 0's nonce on both ranks. FSDP through the Trainer is
 refused on every rank with a message that says what to use.
 """
 
@@ -144,10 +145,10 @@ def test_rank_shares_partition_the_single_process_batches() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_resume_equals_uninterrupted(launch: list) -> None:
+def test_ddp_resume_exact_equals_uninterrupted(launch: list) -> None:
     """Saved at step 2 by rank 0 (seeded sketch: every rank's sketch state in the checkpoint),
-    resumed on both ranks: epsilon, history, weights and each rank's sketch state equal the
-    uninterrupted run's."""
+    resumed on both ranks with ``resume_exact=True``: epsilon, history, weights and each rank's
+    sketch state equal the uninterrupted run's."""
     for r in launch:
         a, b = r["resume"]["uninterrupted"], r["resume"]["resumed"]
         assert b["epsilon"] == a["epsilon"] and b["history"] == a["history"]
@@ -156,3 +157,20 @@ def test_ddp_resume_equals_uninterrupted(launch: list) -> None:
             torch.testing.assert_close(b["params"][name], a["params"][name], rtol=1e-6, atol=1e-7)
     states = [r["resume"]["resumed"]["sketch_state"] for r in launch]
     assert not torch.equal(*states)  # each rank draws its own probes
+
+
+@pytest.mark.slow
+def test_ddp_fresh_resume_agrees_across_ranks(launch: list) -> None:
+    """The default resume draws fresh masks and noise from rank 0's nonce (broadcast): both
+    ranks take the same nonce and sampler seed (so their shares still partition one Poisson
+    batch) and end with identical weights, other than the uninterrupted run's, at its
+    epsilon."""
+    fresh = [r["resume"]["fresh"] for r in launch]
+    a = launch[0]["resume"]["uninterrupted"]
+    assert fresh[0]["fresh_resumes"] == fresh[1]["fresh_resumes"] and fresh[0]["fresh_resumes"]
+    assert fresh[0]["sampler_seed"] == fresh[1]["sampler_seed"] != a["sampler_seed"]
+    for f in fresh:
+        assert f["epsilon"] == a["epsilon"] and f["history"] == a["history"]
+    for name in a["params"]:
+        assert torch.equal(fresh[0]["params"][name], fresh[1]["params"][name]), name
+    assert any(not torch.equal(fresh[0]["params"][n], a["params"][n]) for n in a["params"])

@@ -195,12 +195,13 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path: Path) -> None:
         ).train()
 
 
-def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
-    """The unit sampler is seeded per epoch (as the per-example one): a run resumed from a
-    mid-epoch checkpoint draws the same units and noise and ends at the same weights and
-    epsilon. U = 12 units, expected_batch_size = 4: 3 steps per epoch, checkpoint at step 2."""
+def test_resume_exact_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
+    """The unit sampler is seeded per epoch (as the per-example one): a run resumed with
+    ``resume_exact=True`` from a mid-epoch checkpoint draws the same units and noise and ends at
+    the same weights and epsilon. U = 12 units, expected_batch_size = 4: 3 steps per epoch,
+    checkpoint at step 2. (The default resume draws fresh masks: test_dp_trainer_resume.py.)"""
     data = unit_rows([1, 3, 2, 1, 3, 2, 1, 2, 3, 1, 2, 3], seed=5)
-    privacy = {"target_epsilon": 8.0, "sketch_seed": 5}
+    privacy = {"target_epsilon": 8.0, "sketch_seed": 5, "resume_exact": True}
     save = {"save_strategy": "steps", "save_steps": 2, "max_steps": 5}
     full = make(tmp_path / "full", data=data, privacy=privacy, **save)
     full.train()
