@@ -68,6 +68,12 @@ class PrivacyArguments:
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch
             (``per_device_train_batch_size``).
+        log_non_private_token_counts: Log the number of tokens trained on so far (the
+            attention mask's ones, else the input's elements, summed over the private batches
+            of this ``train()`` call) as ``non_private/num_input_tokens_seen``. The count is
+            taken from the private data without noise and no epsilon covers it (neighbouring
+            datasets log different counts); the Trainer's own
+            ``include_num_input_tokens_seen`` is refused.
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -121,6 +127,13 @@ class PrivacyArguments:
         default=None,
         metadata={"help": "With privacy_unit: at most this many rows per unit (its first)."},
     )
+    log_non_private_token_counts: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the tokens trained on as non_private/num_input_tokens_seen (counted "
+            "from the private data without noise: not covered by epsilon)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.bookkeeping, bool):
@@ -167,6 +180,11 @@ class PrivacyArguments:
             )
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_sequences_per_unit must be an integer >= 1 or None, got {m!r}")
+        if not isinstance(self.log_non_private_token_counts, bool):
+            raise ValueError(
+                "log_non_private_token_counts must be a bool, got "
+                f"{self.log_non_private_token_counts!r}"
+            )
         if self.bookkeeping not in BOOKKEEPING:
             raise ValueError(
                 f"bookkeeping must be one of {sorted(BOOKKEEPING)}, got {self.bookkeeping!r}"
