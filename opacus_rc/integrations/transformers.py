@@ -49,7 +49,10 @@ differently:
 * **Refused, with what to do:** ``gradient_accumulation_steps > 1``, a training sampler of the
   Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
   overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
-  needs no loss scaler), ``compute_loss_func``, ``model_init`` (hyperparameter search spends
+  needs no loss scaler), ``compute_loss_func``, a ``compute_loss`` override that training would
+  not use (override :meth:`~DPTrainerMixin.compute_private_loss`, the per-example loss training
+  calls; ``compute_loss``, which ``evaluate()`` calls, is accepted beside it),
+  ``include_num_input_tokens_seen`` (see *Logs*), ``model_init`` (hyperparameter search spends
   privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
   DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
   (several devices in one process), ``denoise`` with several processes, iterable datasets.
@@ -70,9 +73,21 @@ differently:
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
 
+* **After training** (also when ``train()`` raises) the privacy hooks are removed
+  (:meth:`~DPTrainerMixin.remove_privacy_hooks`): the model is the plain model, so
+  ``evaluate()``, ``predict()``, ``save_model()``, ``copy.deepcopy``, plain training and a
+  second DP trainer on the same model work, each trainer accounting its own run.
+* **Logs.** ``epsilon``, ``step``, ``epoch`` and ``learning_rate`` are public. Every value
+  computed from the private batches without noise is renamed with the prefix
+  :data:`NON_PRIVATE_LOG_PREFIX` (``non_private/loss``, ``non_private/train_loss``,
+  ``non_private/train_runtime`` and the other ``train_*`` metrics, ``non_private/total_flos``;
+  ``non_private/num_input_tokens_seen`` with ``PrivacyArguments.log_non_private_token_counts``):
+  neighbouring datasets log different values for them beside the same epsilon.
+
 What the guarantee covers: the trained weights (and everything computed from them). The
-training *loss* in the logs is computed from the private examples without noise and is not
-covered; do not publish it, or log only evaluation on public data.
+``non_private/`` values in the logs (and the ``training_loss`` of the ``TrainOutput`` that
+``train()`` returns) are not covered; do not publish them, or log only evaluation on public
+data.
 
 Example::
 
