@@ -80,7 +80,6 @@ def refuse_unsupported(trainer: Any, *, mixin: type) -> tuple[int, int]:
             "per example. Subclass the trainer and override compute_private_loss(model, "
             "inputs) to return the criterion's per-example loss"
         )
-    refuse_ignored_compute_loss(type(trainer), mixin=mixin)
     if args.include_num_input_tokens_seen not in ("no", False, None):
         raise ValueError(
             f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} logs the "

@@ -143,7 +143,11 @@ from opacus_rc.integrations.private_run import (
     run_seeds,
     takes_position_ids,
 )
-from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
+from opacus_rc.integrations.refusals import (
+    check_train_dataset,
+    refuse_ignored_compute_loss,
+    refuse_unsupported,
+)
 from opacus_rc.integrations.train_data import (
     example_train_loader,
     train_dataset_and_collator,
@@ -185,8 +189,9 @@ class DPTrainerMixin(TrainerSeams):
 
     Put it first in the bases (``class MyTrainer(DPTrainerMixin, SomeTrainer)``); see the module
     docstring for what changes. After ``train()``: :attr:`privacy_engine`,
-    :attr:`dp_optimizer` (its ``noise_multiplier``), :attr:`dp_module` (the hooks;
-    ``per_sample_gradient_norms`` of the last micro-batch) and :meth:`get_epsilon`.
+    :attr:`dp_optimizer` (its ``noise_multiplier``), :attr:`dp_module` (the hooks, detached from
+    the model when ``train()`` ends; ``per_sample_gradient_norms`` of the last micro-batch) and
+    :meth:`get_epsilon`.
 
     Args:
         *args: The trainer's positional arguments.
@@ -210,6 +215,8 @@ class DPTrainerMixin(TrainerSeams):
             raise TypeError(
                 f"privacy_args must be a PrivacyArguments, got {type(privacy_args).__name__}"
             )
+        # Before the Trainer (and TRL's dataset preparation) runs: it needs only the class.
+        refuse_ignored_compute_loss(type(self), mixin=DPTrainerMixin)
         self.privacy_args = privacy_args
         self._private: PrivateRun | None = None
         self._poisson_sampler: PoissonLogicalBatchSampler | None = None
