@@ -3,7 +3,9 @@
 * A ``compute_loss`` of the user's, which training does not use (training calls
   ``compute_private_loss`` per micro-batch) but ``evaluate()`` does, is refused at construction
   with the method to override; beside an override of ``compute_private_loss`` it is accepted, and
-  each method is called where the docs say (counted against the recorded micro-batches).
+  each method is called where the docs say (counted against the recorded micro-batches), and
+  the override recipe of ``compute_private_loss``'s docstring (``per_sample_cross_entropy``
+  through ``dp_criterion``) trains to the default's weights (same seeds, seeded sketch).
 * Logs: two runs on neighbouring datasets (D and D without its first record, same seeds) log
   the same public values (``epsilon``, ``step``, ``epoch``, ``learning_rate``: nothing else is
   unlabelled), and every value that differs carries the ``non_private/`` prefix; the opt-in
@@ -36,6 +38,7 @@ from opacus_rc.integrations.transformers import (  # noqa: E402
     DPTrainer,
     DPTrainerMixin,
     PrivacyArguments,
+    per_sample_cross_entropy,
 )
 
 DELTA = 1e-3
@@ -45,6 +48,7 @@ PUBLIC_LOG_KEYS = {"epsilon", "step", "epoch", "learning_rate"}
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
     warnings.filterwarnings("ignore", message="PrivacyArguments.seed")
+    warnings.filterwarnings("ignore", message="PrivacyArguments.sketch_seed")
 
 
 def make(
@@ -104,20 +108,30 @@ def test_compute_loss_beside_compute_private_loss_is_the_evaluation_loss(tmp_pat
     class Both(th.recording_trainer()):
         calls = {"private": 0, "loss": 0}
 
-        def compute_private_loss(self, model, inputs):
+        def compute_private_loss(self, model, inputs):  # the docstring's recipe
             self.calls["private"] += 1
-            return super().compute_private_loss(model, inputs)
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            return per_sample_cross_entropy(self.dp_criterion, logits, labels, shift=True)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             self.calls["loss"] += 1
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    tr = make(tmp_path, cls=Both, max_steps=3, per_device_train_batch_size=3)
+    seeded = {"sketch_seed": 5}  # the same sketch probes in both runs
+    tr = make(tmp_path, cls=Both, privacy=seeded, max_steps=3, per_device_train_batch_size=3)
     tr.train()
     micro_batches = sum(len(b.micro_batches) for b in tr.batches)
     assert micro_batches > 0 and tr.calls == {"private": micro_batches, "loss": 0}
     tr.evaluate(eval_dataset=th.token_examples(7, seed=9))  # batches of 8: one batch
     assert tr.calls == {"private": micro_batches, "loss": 1}
+    # The recipe is the default per-example loss: the same seeds give the default's weights.
+    default = make(tmp_path / "d", privacy=seeded, max_steps=3, per_device_train_batch_size=3)
+    default.train()
+    mine, theirs = th.params(tr.model), th.params(default.model)
+    for name in mine:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
