@@ -284,7 +284,7 @@ dp_result = {
     "steps": dp.state.global_step,
     "train_time_s": dp_train_time,
     "wall_time_s": time.perf_counter() - t0,
-    "epsilon_log": [h["epsilon"] for h in dp.state.log_history if "loss" in h],
+    "epsilon_log": [h["epsilon"] for h in dp.state.log_history if "non_private/loss" in h],
 }
 print(
     f"DP: held-out loss {dp_before:.4f} -> {dp_after:.4f}; epsilon {dp_result['epsilon']:.3f} "
@@ -294,12 +294,13 @@ print(
 
 # %% [markdown]
 # The log has epsilon beside every training loss (here the last three entries). The training
-# loss itself is computed from the private speeches without noise: it is for the person
-# running the job, not for publication (the guarantee covers the weights and what is computed
-# from them, such as the held-out loss).
+# loss itself is computed from the private speeches without noise, so the DP trainer logs it
+# as `non_private/loss` (as every such value: `non_private/train_loss`, the run time...): it is
+# for the person running the job, not for publication (the guarantee covers the weights and
+# what is computed from them, such as the held-out loss).
 
 # %%
-for entry in [h for h in dp.state.log_history if "loss" in h][-3:]:
+for entry in [h for h in dp.state.log_history if "non_private/loss" in h][-3:]:
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
 
 # %% [markdown]

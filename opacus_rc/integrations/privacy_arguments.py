@@ -81,6 +81,12 @@ class PrivacyArguments:
             so their difference is noise-free and the epsilons do not compose; and with
             ``TrainingArguments.ignore_data_skip=True`` (refused with a ``ValueError`` at resume),
             which would train again the masks of the checkpoint epoch's accounted steps.
+        log_non_private_token_counts: Log the number of tokens trained on so far (the
+            attention mask's ones, else the input's elements, summed over the private batches
+            of this ``train()`` call) as ``non_private/num_input_tokens_seen``. The count is
+            taken from the private data without noise and no epsilon covers it (neighbouring
+            datasets log different counts); the Trainer's own
+            ``include_num_input_tokens_seen`` is refused.
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -141,6 +147,13 @@ class PrivacyArguments:
             "when two continuations of one checkpoint are published. Default: fresh draws."
         },
     )
+    log_non_private_token_counts: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the tokens trained on as non_private/num_input_tokens_seen (counted "
+            "from the private data without noise: not covered by epsilon)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.bookkeeping, bool):
@@ -189,6 +202,11 @@ class PrivacyArguments:
             raise ValueError(f"max_sequences_per_unit must be an integer >= 1 or None, got {m!r}")
         if not isinstance(self.resume_exact, bool):
             raise ValueError(f"resume_exact must be a bool, got {self.resume_exact!r}")
+        if not isinstance(self.log_non_private_token_counts, bool):
+            raise ValueError(
+                "log_non_private_token_counts must be a bool, got "
+                f"{self.log_non_private_token_counts!r}"
+            )
         if self.bookkeeping not in BOOKKEEPING:
             raise ValueError(
                 f"bookkeeping must be one of {sorted(BOOKKEEPING)}, got {self.bookkeeping!r}"

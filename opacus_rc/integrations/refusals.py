@@ -10,7 +10,12 @@ from torch.utils.data import IterableDataset
 
 from opacus_rc._compat.transformers import overrides_train_sampler
 
-__all__ = ["check_train_dataset", "refuse_unsupported", "refuse_unsupported_parallelism"]
+__all__ = [
+    "check_train_dataset",
+    "refuse_ignored_compute_loss",
+    "refuse_unsupported",
+    "refuse_unsupported_parallelism",
+]
 
 #: Optimizers that update parameters inside the backward pass, before any noise is added.
 IN_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
@@ -75,6 +80,15 @@ def refuse_unsupported(trainer: Any, *, mixin: type) -> tuple[int, int]:
             "per example. Subclass the trainer and override compute_private_loss(model, "
             "inputs) to return the criterion's per-example loss"
         )
+    if args.include_num_input_tokens_seen not in ("no", False, None):
+        raise ValueError(
+            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} logs the "
+            "number of tokens in the private batches, counted without noise: neighbouring "
+            "datasets log different counts beside the same epsilon, and no epsilon covers "
+            "them. Leave include_num_input_tokens_seen='no'; to log the count anyway, knowing "
+            "that it is not private, set PrivacyArguments.log_non_private_token_counts=True "
+            "(it is logged as 'non_private/num_input_tokens_seen')"
+        )
     if trainer.model_init is not None:
         raise ValueError(
             "model_init (hyperparameter search) is not supported: every trial would train "
@@ -106,6 +120,42 @@ def refuse_unsupported(trainer: Any, *, mixin: type) -> tuple[int, int]:
     if trainer.train_dataset is not None:
         check_train_dataset(trainer.train_dataset)
     return world
+
+
+def refuse_ignored_compute_loss(trainer_type: type, *, mixin: type) -> None:
+    """Refuse a ``compute_loss`` of the user's that training would not use.
+
+    A DP trainer trains on :meth:`compute_private_loss` (per-example losses through the DP
+    criterion); ``compute_loss`` returns one loss for the batch, from which no per-example loss
+    can be recovered, and is used only by ``evaluate()`` and ``predict()``. A ``compute_loss``
+    other than the library trainers' (``trainer_type.library_compute_losses``, whose loss
+    ``compute_private_loss`` computes per example) would make training and evaluation use
+    different losses without a word; it is accepted only beside an override of
+    ``compute_private_loss`` (then the user has chosen the training loss, and ``compute_loss``
+    is the evaluation's).
+
+    Args:
+        trainer_type: The DP trainer's class.
+        mixin: The DP trainer mixin (its ``compute_private_loss`` is the default).
+
+    Raises:
+        ValueError: ``compute_loss`` overridden and ``compute_private_loss`` not.
+    """
+    if trainer_type.compute_loss in trainer_type.library_compute_losses:
+        return
+    if trainer_type.compute_private_loss is not mixin.compute_private_loss:
+        return
+    owner = next(k for k in trainer_type.__mro__ if "compute_loss" in vars(k))
+    raise ValueError(
+        f"{owner.__qualname__} overrides compute_loss, which a DP trainer does not train with: "
+        "training computes each example's loss in compute_private_loss(model, inputs) (the "
+        "DP criterion needs one loss per example to clip each example's gradient; "
+        "compute_loss returns one loss for the batch), while evaluate() and predict() call "
+        "compute_loss, so training and evaluation would use different losses. Override "
+        "compute_private_loss to train on your loss (return the DP criterion's output, e.g. "
+        "per_sample_cross_entropy(self.dp_criterion, logits, labels, shift=True)); an "
+        "override of compute_loss is accepted beside it, for evaluation"
+    )
 
 
 def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:

@@ -54,7 +54,10 @@ differently:
 * **Refused, with what to do:** ``gradient_accumulation_steps > 1``, a training sampler of the
   Trainer's (``train_sampling_strategy`` other than ``"random"``, ``group_by_length``, an
   overridden ``_get_train_sampler``), ``fp16`` or any loss scaler (``bf16`` works: autocast
-  needs no loss scaler), ``compute_loss_func``, ``model_init`` (hyperparameter search spends
+  needs no loss scaler), ``compute_loss_func``, a ``compute_loss`` override that training would
+  not use (override :meth:`~DPTrainerMixin.compute_private_loss`, the per-example loss training
+  calls; ``compute_loss``, which ``evaluate()`` calls, is accepted beside it),
+  ``include_num_input_tokens_seen`` (see *Logs*), ``model_init`` (hyperparameter search spends
   privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
   DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
   (several devices in one process), ``denoise`` with several processes, iterable datasets.
@@ -75,9 +78,21 @@ differently:
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
 
+* **After training** (also when ``train()`` raises) the privacy hooks are removed
+  (:meth:`~DPTrainerMixin.remove_privacy_hooks`): the model is the plain model, so
+  ``evaluate()``, ``predict()``, ``save_model()``, ``copy.deepcopy``, plain training and a
+  second DP trainer on the same model work, each trainer accounting its own run.
+* **Logs.** ``epsilon``, ``step``, ``epoch`` and ``learning_rate`` are public. Every value
+  computed from the private batches without noise is renamed with the prefix
+  :data:`NON_PRIVATE_LOG_PREFIX` (``non_private/loss``, ``non_private/train_loss``,
+  ``non_private/train_runtime`` and the other ``train_*`` metrics, ``non_private/total_flos``;
+  ``non_private/num_input_tokens_seen`` with ``PrivacyArguments.log_non_private_token_counts``):
+  neighbouring datasets log different values for them beside the same epsilon.
+
 What the guarantee covers: the trained weights (and everything computed from them). The
-training *loss* in the logs is computed from the private examples without noise and is not
-covered; do not publish it, or log only evaluation on public data.
+``non_private/`` values in the logs (and the ``training_loss`` of the ``TrainOutput`` that
+``train()`` returns) are not covered; do not publish them, or log only evaluation on public
+data.
 
 Example::
 
@@ -133,7 +148,11 @@ from opacus_rc.integrations.private_run import (
     run_seeds,
     takes_position_ids,
 )
-from opacus_rc.integrations.refusals import check_train_dataset, refuse_unsupported
+from opacus_rc.integrations.refusals import (
+    check_train_dataset,
+    refuse_ignored_compute_loss,
+    refuse_unsupported,
+)
 from opacus_rc.integrations.train_data import (
     example_train_loader,
     train_dataset_and_collator,
@@ -142,6 +161,7 @@ from opacus_rc.integrations.train_data import (
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
+    "NON_PRIVATE_LOG_PREFIX",
     "PRIVACY_STATE_NAME",
     "DPTrainer",
     "DPTrainerMixin",
@@ -154,6 +174,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The prefix of every value a DP trainer logs that is computed from the private batches without
+#: noise (``non_private/loss``, ``non_private/train_loss``, ``non_private/train_runtime``...):
+#: no epsilon covers them. The others (``epsilon``, ``step``, ``epoch``, ``learning_rate``) are
+#: public: functions of the schedule and the privacy settings only.
+NON_PRIVATE_LOG_PREFIX = "non_private/"
+
+#: The Trainer's log keys computed from the private batches, besides every ``train_*`` key (the
+#: final metrics: ``train_loss``, the run time and speeds, the memory tracker's).
+_NON_PRIVATE_LOG_KEYS = ("loss", "total_flos", "num_input_tokens_seen")
+
 # ----------------------------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------------------------
@@ -164,8 +194,9 @@ class DPTrainerMixin(TrainerSeams):
 
     Put it first in the bases (``class MyTrainer(DPTrainerMixin, SomeTrainer)``); see the module
     docstring for what changes. After ``train()``: :attr:`privacy_engine`,
-    :attr:`dp_optimizer` (its ``noise_multiplier``), :attr:`dp_module` (the hooks;
-    ``per_sample_gradient_norms`` of the last micro-batch) and :meth:`get_epsilon`.
+    :attr:`dp_optimizer` (its ``noise_multiplier``), :attr:`dp_module` (the hooks, detached from
+    the model when ``train()`` ends; ``per_sample_gradient_norms`` of the last micro-batch) and
+    :meth:`get_epsilon`.
 
     Args:
         *args: The trainer's positional arguments.
@@ -179,11 +210,18 @@ class DPTrainerMixin(TrainerSeams):
         TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
     """
 
+    #: The library trainers' ``compute_loss`` that :meth:`compute_private_loss` computes per
+    #: example (a subclass's own ``compute_loss`` is refused unless it also overrides
+    #: :meth:`compute_private_loss`: :func:`~.refusals.refuse_ignored_compute_loss`).
+    library_compute_losses: tuple[Any, ...] = (transformers.Trainer.compute_loss,)
+
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         if not isinstance(privacy_args, PrivacyArguments):
             raise TypeError(
                 f"privacy_args must be a PrivacyArguments, got {type(privacy_args).__name__}"
             )
+        # Before the Trainer (and TRL's dataset preparation) runs: it needs only the class.
+        refuse_ignored_compute_loss(type(self), mixin=DPTrainerMixin)
         self.privacy_args = privacy_args
         self._private: PrivateRun | None = None
         self._poisson_sampler: PoissonLogicalBatchSampler | None = None
@@ -194,6 +232,8 @@ class DPTrainerMixin(TrainerSeams):
         self._warned_no_epsilon = False
         self._rank, self._world_size = 0, 1
         self._num_records: int | None = None
+        self._hooks_removed = False
+        self._non_private_tokens_seen = 0
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -241,8 +281,16 @@ class DPTrainerMixin(TrainerSeams):
 
     @property
     def dp_module(self) -> Any:
-        """The randomized-clipping hooks attached to the model."""
+        """The randomized-clipping hooks of the model (detached when ``train()`` has ended;
+        ``per_sample_gradient_norms`` of the last micro-batch stays readable)."""
         return self._require_private().module
+
+    @property
+    def dp_criterion(self) -> Any:
+        """The DP criterion (:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, wrapping
+        ``nn.CrossEntropyLoss(ignore_index=-100)``) that :meth:`compute_private_loss` returns
+        the output of."""
+        return self._require_private().criterion
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far (RC accountant, both adjacency directions, upper bound).
@@ -268,9 +316,23 @@ class DPTrainerMixin(TrainerSeams):
         return epsilon
 
     def remove_privacy_hooks(self) -> None:
-        """Detach the randomized-clipping hooks from the model (no more private training)."""
-        if self._private is not None:
-            self._private.module.cleanup()
+        """Detach the randomized-clipping hooks and their state from the model.
+
+        ``train()`` calls it when it ends (also when it raises), so that afterwards the model
+        is the plain model again: a plain ``loss.backward()`` runs no privacy hook and leaves
+        no per-sample state on the parameters, ``copy.deepcopy(model)`` works, and another DP
+        trainer (or ``PrivacyEngine.make_private``) can take the same model. The trainer's
+        accountant, :meth:`get_epsilon` and the last micro-batch's
+        ``dp_module.per_sample_gradient_norms`` stay. Calling it again does nothing.
+        """
+        if self._private is None or self._hooks_removed:
+            return
+        self._hooks_removed = True
+        self._private.module.cleanup()
+        for group in self._private.optimizer.param_groups:
+            for p in group["params"]:
+                if hasattr(p, "summed_grad"):  # the DP optimizer's clipped sum
+                    del p.summed_grad
 
     def _require_private(self) -> PrivateRun:
         if self._private is None:
@@ -337,7 +399,11 @@ class DPTrainerMixin(TrainerSeams):
     # ------------------------------------------------------------------------------------------
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``, once per trainer.
+        """``Trainer.train``, once per trainer; the privacy hooks are removed from the model when
+        it ends, also when it raises (:meth:`remove_privacy_hooks`): ``evaluate()``,
+        ``predict()``, ``save_model()`` and :meth:`get_epsilon` work afterwards on the plain
+        model, and so do ``copy.deepcopy(model)``, plain training and another DP trainer on the
+        same model.
 
         Raises:
             RuntimeError: If this trainer has already trained: its noise was chosen for one
@@ -351,7 +417,10 @@ class DPTrainerMixin(TrainerSeams):
                 "resume_from_checkpoint=... to continue from a checkpoint"
             )
         self._dp_trained = True
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.remove_privacy_hooks()
 
     def training_step(
         self,
@@ -395,11 +464,15 @@ class DPTrainerMixin(TrainerSeams):
     def compute_private_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         """The DP loss of one micro-batch: per-example losses ``(B,)`` through the criterion.
 
-        Override to train on another loss: return ``self.dp_criterion_call(...)``-style output,
-        i.e. what the engine's criterion returns (``self._private.criterion(..., shape=)``).
-        With ``PrivacyArguments.privacy_unit``, ``inputs["dp_privacy_units"]`` holds the
-        ``(B,)`` unit of each row: pass it to the criterion as ``units=`` (a call without it,
-        or with another grouping of the rows, is refused with a ``ValueError``).
+        Override to train on another loss (the Trainer's ``compute_loss`` is not used in
+        training, and an override of it alone is refused at construction): return what the DP
+        criterion :attr:`dp_criterion` returns for per-example losses, e.g.
+        ``per_sample_cross_entropy(self.dp_criterion, logits, labels, shift=True)``.
+        ``evaluate()`` and ``predict()`` keep the Trainer's ``compute_loss`` (override it too,
+        beside this method, to evaluate with your loss). With ``PrivacyArguments.privacy_unit``,
+        ``inputs["dp_privacy_units"]`` holds the ``(B,)`` unit of each row: pass it to the
+        criterion as ``units=`` (a call without it, or with another grouping of the rows, is
+        refused with a ``ValueError``).
 
         Args:
             model: The model.
@@ -439,15 +512,40 @@ class DPTrainerMixin(TrainerSeams):
         return flops
 
     def track_num_input_tokens_seam(self, inputs: Any) -> None:
-        if isinstance(inputs, LogicalBatch):
-            for micro in inputs.micro_batches:
-                super().track_num_input_tokens_seam(micro)
+        """Counts the tokens of a logical batch only with
+        ``PrivacyArguments.log_non_private_token_counts`` (the Trainer's own count,
+        ``include_num_input_tokens_seen``, is refused): not private, logged labelled."""
+        if not self.privacy_args.log_non_private_token_counts:
             return
-        super().track_num_input_tokens_seam(inputs)
+        if not isinstance(inputs, LogicalBatch):
+            raise TypeError(f"expected a LogicalBatch, got {type(inputs).__name__}")
+        count = 0
+        for micro in inputs.micro_batches:
+            mask = micro.get("attention_mask")
+            ids = micro.get(getattr(self.model, "main_input_name", "input_ids"))
+            if mask is not None:
+                count += int(mask.sum())
+            elif ids is not None:
+                count += int(ids.numel())
+        if self._world_size > 1:  # every rank calls it once per step, as the Trainer's count
+            count = int(
+                self.accelerator.gather(torch.tensor([count], device=self.args.device)).sum()
+            )
+        self._non_private_tokens_seen += count
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``, with ``epsilon`` (at ``target_delta``) added once training
-        has started (in place, so the metrics ``train()`` returns hold it too)."""
+        has started, and every value computed from the private batches without noise renamed
+        with the prefix :data:`NON_PRIVATE_LOG_PREFIX` (``loss``, ``total_flos`` and every
+        ``train_*`` key, e.g. ``non_private/train_loss``; with
+        ``PrivacyArguments.log_non_private_token_counts``,
+        ``non_private/num_input_tokens_seen``). In place, so the metrics ``train()`` returns
+        hold the same keys."""
+        for key in list(logs):
+            if key in _NON_PRIVATE_LOG_KEYS or key.startswith("train_"):
+                logs[NON_PRIVATE_LOG_PREFIX + key] = logs.pop(key)
+        if self.privacy_args.log_non_private_token_counts:
+            logs[NON_PRIVATE_LOG_PREFIX + "num_input_tokens_seen"] = self._non_private_tokens_seen
         if self._private is not None:
             try:
                 logs["epsilon"] = self.get_epsilon()

@@ -85,6 +85,10 @@ class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
             :class:`~opacus_rc.integrations.transformers.DPTrainerMixin`.
     """
 
+    #: TRL's ``compute_loss`` (its mean next-token loss, used by ``evaluate()``) is the loss
+    #: ``compute_private_loss`` computes per example: a user subclass's own is refused.
+    library_compute_losses = (*DPTrainerMixin.library_compute_losses, trl.SFTTrainer.compute_loss)
+
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         # Refused before TRL prepares (and packs) the dataset.
         _refuse_sft_options(kwargs.get("args", args[1] if len(args) > 1 else None))

@@ -3,7 +3,8 @@
 Run by ``test_dp_trainer_ddp.py``. Each rank trains the runs of :data:`RUNS` (the Trainer maps
 the launch to DDP) and writes ``OUT_DIR/rank{RANK}.pt``: for each run, the trained
 parameters, the examples per step and micro-batches per step of this rank's share, the noise
-multiplier, epsilon, the accountant's history and the world size the Trainer saw; a run saved
+multiplier, epsilon, the accountant's history, the world size the Trainer saw, the token counts
+logged and the attributes left on the parameters after ``train()``; a run saved
 and resumed from a checkpoint beside the same run uninterrupted; and the error
 that building a DP trainer with FSDP through the Trainer raised.
 """
@@ -32,9 +33,14 @@ from opacus_rc.integrations.transformers import (  # noqa: E402
 #: micro-batches that differs between ranks.
 SGD = {"optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant", "weight_decay": 0.0}
 RUNS: dict[str, dict[str, Any]] = {
-    # sigma = 0, clipping active (the examples' norms are 1.9-4.0).
+    # sigma = 0, clipping active (the examples' norms are 1.9-4.0); the token count logged.
     "clip": {
-        "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 2.6, "expected_batch_size": 8},
+        "privacy": {
+            "noise_multiplier": 0.0,
+            "max_grad_norm": 2.6,
+            "expected_batch_size": 8,
+            "log_non_private_token_counts": True,
+        },
         "args": {"max_steps": 3, "per_device_train_batch_size": 2, **SGD},
     },
     # The noise searched for epsilon 4 over 4 steps; a small logical batch, so that a rank's
@@ -82,6 +88,11 @@ def train(name: str, out: Path) -> tuple[RecordingTrainer, dict[str, Any]]:
         "epsilon": trainer.get_epsilon(),
         "history": list(trainer.privacy_engine.accountant.history),
         "ddp_wrapped": type(trainer.model_wrapped).__name__,
+        "tokens_logged": [
+            h.get("non_private/num_input_tokens_seen") for h in trainer.state.log_history
+        ],
+        # What a privacy hook left on the model after train() (nothing: the hooks are removed).
+        "left_on_params": sorted({a for p in trainer.model.parameters() for a in vars(p)}),
     }
     return trainer, record
 

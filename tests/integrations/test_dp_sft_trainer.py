@@ -118,7 +118,7 @@ def test_sft_reaches_target_epsilon_and_logs_it(tmp_path: Path) -> None:
     assert 4.0 * 0.99 <= eps <= 4.0
     assert len(tr.privacy_engine.accountant) == 5 == tr.state.global_step
     assert out.metrics["epsilon"] == eps
-    assert [h["epsilon"] for h in tr.state.log_history if "loss" in h][-1] == eps
+    assert [h["epsilon"] for h in tr.state.log_history if "non_private/loss" in h][-1] == eps
 
 
 def test_per_example_loss_is_the_mean_over_completion_tokens(tmp_path: Path) -> None:
@@ -184,6 +184,23 @@ def test_refused_sft_options(tmp_path: Path, config: dict, message: str) -> None
 def test_refusals_of_the_trainer_apply(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected_batch_size"):
         make(tmp_path, gradient_accumulation_steps=4)
+
+
+class OwnSFTLoss(DPSFTTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_own_compute_loss_is_refused_trl_s_is_not(tmp_path: Path) -> None:
+    """TRL's ``SFTTrainer.compute_loss`` (used by ``evaluate()``) is the loss the DP trainer
+    computes per example: the plain ``DPSFTTrainer`` is accepted and trains. A subclass's own
+    ``compute_loss``, which training would not call, is refused (on main: accepted, ignored in
+    training, used by ``evaluate()``)."""
+    tr = make(tmp_path / "a", cls=DPSFTTrainer, max_steps=1)
+    tr.train()
+    assert len(tr.privacy_engine.accountant) == 1
+    with pytest.raises(ValueError, match="OwnSFTLoss overrides compute_loss.*compute_private_loss"):
+        make(tmp_path / "b", cls=OwnSFTLoss)
 
 
 def test_import_without_trl_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

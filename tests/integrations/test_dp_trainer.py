@@ -114,7 +114,7 @@ def test_target_epsilon_reached_logged_and_independently_recomputed(
     fresh = RCAccountant()
     fresh.history = [(sigma, q, n, spec)]
     assert fresh.get_epsilon(DELTA) == pytest.approx(eps, rel=1e-12)
-    logged = [h["epsilon"] for h in tr.state.log_history if "loss" in h]
+    logged = [h["epsilon"] for h in tr.state.log_history if "non_private/loss" in h]
     assert len(logged) == steps and logged == sorted(logged) and logged[-1] == eps
     assert out.metrics["epsilon"] == eps
     assert "grad_norm" not in tr.state.log_history[0]  # the pre-noise norm is not private

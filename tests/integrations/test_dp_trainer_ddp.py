@@ -121,6 +121,21 @@ def test_ddp_weights_identical_across_ranks(launch: list, run: str) -> None:
 
 
 @pytest.mark.slow
+def test_ddp_token_count_is_the_global_one_and_no_hook_is_left(launch: list, single: dict) -> None:
+    """The opt-in token count (``non_private/num_input_tokens_seen``) sums both ranks' shares:
+    every rank logs the single-process run's counts (its batches are the ranks' shares
+    together). After ``train()`` no privacy attribute is left on any rank's parameters."""
+    ranks, one = [r["clip"] for r in launch], single["clip"]
+    counts = one["tokens_logged"]
+    assert len(counts) == 4 and all(c > 0 for c in counts)  # 3 steps, then the final metrics
+    assert counts[:3] == sorted(counts[:3]) and counts[2] == counts[3]
+    for r in ranks:
+        assert r["tokens_logged"] == counts
+    for r in (*ranks, one):
+        assert r["left_on_params"] == []
+
+
+@pytest.mark.slow
 def test_ddp_fsdp_through_the_trainer_is_refused(launch: list) -> None:
     for r in launch:
         assert r["fsdp"]["error"] == "NotImplementedError"
