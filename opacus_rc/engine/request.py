@@ -152,6 +152,41 @@ def check_data_loader(data_loader: Any, *, poisson_sampling: bool) -> None:
     )
 
 
+def check_per_rank_loader(
+    data_loader: DataLoader, *, world_size: int, poisson_sampling: bool
+) -> None:
+    """Refuse a loader every rank would iterate whole under ``poisson_sampling=False``.
+
+    With ``poisson_sampling=False`` each of the ``world_size`` processes iterates its own
+    loader as it is. A loader over a ``SequentialSampler`` or ``RandomSampler`` (the default
+    ``DataLoader(dataset, batch_size=B)``) gives every rank the whole dataset, so a record
+    enters each step's sum once per rank: its influence is up to ``world_size * C`` where the
+    accountant counts ``C`` (and the divisor, ``B * world_size``, would count the copies as
+    records).
+
+    Args:
+        data_loader: The user's data loader.
+        world_size: The number of data-parallel processes (1: not distributed).
+        poisson_sampling: ``make_private``'s argument.
+
+    Raises:
+        ValueError: If ``world_size > 1``, ``poisson_sampling`` is False and the loader's
+            sampler is a ``SequentialSampler`` or ``RandomSampler``.
+    """
+    if world_size <= 1 or poisson_sampling:
+        return
+    sampler = getattr(data_loader, "sampler", None)
+    if isinstance(sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"poisson_sampling=False with {world_size} processes: each process iterates its "
+            f"loader as it is, and this loader's {type(sampler).__name__} gives every process "
+            f"the whole dataset, so each record would enter a step's sum {world_size} times "
+            f"(its influence up to {world_size} C, accounted as C). Shard the data with "
+            "DataLoader(dataset, batch_size=B, sampler=DistributedSampler(dataset)), or keep "
+            "poisson_sampling=True (the engine then samples and shards the records itself)"
+        )
+
+
 def _data_parallel_world_size(module: Any) -> int:
     """The number of processes of a data-parallel ``module`` (1 for any other module).
 
@@ -193,12 +228,14 @@ def build_request(
             "dataset_size sets the Poisson sampling rate of a loader with a batch_size; it "
             "needs poisson_sampling=True"
         )
+    world_size = _data_parallel_world_size(module)
+    check_per_rank_loader(data_loader, world_size=world_size, poisson_sampling=poisson_sampling)
     # refuses an empty loader
     sizes = public_sizes(
         data_loader,
         dataset_size=options.dataset_size,
         loss_reduction=options.loss_reduction,
-        world_size=_data_parallel_world_size(module),
+        world_size=world_size,
         poisson_sampling=poisson_sampling,
     )
     post = prepare_post_processing(

@@ -378,6 +378,28 @@ def fixed_batches(rank: int, *, poisson: bool) -> dict[str, Any]:
     }
 
 
+def plain_loader_refusal(rank: int) -> str | None:
+    """``poisson_sampling=False`` with a plain ``DataLoader(dataset, batch_size=4)`` under DDP:
+    every rank would iterate the whole dataset (each record W times in a step's sum)."""
+    del rank
+    model = DDP(DeadMLP())
+    try:
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            data_loader=DataLoader(record_data(N_RECORDS), batch_size=BATCH // WORLD),
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            clipping="randomized",
+            criterion=nn.CrossEntropyLoss(),
+            sketch_dim=8,
+            poisson_sampling=False,
+        )
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def neighbours(run: Any, removed: int, *, seeds: int = 8) -> dict[str, Any]:
     """``run`` on D and on D minus its last record (unit) ``removed``.
 
@@ -436,6 +458,7 @@ def main() -> None:
             except ValueError as error:
                 refusals.append(str(error))
         results["ddp-units-nosize-refusals"] = refusals
+        results["plain-loader-poisson-false"] = plain_loader_refusal(rank)
         results["fixed_batches"] = {
             "poisson_false": fixed_batches(rank, poisson=False),
             "poisson_true": fixed_batches(rank, poisson=True),

@@ -243,3 +243,14 @@ def test_unit_loader_without_a_public_size_is_refused_on_neighbours(
     assert len(refusals) == 2
     for message in refusals:
         assert message is not None and "Opacus #819" in message
+
+
+@pytest.mark.slow
+def test_plain_loader_without_poisson_sampling_is_refused_under_ddp(
+    results: dict[str, Any],
+) -> None:
+    """poisson_sampling=False with a plain DataLoader under DDP: each rank would iterate the whole
+    dataset, a record entering the step's sum once per rank (2 C where C is accounted);
+    refused, naming DistributedSampler."""
+    message = results["plain-loader-poisson-false"]
+    assert message is not None and "DistributedSampler" in message and "2 times" in message

@@ -23,9 +23,10 @@ import pytest
 import torch
 from opacus.data_loader import DPDataLoader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_rc import PrivacyEngine
+from opacus_rc.engine.request import check_per_rank_loader
 from opacus_rc.unit_data_loader import DistributedUnitDataLoader, UnitDataLoader
 
 pytestmark = [
@@ -245,3 +246,16 @@ def test_dataset_size_sets_only_the_divisor_without_poisson_sampling_for_a_dp_lo
     divisor only (it was refused with every loader before, leaving no public divisor)."""
     _, out = private(record_loader("dp_data_loader", 11), dataset_size=12, poisson_sampling=False)
     assert out[1].expected_batch_size == 3
+
+
+def test_a_whole_dataset_loader_per_rank_is_refused_without_poisson_sampling() -> None:
+    # Every one of W ranks iterating a SequentialSampler/RandomSampler loader puts each record
+    # W times into a step's sum; a DistributedSampler shards it; one process is never refused.
+    data = TensorDataset(torch.zeros(8, 2))
+    for loader in (DataLoader(data, batch_size=2), DataLoader(data, batch_size=2, shuffle=True)):
+        with pytest.raises(ValueError, match="2 times"):
+            check_per_rank_loader(loader, world_size=2, poisson_sampling=False)
+        check_per_rank_loader(loader, world_size=1, poisson_sampling=False)
+        check_per_rank_loader(loader, world_size=2, poisson_sampling=True)
+    sharded = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 0))
+    check_per_rank_loader(sharded, world_size=2, poisson_sampling=False)
