@@ -40,6 +40,13 @@ class PrivacyArguments:
             ceil(N / expected_batch_size)``; the noisy sum is divided by
             ``expected_batch_size`` itself (public, never computed from ``N``:
             docs/privacy/mechanism.md#mechanism-public).
+        dataset_size: The public number of training records ``N'`` (of units with
+            ``privacy_unit``), announced before the data are seen, or None. Given, the sampling
+            rate and the steps per epoch come from it, ``q = 1 / ceil(N' / expected_batch_size)``,
+            and are the same for neighbouring datasets; None takes ``N = len(train_dataset)``
+            (the number of units), treated as public as Opacus does: then one record more or
+            less can change ``ceil(N / expected_batch_size)`` and so ``q``. The records
+            actually sampled are still every record of the data, each at rate ``q``.
         clipping: ``"randomized"`` (the only value): sketched per-example norms, DP-SGD-RC.
         sketch: ``"hutchinson"`` or ``"hutch++"``.
         sketch_dim: ``k``, the sketch's Gaussian (tail) columns (>= 2 for the proved default
@@ -106,6 +113,14 @@ class PrivacyArguments:
     expected_batch_size: int | None = field(
         default=None,
         metadata={"help": "Logical (Poisson) batch size; the physical one is the Trainer's."},
+    )
+    dataset_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "The public number of training records (units with privacy_unit): the "
+            "sampling rate is 1 / ceil(dataset_size / expected_batch_size) instead of one "
+            "from len(train_dataset)."
+        },
     )
     clipping: str = field(
         default="randomized", metadata={"help": "Clipping.", "choices": ["randomized"]}
@@ -200,6 +215,9 @@ class PrivacyArguments:
             )
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_sequences_per_unit must be an integer >= 1 or None, got {m!r}")
+        n = self.dataset_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"dataset_size must be an integer >= 1 or None, got {n!r}")
         if not isinstance(self.resume_exact, bool):
             raise ValueError(f"resume_exact must be a bool, got {self.resume_exact!r}")
         if not isinstance(self.log_non_private_token_counts, bool):

@@ -153,7 +153,11 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
     engine = PrivacyEngine(accountant="rc")
     sketch_generator = _sketch_generator(pa.sketch_seed, rank=trainer._rank, world_size=world_size)
     noise_generator = seeded_generator(trainer._noise_seed, device=trainer.args.device)
-    schedule = trainer_schedule(trainer._num_records, expected_batch_size=pa.expected_batch_size)
+    schedule = trainer_schedule(
+        trainer._num_records,
+        expected_batch_size=pa.expected_batch_size,
+        dataset_size=pa.dataset_size,
+    )
     planned = None
     if pa.target_epsilon is not None:
         planned = int(trainer.state.max_steps)
@@ -205,6 +209,7 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
             # Only its length and batch size matter (the rate); the batches are the trainer's.
             # The records are the examples, or the units with privacy_unit.
             data_loader=schedule.rate_loader,
+            dataset_size=pa.dataset_size,  # public: the rate from it, as trainer_schedule
             noise_multiplier=noise_multiplier,
             max_grad_norm=pa.max_grad_norm,
             poisson_sampling=True,

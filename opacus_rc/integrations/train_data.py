@@ -71,7 +71,9 @@ class TrainerSchedule:
     steps: int
 
 
-def trainer_schedule(n: int, *, expected_batch_size: int) -> TrainerSchedule:
+def trainer_schedule(
+    n: int, *, expected_batch_size: int, dataset_size: int | None = None
+) -> TrainerSchedule:
     """The schedule the engine gives a loader of batch size ``expected_batch_size`` over ``n``.
 
     ``q = 1 / ceil(n / expected_batch_size)`` (:func:`~opacus_rc.engine.schedule.public_sizes`)
@@ -82,12 +84,14 @@ def trainer_schedule(n: int, *, expected_batch_size: int) -> TrainerSchedule:
     Args:
         n: The number of records (>= 1).
         expected_batch_size: The expected logical batch size (>= 1).
+        dataset_size: The public number of records ``N'`` (``PrivacyArguments.dataset_size``):
+            given, ``q = 1 / ceil(N' / expected_batch_size)`` whatever ``n``.
 
     Returns:
         The schedule.
     """
     loader = DataLoader(IndexDataset(n), batch_size=expected_batch_size)
-    sizes = public_sizes(loader, dataset_size=None)
+    sizes = public_sizes(loader, dataset_size=dataset_size)
     accounted_rate, steps = accounted_schedule(sizes, data_loader=loader, poisson_sampling=True)
     return TrainerSchedule(loader, sizes.sample_rate, accounted_rate, steps)
 
@@ -258,8 +262,11 @@ def example_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> Logic
     """
     n = len(dataset)
     trainer._num_records = n
-    check_delta(trainer.privacy_args.target_delta, n, "training examples")
-    schedule = trainer_schedule(n, expected_batch_size=trainer.privacy_args.expected_batch_size)
+    pa = trainer.privacy_args
+    check_delta(pa.target_delta, pa.dataset_size or n, "training examples")
+    schedule = trainer_schedule(
+        n, expected_batch_size=pa.expected_batch_size, dataset_size=pa.dataset_size
+    )
     if trainer._poisson_sampler is None:
         trainer._poisson_sampler = PoissonLogicalBatchSampler(
             num_samples=n,
@@ -309,7 +316,7 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
     )
     num_units = len(members)
     trainer._num_records = num_units
-    check_delta(pa.target_delta, num_units, f"units of {column!r}")
+    check_delta(pa.target_delta, pa.dataset_size or num_units, f"units of {column!r}")
     physical = train_batch_size(trainer)
     too_big = [len(m) for m in members if len(m) > physical]
     if too_big:
@@ -320,7 +327,9 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
             f"per_device_train_batch_size to at least {max(too_big)}, or set "
             f"PrivacyArguments.max_sequences_per_unit <= {physical}"
         )
-    schedule = trainer_schedule(num_units, expected_batch_size=pa.expected_batch_size)
+    schedule = trainer_schedule(
+        num_units, expected_batch_size=pa.expected_batch_size, dataset_size=pa.dataset_size
+    )
     if trainer._poisson_sampler is None:
         trainer._poisson_sampler = UnitLogicalBatchSampler(
             members=members,

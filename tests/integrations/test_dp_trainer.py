@@ -486,3 +486,23 @@ def test_target_epsilon_holds_when_opacus_rounds_the_epoch_down(tmp_path: Path) 
     [(_, q, steps, _)] = tr.privacy_engine.accountant.history
     assert (q, steps) == (1 / 92, 2)
     assert 4.0 - 0.01 <= tr.get_epsilon() <= 4.0
+
+
+def test_public_dataset_size_sets_the_rate_and_steps(tmp_path: Path) -> None:
+    """PrivacyArguments.dataset_size (public) sets q = 1 / ceil(N' / B) whatever
+    len(train_dataset): 13 examples at B = 4 are sampled at 1/4, and the 12 of a neighbour
+    too with dataset_size=13 (1/3 from the private count); the accountant records it."""
+    for n in (13, 12):
+        tr = make(
+            tmp_path / str(n),
+            model=th.tiny_gpt2_exact(),
+            data=th.token_examples(n),
+            privacy={"expected_batch_size": 4, "dataset_size": 13},
+            max_steps=1,
+        )
+        tr.train()
+        assert tr._poisson_sampler.sample_rate == 1 / 4 and tr._poisson_sampler.steps == 4
+        [(_, q, steps, _)] = tr.privacy_engine.accountant.history
+        assert (q, steps) == (1 / 4, 1)
+    with pytest.raises(ValueError, match="dataset_size must be an integer"):
+        PrivacyArguments(noise_multiplier=1.0, expected_batch_size=4, dataset_size=0)

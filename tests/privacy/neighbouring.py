@@ -743,7 +743,6 @@ def run_trainer(
     ``mask_positions``, the collator's from the attention mask."""
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
 
-    del public_size  # the Trainer's divisor is PrivacyArguments.expected_batch_size
     n = N_RECORDS - int(neighbour)
     model, k = lm_model(arch)
     data = [{"input_ids": ids} for ids in lm_examples(n)]
@@ -768,6 +767,7 @@ def run_trainer(
                 sketch_dim=k or 2,
                 sketch_seed=3 if k else None,
                 seed=TRAINER_SEED,
+                dataset_size=N_RECORDS if public_size else None,
             ),
         )
         return _train_one_step(tr, k)
@@ -777,7 +777,6 @@ def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: 
     """``DPTrainer`` with ``privacy_unit`` on GPT-2 (exact norms); the last unit removed."""
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
 
-    del public_size
     sizes = [1, 2, 1, 2, 1, 2, 1, 2][: N_RECORDS - int(neighbour)]
     seqs = lm_examples(N_RECORDS) * 2
     unit_of = [u for u, s in enumerate(sizes) for _ in range(s)]
@@ -795,6 +794,7 @@ def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: 
                 max_grad_norm=C_LM,
                 expected_batch_size=BATCH,
                 seed=TRAINER_SEED,
+                dataset_size=N_RECORDS if public_size else None,
                 privacy_unit="doc",
             ),
         )
@@ -823,7 +823,6 @@ def run_sft(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> R
 
     from opacus_rc.integrations.trl import DPSFTTrainer, PrivacyArguments
 
-    del public_size
     n = N_RECORDS - int(neighbour)
     text = [" ".join(f"w{t - 3}" for t in ids) for ids in lm_examples(n)]
     model, k = lm_model("gpt2")
@@ -855,6 +854,7 @@ def run_sft(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> R
                 max_grad_norm=C_LM,
                 expected_batch_size=BATCH,
                 seed=TRAINER_SEED,
+                dataset_size=N_RECORDS if public_size else None,
             ),
         )
         return _train_one_step(tr, k)
@@ -870,8 +870,8 @@ def _bind(fn: Callable, *args: Any) -> Callable[..., Release]:
 
 
 #: Every single-process path: ``name -> (run, has_public_size)``. ``has_public_size``: the
-#: path takes a public number of records (``make_private``'s ``dataset_size``); the Trainers
-#: take none (their divisor is ``PrivacyArguments.expected_batch_size`` itself).
+#: path takes a public number of records (``make_private``'s ``dataset_size``, the Trainers'
+#: ``PrivacyArguments.dataset_size``; their divisor is ``expected_batch_size`` either way).
 PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-mlp": (run_engine_mlp, True),
     "engine-gpt2-right": (_bind(run_engine_lm, "gpt2", "right"), True),
@@ -883,11 +883,11 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "unit-loader-virtual": (_bind(run_units, "virtual"), True),
     "unit-split": (_bind(run_units, "split"), True),
     "distributed-unit-loader-w1": (_bind(run_units, "distributed-w1"), True),
-    "trainer-gpt2-right": (_bind(run_trainer, "gpt2", "right"), False),
-    "trainer-gpt2-left": (_bind(run_trainer, "gpt2", "left"), False),
-    "trainer-gpt2-left-mask-positions": (_bind(run_trainer, "gpt2", "left", True), False),
-    "trainer-llama-right": (_bind(run_trainer, "llama", "right"), False),
-    "trainer-llama-left": (_bind(run_trainer, "llama", "left"), False),
-    "sft-trainer": (run_sft, False),
-    "trainer-privacy-unit": (run_trainer_units, False),
+    "trainer-gpt2-right": (_bind(run_trainer, "gpt2", "right"), True),
+    "trainer-gpt2-left": (_bind(run_trainer, "gpt2", "left"), True),
+    "trainer-gpt2-left-mask-positions": (_bind(run_trainer, "gpt2", "left", True), True),
+    "trainer-llama-right": (_bind(run_trainer, "llama", "right"), True),
+    "trainer-llama-left": (_bind(run_trainer, "llama", "left"), True),
+    "sft-trainer": (run_sft, True),
+    "trainer-privacy-unit": (run_trainer_units, True),
 }

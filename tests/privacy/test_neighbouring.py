@@ -178,3 +178,20 @@ def test_tolerances_are_the_derived_values() -> None:
     assert nb.sensitivity_bound(max_grad_norm=1.0, sketch_dim=4096, others=3) == pytest.approx(
         want * (1 + 1e-4)
     )
+
+
+def test_a_public_size_fixes_the_rate_across_a_batch_boundary() -> None:
+    # 13 vs 12 records at an expected batch of 4: from the private count q is
+    # 1 / ceil(13 / 4) = 1/4 vs 1/3 (treated as public, as Opacus, and documented); a public
+    # size gives both neighbours 1/4, on the engine's rule and on the Trainers' (which use it).
+    from torch.utils.data import DataLoader
+
+    from opacus_rc.engine.schedule import public_sizes
+    from opacus_rc.integrations.train_data import trainer_schedule
+
+    private = [trainer_schedule(n, expected_batch_size=4) for n in (13, 12)]
+    assert [s.sample_rate for s in private] == [1 / 4, 1 / 3]
+    public = [trainer_schedule(n, expected_batch_size=4, dataset_size=13) for n in (13, 12)]
+    assert [(s.sample_rate, s.steps) for s in public] == [(1 / 4, 4), (1 / 4, 4)]
+    engine = [public_sizes(DataLoader(range(n), batch_size=4), dataset_size=13) for n in (13, 12)]
+    assert engine[0] == engine[1] and engine[0].sample_rate == 1 / 4
