@@ -47,7 +47,9 @@ __all__ = [
     "BatchIndependenceError",
     "LIKELY_CAUSES",
     "allclose_rounding",
+    "batch_independence_error",
     "check_rows",
+    "first_tensor",
     "independence_forward",
     "position_ids_from_attention_mask",
 ]
@@ -164,9 +166,7 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
                 saved_p.append((module, name, value))
                 setattr(module, name, 0.0)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted(
-        {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}
-    )
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     disabled = hooks is not None and bool(getattr(hooks, "hooks_enabled", False))
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -209,8 +209,8 @@ def check_rows(batch_size: int, mask: torch.Tensor | None, *, limit: int = 3) ->
     return rows[:limit]
 
 
-def _first_tensor(outputs: Any) -> torch.Tensor | None:
-    """The output the check compares: a tensor, a mapping's ``logits`` (else its first tensor),
+def first_tensor(outputs: Any) -> torch.Tensor | None:
+    """The output the checks compare: a tensor, a mapping's ``logits`` (else its first tensor),
     or a sequence's first tensor."""
     if isinstance(outputs, torch.Tensor):
         return outputs
@@ -224,13 +224,15 @@ def _first_tensor(outputs: Any) -> torch.Tensor | None:
     else:
         return None
     for v in values:
-        found = _first_tensor(v)
+        found = first_tensor(v)
         if found is not None:
             return found
     return None
 
 
-def _error(what: str) -> BatchIndependenceError:
+def batch_independence_error(what: str) -> BatchIndependenceError:
+    """The error of a failed check: ``what`` failed, why it matters, the likely causes
+    (:data:`LIKELY_CAUSES`) and the switch that turns the check off."""
     return BatchIndependenceError(
         f"{what}. A record's loss must depend on that record alone: otherwise removing one record "
         "moves the other records' gradients, and the released update by more than the clipping "
@@ -314,9 +316,9 @@ class BatchIndependenceCheck:
         rows = check_rows(batch_size, mask)
         self.checked_rows = rows
         with independence_forward(model, self.hooks):
-            full = _first_tensor(model(*args, **kwargs))
+            full = first_tensor(model(*args, **kwargs))
             if full is None or full.dim() <= batch_dim or full.shape[batch_dim] != batch_size:
-                raise _error(
+                raise batch_independence_error(
                     "the batch-independence check found no output with one row per record "
                     f"(the batch has {batch_size} records) to compare records with"
                 )
@@ -326,7 +328,7 @@ class BatchIndependenceCheck:
                 one_kwargs = {
                     k: _one_record(v, i, batch_size, batch_dim, keep) for k, v in kwargs.items()
                 }
-                alone = _first_tensor(model(*one_args, **one_kwargs))
+                alone = first_tensor(model(*one_args, **one_kwargs))
                 inside = full.select(batch_dim, i)
                 if keep is not None and inside.dim() >= 1 and inside.shape[0] == keep.shape[0]:
                     inside = inside[keep]
@@ -337,11 +339,15 @@ class BatchIndependenceCheck:
                     else allclose_rounding(inside, alone_row)
                 )
                 if not equal:
-                    raise _error(
+                    raise batch_independence_error(
                         f"record {i} of the first training batch gives other outputs alone than "
                         f"inside its batch of {batch_size} (max |difference| {diff:.3g}, "
                         f"rounding tolerance {tol:.3g}"
-                        + ("; compared at its real tokens, attention_mask != 0" if keep is not None else "")
+                        + (
+                            "; compared at its real tokens, attention_mask != 0"
+                            if keep is not None
+                            else ""
+                        )
                         + ")"
                     )
 
@@ -371,10 +377,11 @@ def _one_record(
 
 def _unwrap_data_parallel(module: nn.Module) -> nn.Module:
     """The module inside DDP / DPDDP wrappers (whose forward would issue collectives)."""
-    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    while isinstance(module, (DistributedDataParallel, DPDDP)):
+    wrappers = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
+    while isinstance(module, wrappers):
         module = module.module
     return module
 

@@ -40,9 +40,9 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
+from opacus_rc.batch_independence import BatchIndependenceCheck
 from opacus_rc.config import validate_noise_multiplier
 from opacus_rc.engine.noise import check_zero_noise, search_noise_multiplier
-from opacus_rc.batch_independence import BatchIndependenceCheck
 from opacus_rc.engine.options import MakePrivateOptions
 from opacus_rc.engine.post_processing import attach_post_processing
 from opacus_rc.engine.request import Request, build_request

@@ -68,6 +68,13 @@ class PrivacyArguments:
             (its first ones in dataset order, chosen without looking at content), or None
             (all). A unit's rows must fit in one micro-batch
             (``per_device_train_batch_size``).
+        check_batch_independence: ``True`` (default): at the first non-empty logical batch,
+            before anything is noised or accounted, a few examples collated alone by the
+            trainer's data collator must equal their rows of the collated batch, and their
+            outputs and per-example losses alone must equal the same inside the batch
+            (:mod:`opacus_rc.integrations.batch_check`); otherwise
+            :class:`~opacus_rc.batch_independence.BatchIndependenceError` names the likely
+            cause. ``False``: no check.
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -120,6 +127,14 @@ class PrivacyArguments:
     max_sequences_per_unit: int | None = field(
         default=None,
         metadata={"help": "With privacy_unit: at most this many rows per unit (its first)."},
+    )
+
+    check_batch_independence: bool = field(
+        default=True,
+        metadata={
+            "help": "Check at the first batch that each example's loss does not depend on "
+            "the other examples of its batch."
+        },
     )
 
     def __post_init__(self) -> None:

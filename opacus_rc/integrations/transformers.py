@@ -189,6 +189,8 @@ class DPTrainerMixin(TrainerSeams):
         self._warned_no_epsilon = False
         self._rank, self._world_size = 0, 1
         self._num_records: int | None = None
+        self._train_collate: Any = None
+        self._batch_independence_checked = False
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -300,6 +302,7 @@ class DPTrainerMixin(TrainerSeams):
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_train_dataset(self.train_dataset)
         dataset, collator = train_dataset_and_collator(self)
+        self._train_collate = collator  # also collates single examples for the batch check
         if self.privacy_args.privacy_unit is not None:
             return unit_train_loader(self, dataset, collator)
         return example_train_loader(self, dataset, collator)
