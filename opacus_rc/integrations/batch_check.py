@@ -3,10 +3,10 @@
 :func:`check_first_batch` takes a few examples of the first micro-batch (the shortest, the
 first and the last), collates each alone with the trainer's own data collator, and checks
 
-1. that the example's row in the collated batch is its own: every tensor the collator returns
-   for it alone equals its row in the batch, compared at the real tokens (``attention_mask !=
-   0``) where both have a mask (a collator that copies, shuffles or merges rows is caught here,
-   which counting rows does not);
+1. that every example's row in the first collated micro-batch is its own: every tensor the
+   collator returns for it alone equals its row in the batch, compared at the real tokens
+   (``attention_mask != 0``) where both have a mask (a collator that copies, shuffles or merges
+   rows is caught here, which counting rows does not);
 2. that its output (the model's logits at its real tokens) and, with the trainer's own
    ``compute_private_loss``, its per-example loss (the mean cross-entropy over its labelled
    positions, as :func:`~opacus_rc.integrations.per_sample_loss.per_sample_cross_entropy`)
@@ -70,9 +70,12 @@ def check_first_batch(trainer: Any, model: nn.Module, batch: LogicalBatch) -> li
     mask = micro.get("attention_mask")
     mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     rows = check_rows(size, mask)
-    alone_batches = {i: prepare_inputs(trainer, collate([examples[i]])) for i in rows}
-    for i in rows:
-        _check_row_is_own(micro, alone_batches[i], i)
+    alone_batches = {}
+    for i in range(size):  # every row (collating is cheap); the forwards for a few
+        alone = prepare_inputs(trainer, collate([examples[i]]))
+        _check_row_is_own(micro, alone, i)
+        if i in rows:
+            alone_batches[i] = alone
     positions = trainer._positions
     default_loss = _is_default_loss(trainer)
     private = trainer._require_private()

@@ -173,9 +173,11 @@ def test_each_records_loss_in_the_batch_equals_its_loss_alone() -> None:
 
 
 def engine_step(
-    model: nn.Module, batch: dict, *, positions: bool, check: bool = True
+    model: nn.Module, batch: dict, *, positions: str, check: bool = True
 ) -> PrivacyEngine:
-    """One private step of a causal LM on ``batch`` (input_ids, attention_mask)."""
+    """One private step of a causal LM on ``batch`` (input_ids, attention_mask), with position
+    ids ``"mask"`` (from the attention mask), ``"arange"`` (``0..T-1`` per row) or ``"none"``
+    (the model's default)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     engine = PrivacyEngine(accountant="rc")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -190,11 +192,10 @@ def engine_step(
         check_batch_independence=check,
     )
     kwargs = {"input_ids": ids, "attention_mask": mask}
-    kwargs["position_ids"] = (
-        opacus_rc.position_ids_from_attention_mask(mask)
-        if positions
-        else torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-    )
+    if positions == "mask":
+        kwargs["position_ids"] = opacus_rc.position_ids_from_attention_mask(mask)
+    elif positions == "arange":
+        kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
     logits = m(**kwargs).logits[:, :-1]
     targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     loss = crit(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape)
@@ -213,19 +214,19 @@ def test_engine_left_padding_with_learned_positions_is_refused_then_runs_with_ma
     model = th.tiny_gpt2_exact()
     before = th.params(model)
     with pytest.raises(BatchIndependenceError) as err:
-        engine_step(model, _padded("left"), positions=False)
+        engine_step(model, _padded("left"), positions="none")
     msg = str(err.value)
     assert "left padding with learned absolute positions" in msg
     assert "position_ids_from_attention_mask" in msg and "check_batch_independence=False" in msg
     assert "Nothing was noised or accounted" in msg
     after = th.params(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    engine = engine_step(th.tiny_gpt2_exact(), _padded("left"), positions=True)
+    engine = engine_step(th.tiny_gpt2_exact(), _padded("left"), positions="mask")
     assert len(engine.accountant) == 1
 
 
 def test_engine_right_padding_passes_and_adds_no_accounting_step() -> None:
-    engine = engine_step(th.tiny_gpt2_exact(), _padded("right"), positions=False)
+    engine = engine_step(th.tiny_gpt2_exact(), _padded("right"), positions="arange")
     assert len(engine.accountant) == 1  # the one step taken; the check accounts nothing
 
 
@@ -235,7 +236,7 @@ def test_engine_check_leaves_training_unchanged() -> None:
     for check in (True, False):
         model = th.tiny_gpt2_exact()
         torch.manual_seed(5)
-        engine_step(model, _padded("right"), positions=False, check=check)
+        engine_step(model, _padded("right"), positions="arange", check=check)
         out.append(th.params(model))
     assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
 
