@@ -19,11 +19,20 @@ differently:
   is refused: the logical batch is ``expected_batch_size``.
 * **Loss.** The training loss is computed per example (:meth:`DPTrainerMixin.compute_private_loss`):
   for a causal LM, the next-token cross-entropy of the model's logits (labels shifted by one,
-  positions labelled ``-100`` left out), averaged over each example's own labelled positions,
-  so padding changes nothing; for a sequence classifier, one cross-entropy per example. The
+  positions labelled ``-100`` left out, and no token predicted from a padding position),
+  averaged over each example's own labelled positions, with each row's position ids from its
+  attention mask (:func:`opacus_rc.position_ids_from_attention_mask`), so that an example's
+  loss is its loss alone on either padding side; for a sequence classifier, one cross-entropy
+  per example. The
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
   one row, are refused where they can be seen).
+* **Batch independence.** At the first non-empty batch (before anything is noised or
+  accounted) every row of the first micro-batch is checked to be its example's own, and up to
+  three examples' outputs and losses alone to equal theirs in the batch
+  (:mod:`~opacus_rc.integrations.batch_check`; ``PrivacyArguments.check_batch_independence``
+  turns it off): a collator that mixes rows, NEFTune or a batch statistic is refused with a
+  :class:`~opacus_rc.batch_independence.BatchIndependenceError`.
 * **Privacy unit.** With ``PrivacyArguments.privacy_unit`` (a column naming each row's
   document or user) the records are the units: the ``U`` units are Poisson-sampled at ``q = 1 /
   ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
