@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -125,7 +126,8 @@ def allclose_rounding(batch: torch.Tensor, alone: torch.Tensor) -> tuple[bool, f
     eps = torch.finfo(dtype).eps
     a, b = batch.detach().double(), alone.detach().double()
     finite = torch.isfinite(b)
-    if not bool((torch.isfinite(a) == finite).all()) or not bool((a[~finite] == b[~finite]).all()):
+    same_special = (a[~finite] == b[~finite]) | (a[~finite].isnan() & b[~finite].isnan())
+    if not bool((torch.isfinite(a) == finite).all()) or not bool(same_special.all()):
         return False, math.inf, 0.0
     diff = float((a - b)[finite].abs().max()) if bool(finite.any()) else 0.0
     scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
@@ -149,7 +151,8 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     Inside: ``torch.no_grad()``; ``hooks.disable_hooks()`` if the hooks object is enabled
     (re-enabled on exit); every ``nn.Dropout``-family module's ``p`` and every float dropout
     attribute (:data:`_DROPOUT_ATTRIBUTES`) set to 0, modes unchanged; on exit the model's
-    buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored.
+    buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored,
+    and the autocast cache cleared (its casts from here carry no gradient).
 
     Args:
         model: The model whose forwards run inside.
@@ -174,6 +177,9 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
                 hooks.disable_hooks()
             yield
     finally:
+        # Under torch.autocast the casts of the weights made here (without gradient) would be
+        # reused by the training forward of the same autocast region, cut from the weights.
+        torch.clear_autocast_cache()
         if disabled:
             hooks.enable_hooks()
         for module, name, value in saved_p:
@@ -209,14 +215,21 @@ def check_rows(batch_size: int, mask: torch.Tensor | None, *, limit: int = 3) ->
     return rows[:limit]
 
 
-def first_tensor(outputs: Any) -> torch.Tensor | None:
+def first_tensor(
+    outputs: Any, *, batch_size: int | None = None, batch_dim: int = 0
+) -> torch.Tensor | None:
     """The output the checks compare: a tensor, a mapping's ``logits`` (else its first tensor),
-    or a sequence's first tensor."""
+    or a sequence's first tensor; with ``batch_size``, the first of them with that size along
+    ``batch_dim`` (a scalar loss beside the logits is passed over)."""
+
+    def fits(t: torch.Tensor) -> bool:
+        return batch_size is None or (t.dim() > batch_dim and t.shape[batch_dim] == batch_size)
+
     if isinstance(outputs, torch.Tensor):
-        return outputs
+        return outputs if fits(outputs) else None
     if isinstance(outputs, Mapping):
         logits = outputs.get("logits")
-        if isinstance(logits, torch.Tensor):
+        if isinstance(logits, torch.Tensor) and fits(logits):
             return logits
         values: Sequence[Any] = list(outputs.values())
     elif isinstance(outputs, (tuple, list)):
@@ -224,7 +237,7 @@ def first_tensor(outputs: Any) -> torch.Tensor | None:
     else:
         return None
     for v in values:
-        found = first_tensor(v)
+        found = first_tensor(v, batch_size=batch_size, batch_dim=batch_dim)
         if found is not None:
             return found
     return None
@@ -313,11 +326,21 @@ class BatchIndependenceCheck:
             and mask.shape[0] == batch_size
         ):
             mask = None
+        uncut = sorted({type(v).__name__ for v in (*args, *kwargs.values()) if not _cuttable(v)})
+        if uncut:
+            warnings.warn(
+                "the batch-independence check cannot cut one record out of inputs of type "
+                f"{', '.join(uncut)}, so it did not run: make sure each record's loss depends "
+                "on that record alone, and pass check_batch_independence=False to silence this",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         rows = check_rows(batch_size, mask)
         self.checked_rows = rows
         with independence_forward(model, self.hooks):
-            full = first_tensor(model(*args, **kwargs))
-            if full is None or full.dim() <= batch_dim or full.shape[batch_dim] != batch_size:
+            full = first_tensor(model(*args, **kwargs), batch_size=batch_size, batch_dim=batch_dim)
+            if full is None:
                 raise batch_independence_error(
                     "the batch-independence check found no output with one row per record "
                     f"(the batch has {batch_size} records) to compare records with"
@@ -328,7 +351,9 @@ class BatchIndependenceCheck:
                 one_kwargs = {
                     k: _one_record(v, i, batch_size, batch_dim, keep) for k, v in kwargs.items()
                 }
-                alone = first_tensor(model(*one_args, **one_kwargs))
+                alone = first_tensor(
+                    model(*one_args, **one_kwargs), batch_size=1, batch_dim=batch_dim
+                )
                 inside = full.select(batch_dim, i)
                 if keep is not None and inside.dim() >= 1 and inside.shape[0] == keep.shape[0]:
                     inside = inside[keep]
@@ -350,6 +375,12 @@ class BatchIndependenceCheck:
                         )
                         + ")"
                     )
+
+
+def _cuttable(value: Any) -> bool:
+    """Whether one record of ``value`` can be cut (a tensor) or it holds no record (a plain
+    scalar, a string, None)."""
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
 def _batch_size(values: Sequence[Any], batch_dim: int) -> int | None:

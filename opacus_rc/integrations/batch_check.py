@@ -80,9 +80,9 @@ def check_first_batch(trainer: Any, model: nn.Module, batch: LogicalBatch) -> li
     default_loss = _is_default_loss(trainer)
     private = trainer._require_private()
     with independence_forward(model, private.module):
-        full = _forward(model, micro, positions, trainer, default_loss)
+        full = _forward(model, micro, positions, trainer, default_loss, size)
         for i in rows:
-            alone = _forward(model, alone_batches[i], positions, trainer, default_loss)
+            alone = _forward(model, alone_batches[i], positions, trainer, default_loss, 1)
             _compare(full, alone, micro, alone_batches[i], i, size)
     return rows
 
@@ -94,7 +94,12 @@ def _is_default_loss(trainer: Any) -> bool:
 
 
 def _forward(
-    model: nn.Module, inputs: Mapping[str, Any], positions: bool, trainer: Any, loss: bool
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    positions: bool,
+    trainer: Any,
+    loss: bool,
+    size: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The model's first tensor output and (with the default loss) per-example losses."""
     from opacus_rc.integrations.logical_batch_step import model_inputs, unpadded_next_token_labels
@@ -102,7 +107,7 @@ def _forward(
     kwargs, labels, shift_labels, _ = model_inputs(inputs, expand_positions=positions)
     if labels is not None and trainer._shift_labels and shift_labels is None:
         labels = unpadded_next_token_labels(labels, kwargs.get("attention_mask"))
-    out = first_tensor(model(**kwargs))
+    out = first_tensor(model(**kwargs), batch_size=size)
     losses = None
     if loss and out is not None and labels is not None:
         losses = _per_example_losses(
