@@ -144,13 +144,18 @@ def allclose_rounding(batch: torch.Tensor, alone: torch.Tensor) -> tuple[bool, f
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob")
 
 
+#: Dropout probabilities a model may read from its (Hugging Face) config in its forward.
+_CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
 @contextlib.contextmanager
 def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     """The context of the check's forwards (module docstring).
 
     Inside: ``torch.no_grad()``; ``hooks.disable_hooks()`` if the hooks object is enabled
-    (re-enabled on exit); every ``nn.Dropout``-family module's ``p`` and every float dropout
-    attribute (:data:`_DROPOUT_ATTRIBUTES`) set to 0, modes unchanged; on exit the model's
+    (re-enabled on exit); every ``nn.Dropout``-family module's ``p``, every float dropout
+    attribute of a module (:data:`_DROPOUT_ATTRIBUTES`) and the attention dropout of a module's
+    ``config`` (:data:`_CONFIG_DROPOUTS`) set to 0, modes unchanged; on exit the model's
     buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored,
     and the autocast cache cleared (its casts from here carry no gradient).
 
@@ -168,6 +173,13 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
             if isinstance(value, float) and not isinstance(value, bool):
                 saved_p.append((module, name, value))
                 setattr(module, name, 0.0)
+    configs = {id(c): c for m in model.modules() if (c := m.__dict__.get("config")) is not None}
+    for config in configs.values():  # attention dropout a model reads from its config
+        for name in _CONFIG_DROPOUTS:
+            value = getattr(config, name, None)
+            if isinstance(value, float) and value > 0:
+                saved_p.append((config, name, value))
+                setattr(config, name, 0.0)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     disabled = hooks is not None and bool(getattr(hooks, "hooks_enabled", False))
@@ -326,12 +338,24 @@ class BatchIndependenceCheck:
             and mask.shape[0] == batch_size
         ):
             mask = None
-        uncut = sorted({type(v).__name__ for v in (*args, *kwargs.values()) if not _cuttable(v)})
-        if uncut:
+        values = (*args, *kwargs.values())
+        uncut = sorted({type(v).__name__ for v in values if not _cuttable(v)})
+        sizes = {
+            int(v.shape[batch_dim])
+            for v in values
+            if isinstance(v, torch.Tensor) and v.dim() > batch_dim and v.shape[batch_dim] != 1
+        }
+        if uncut or len(sizes) > 1:
+            what = (
+                f"inputs of type {', '.join(uncut)}"
+                if uncut
+                else f"tensor inputs of different lengths along the batch axis {sorted(sizes)} "
+                "(flat inputs with offsets)"
+            )
             warnings.warn(
-                "the batch-independence check cannot cut one record out of inputs of type "
-                f"{', '.join(uncut)}, so it did not run: make sure each record's loss depends "
-                "on that record alone, and pass check_batch_independence=False to silence this",
+                f"the batch-independence check cannot cut one record out of {what}, so it did "
+                "not run: make sure each record's loss depends on that record alone, and pass "
+                "check_batch_independence=False to silence this",
                 UserWarning,
                 stacklevel=2,
             )

@@ -241,6 +241,30 @@ def test_engine_check_leaves_training_unchanged() -> None:
     assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
 
 
+def test_engine_check_holds_dropout_off_and_restores_it() -> None:
+    """GPT-2 with dropout 0.3 everywhere passes (its dropout is off during the check, in train
+    mode) and trains with its dropout back; a check that kept dropout on would refuse it."""
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=th.VOCAB,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            n_positions=32,
+            resid_pdrop=0.3,
+            embd_pdrop=0.3,
+            attn_pdrop=0.3,
+            use_cache=False,
+        )
+    )
+    before = {n: m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout)}
+    assert len(before) >= 3 and all(p == 0.3 for p in before.values())
+    engine = engine_step(model, _padded("right"), positions="arange")
+    assert len(engine.accountant) == 1
+    after = {n: m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout)}
+    assert after == before and model.config.attn_pdrop == 0.3
+
+
 class BatchMean(nn.Module):
     """Subtracts the batch mean of its input (a batch statistic, as batch normalisation)."""
 
