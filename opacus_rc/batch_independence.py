@@ -144,6 +144,16 @@ def allclose_rounding(batch: torch.Tensor, alone: torch.Tensor) -> tuple[bool, f
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob")
 
 
+#: torch's dropout modules (each with its probability ``p``).
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
 #: Dropout probabilities a model may read from its (Hugging Face) config in its forward.
 _CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
@@ -165,7 +175,7 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     """
     saved_p: list[tuple[Any, str, float]] = []
     for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
+        if isinstance(module, _DROPOUTS):
             saved_p.append((module, "p", module.p))
             module.p = 0.0
         for name in _DROPOUT_ATTRIBUTES:

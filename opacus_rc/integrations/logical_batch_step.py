@@ -18,11 +18,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc._compat.transformers import prepare_inputs
-from opacus_rc.batch_independence import position_ids_from_attention_mask
+from opacus_rc.batch_independence import (
+    BatchIndependenceError,
+    batch_independence_error,
+    position_ids_from_attention_mask,
+)
 from opacus_rc.integrations.batch_check import check_first_batch
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
@@ -83,6 +88,9 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
     optimizer.zero_grad()
     device = trainer.args.device
+    if trainer.privacy_args.check_batch_independence and not trainer._batch_independence_checked:
+        # Once per run, before the first backward: nothing is noised or accounted if it fails.
+        _check_batch_independence(trainer, model, inputs)
     if inputs.num_examples == 0:
         # No record is in the batch: the step is the noise alone, noised and accounted by
         # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
@@ -96,10 +104,6 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
             )
         fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
         return torch.tensor(fill, device=device)
-    if trainer.privacy_args.check_batch_independence and not trainer._batch_independence_checked:
-        # Once per run, before the first backward: nothing is noised or accounted if it fails.
-        check_first_batch(trainer, model, inputs)
-        trainer._batch_independence_checked = True
     record = getattr(private.module, "unit_batch_record", None)
     total = torch.zeros((), device=device, dtype=torch.float64)
     records = 0  # examples, or units with privacy_unit
@@ -162,6 +166,30 @@ def model_inputs(
             positions = torch.arange(t, device=inputs["input_ids"].device)
             inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
     return inputs, labels, given_shift_labels, units
+
+
+def _check_batch_independence(trainer: Any, model: nn.Module, inputs: LogicalBatch) -> None:
+    """The first batch's check (:func:`~opacus_rc.integrations.batch_check.check_first_batch`),
+    on this rank's share; under DDP every rank learns whether any rank's check failed (one
+    all-reduce at the first step, which every rank reaches), so that no rank goes on to the
+    backward's collectives while another has refused."""
+    error: BatchIndependenceError | None = None
+    if inputs.num_examples > 0:
+        try:
+            check_first_batch(trainer, model, inputs)
+        except BatchIndependenceError as err:
+            error = err
+    if trainer._world_size > 1:
+        failed = torch.tensor([0.0 if error is None else 1.0], device=trainer.args.device)
+        dist.all_reduce(failed)
+        if error is None and float(failed.item()) > 0:
+            error = batch_independence_error(
+                "the batch-independence check failed on another rank (its error says why)"
+            )
+    if inputs.num_examples > 0 or trainer._world_size > 1:
+        trainer._batch_independence_checked = True
+    if error is not None:
+        raise error
 
 
 def unpadded_next_token_labels(labels: torch.Tensor, attention_mask: Any) -> torch.Tensor:
