@@ -25,11 +25,15 @@ batch statistic still shows), buffers and random-number-generator states restore
 **Tolerance** (:func:`allclose_rounding`). A batched and a single-record computation of the same
 function differ by rounding only: the same products summed in another order or blocking, each
 sum's error at most ``n u`` relative for ``n`` terms and unit roundoff ``u = eps / 2``
-(``eps = 2**-23`` for float32). Two values are taken as equal when ``|a - b| <= sqrt(eps) *
-max(1, |b|)``, ``sqrt(eps) = 3.5e-4`` for float32: about 2,900 units in the last place, above
-the rounding of the depths and widths met (measured: ``< 1e-5`` for the test models), and far
+(``eps = 2**-23`` for float32). A record's values inside the batch ``a`` and alone ``b`` are
+taken as equal when ``max |a - b| <= sqrt(eps) * max(1, max |b|)``, ``sqrt(eps) = 3.5e-4`` for
+float32: about 2,900 units in the last place of the largest value, above the rounding of the
+depths and widths met (measured on CPU: ``< 1e-7`` relative for the tiny GPT-2 and Llama of
+the tests, left and right padding), and far
 below what a dependence on other records moves (positions shifted, a batch mean subtracted:
 ``O(1)`` of the values' scale). bfloat16 and float16 outputs get their own, larger ``eps``.
+The check's float32 matrix products run at full precision (TF32 off for its forwards, restored
+afterwards), so that TF32's ``2**-10`` rounding does not enter a float32 comparison.
 """
 
 from __future__ import annotations
@@ -167,7 +171,8 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     attribute of a module (:data:`_DROPOUT_ATTRIBUTES`) and the attention dropout of a module's
     ``config`` (:data:`_CONFIG_DROPOUTS`) set to 0, modes unchanged; on exit the model's
     buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored,
-    and the autocast cache cleared (its casts from here carry no gradient).
+    and the autocast cache cleared (its casts from here carry no gradient). float32 matrix
+    products run at ``"highest"`` precision inside (TF32 off), restored on exit.
 
     Args:
         model: The model whose forwards run inside.
@@ -193,12 +198,19 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     disabled = hooks is not None and bool(getattr(hooks, "hooks_enabled", False))
+    # float32 products at full precision (no TF32): the tolerance is float32's rounding.
+    precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             if disabled:
                 hooks.disable_hooks()
             yield
     finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
         # Under torch.autocast the casts of the weights made here (without gradient) would be
         # reused by the training forward of the same autocast region, cut from the weights.
         torch.clear_autocast_cache()
