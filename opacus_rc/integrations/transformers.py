@@ -396,6 +396,10 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             TypeError: If ``inputs`` is not a :class:`LogicalBatch`.
             RuntimeError: A step beyond the schedule the noise was searched for.
+            BatchIndependenceError: At the first non-empty batch (with
+                ``PrivacyArguments.check_batch_independence``): an example's row, output or
+                loss depends on the other examples of its batch; nothing is noised or
+                accounted.
         """
         return logical_batch_step(self, model, inputs)
 
