@@ -8,6 +8,7 @@ accountant itself.) Nothing else global is changed at import.
 """
 
 from opacus_rc.accountants import RCAccountant, get_noise_multiplier, register
+from opacus_rc.batch_independence import BatchIndependenceError, position_ids_from_attention_mask
 from opacus_rc.checkpoints import unwrap_state_dict
 from opacus_rc.denoising import SpectralDenoiser
 from opacus_rc.grad_sample import (
@@ -24,6 +25,7 @@ from opacus_rc.version import __version__
 register()
 
 __all__ = [
+    "BatchIndependenceError",
     "GradSampleHooksRandomizedClipping",
     "GradSampleModuleRandomizedClipping",
     "PrivacyEngine",
@@ -35,6 +37,7 @@ __all__ = [
     "__version__",
     "attach_post_processing_hook",
     "get_noise_multiplier",
+    "position_ids_from_attention_mask",
     "register",
     "register_sketched_norm_sampler",
     "unwrap_state_dict",

@@ -40,6 +40,7 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
+from opacus_rc.batch_independence import BatchIndependenceCheck
 from opacus_rc.config import validate_noise_multiplier
 from opacus_rc.engine.noise import check_zero_noise, search_noise_multiplier
 from opacus_rc.engine.options import MakePrivateOptions
@@ -132,6 +133,7 @@ class PrivacyEngine(RandomizedClippingSeams):
         check_lora_update: bool = False,
         bookkeeping: bool | str = True,
         dataset_size: int | None = None,
+        check_batch_independence: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Make the model, optimizer, criterion and data loader private.
@@ -215,6 +217,16 @@ class PrivacyEngine(RandomizedClippingSeams):
                 (unless a unit loader's ``expected_batch_size`` gives it). The divisor is never
                 computed from ``len(dataset)`` or the number of units
                 (docs/privacy/mechanism.md#mechanism-public).
+            check_batch_independence: ``True`` (default): at the model's first training-mode
+                forward (before anything is noised or accounted), a few records' outputs
+                computed alone must equal their outputs inside the batch, each record cut to
+                its real tokens where an ``attention_mask`` ``(B, T)`` is an input
+                (:class:`~opacus_rc.batch_independence.BatchIndependenceCheck`; the cost: one
+                extra forward of the batch and up to three of one record, once per run). A
+                record whose output depends on the others (left padding with learned
+                positions, a batch statistic, NEFTune) breaks the bound ``C`` on its influence,
+                and raises :class:`~opacus_rc.batch_independence.BatchIndependenceError`.
+                ``False``: no check (for a dependence you account for yourself).
             **kwargs: Passed to Opacus for other ``clipping`` values; none are accepted with
                 ``clipping="randomized"``.
 
@@ -245,7 +257,11 @@ class PrivacyEngine(RandomizedClippingSeams):
                 trainable LoRA adapters. ``bookkeeping=False`` without
                 ``clipping="randomized"``.
             TypeError: Unknown keyword arguments with ``clipping="randomized"``; an unknown
-                key in ``denoise_options``; a non-bool ``bookkeeping``.
+                key in ``denoise_options``; a non-bool ``bookkeeping`` or
+                ``check_batch_independence``.
+            BatchIndependenceError: (a ``ValueError``, at the first training forward) A
+                record's output depends on the other records of its batch (see
+                ``check_batch_independence``).
             NotImplementedError: ``denoise`` with a distributed (DPDDP, DDP, FSDP) model.
         """
         options = MakePrivateOptions(
@@ -272,6 +288,7 @@ class PrivacyEngine(RandomizedClippingSeams):
             check_lora_update=check_lora_update,
             bookkeeping=bookkeeping,
             dataset_size=dataset_size,
+            check_batch_independence=check_batch_independence,
             kwargs=kwargs,
         )
         request = build_request(  # called here: its warnings' stacklevel is the caller's line
@@ -308,6 +325,7 @@ class PrivacyEngine(RandomizedClippingSeams):
         check_lora_update: bool = False,
         bookkeeping: bool | str = True,
         dataset_size: int | None = None,
+        check_batch_independence: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ...]:
         """:meth:`make_private` with the noise multiplier found for a privacy budget.
@@ -359,6 +377,7 @@ class PrivacyEngine(RandomizedClippingSeams):
             check_lora_update=check_lora_update,
             bookkeeping=bookkeeping,
             dataset_size=dataset_size,
+            check_batch_independence=check_batch_independence,
             kwargs=kwargs,
         )
         request = build_request(  # called here: its warnings' stacklevel is the caller's line
@@ -432,4 +451,11 @@ class PrivacyEngine(RandomizedClippingSeams):
                 1 / len(out[-1]),
                 build.module.bookkeeping,
             )
+        if request.check_batch_independence and callable(getattr(out[0], "disable_hooks", None)):
+            # At the first training forward; its handle goes with the hooks (cleanup()).
+            check = BatchIndependenceCheck(
+                module, hooks=out[0], batch_first=request.opacus_options["batch_first"]
+            )
+            out[0].autograd_grad_sample_hooks.append(check.handle)
+            out[0].batch_independence_check = check
         return attach_post_processing(self, out, request.post, module=module)

@@ -72,6 +72,7 @@ class MakePrivateOptions:
     check_lora_update: bool
     bookkeeping: bool | str
     dataset_size: int | None
+    check_batch_independence: bool
     kwargs: dict[str, Any]
 
     def opacus_options(self) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class Request:
         config: The randomized-clipping configuration, or None for Opacus' own clipping.
         post: The post-processing to attach.
         sizes: The sampling rate and divisor, from public inputs.
+        check_batch_independence: Whether the check of batch independence is attached
+            (:class:`~opacus_rc.batch_independence.BatchIndependenceCheck`).
     """
 
     opacus_options: dict[str, Any]
@@ -82,6 +84,7 @@ class Request:
     config: RandomizedClippingConfig | None
     post: PostProcessing
     sizes: PublicSizes
+    check_batch_independence: bool = True
 
 
 #: Samplers that draw every record uniformly: Opacus' Poisson sampler replaces them without a
@@ -217,6 +220,11 @@ def build_request(
         ValueError, TypeError, NotImplementedError: As ``PrivacyEngine.make_private``.
     """
     opacus_options = options.opacus_options()
+    check = options.check_batch_independence
+    if not isinstance(check, bool):
+        raise TypeError(
+            f"check_batch_independence must be True or False, got {type(check).__name__}"
+        )
     module = options.module
     data_loader = options.data_loader
     poisson_sampling = options.poisson_sampling
@@ -270,7 +278,7 @@ def build_request(
             raise ValueError(
                 f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
             )
-        return Request(opacus_options, dict(options.kwargs), None, post, sizes)
+        return Request(opacus_options, dict(options.kwargs), None, post, sizes, check)
 
     if options.kwargs:
         raise TypeError(
@@ -303,4 +311,4 @@ def build_request(
         )
     # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.
     opacus_options["grad_sample_mode"] = "ghost"
-    return Request(opacus_options, {}, config, post, sizes)
+    return Request(opacus_options, {}, config, post, sizes, check)

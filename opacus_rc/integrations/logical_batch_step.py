@@ -18,14 +18,26 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from opacus_rc._compat.transformers import prepare_inputs
+from opacus_rc.batch_independence import (
+    BatchIndependenceError,
+    batch_independence_error,
+    position_ids_from_attention_mask,
+)
+from opacus_rc.integrations.batch_check import check_first_batch
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
 
-__all__ = ["logical_batch_step", "micro_batch_loss"]
+__all__ = [
+    "logical_batch_step",
+    "micro_batch_loss",
+    "model_inputs",
+    "unpadded_next_token_labels",
+]
 
 
 def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Tensor:
@@ -49,6 +61,9 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
         TypeError: If ``inputs`` is not a ``LogicalBatch``.
         RuntimeError: A step beyond the schedule the noise was searched for; the
             randomized-clipping backward failed on another rank.
+        BatchIndependenceError: At the first non-empty batch, with
+            ``PrivacyArguments.check_batch_independence``: an example's row, output or loss
+            depends on the other examples (:mod:`~opacus_rc.integrations.batch_check`).
     """
     private = trainer._require_private()
     if not isinstance(inputs, LogicalBatch):
@@ -73,6 +88,9 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
     optimizer.zero_grad()
     device = trainer.args.device
+    if trainer.privacy_args.check_batch_independence and not trainer._batch_independence_checked:
+        # Once per run, before the first backward: nothing is noised or accounted if it fails.
+        _check_batch_independence(trainer, model, inputs)
     if inputs.num_examples == 0:
         # No record is in the batch: the step is the noise alone, noised and accounted by
         # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
@@ -112,6 +130,97 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     return (total / max(records, 1)).float().detach()
 
 
+def model_inputs(
+    inputs: Mapping[str, Any], *, expand_positions: bool
+) -> tuple[dict[str, Any], Any, Any, Any]:
+    """What the model of a DP trainer is given for one collated micro-batch.
+
+    Args:
+        inputs: One collated micro-batch (``labels``, ``shift_labels`` and, with
+            ``privacy_unit``, :data:`~opacus_rc.integrations.logical_batches.UNITS_KEY` are
+            taken out).
+        expand_positions: Whether the model takes ``position_ids``: then, when the batch has
+            none, each row's are passed ``(B, T)``: from the ``attention_mask`` ``(B, T)``
+            where there is one (0 at the row's first real token, whatever the padding side:
+            :func:`~opacus_rc.batch_independence.position_ids_from_attention_mask`), else
+            ``0..T-1``.
+
+    Returns:
+        ``(model keyword arguments, labels, shift_labels, units)`` (None where absent).
+    """
+    inputs = dict(inputs)
+    units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
+    labels = inputs.pop("labels", None)
+    given_shift_labels = inputs.pop("shift_labels", None)
+    if expand_positions and "position_ids" not in inputs and "input_ids" in inputs:
+        # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
+        # position embedding one norm for the whole batch (Opacus issue 841); one row per
+        # example. From the mask: with 0..T-1 for every row, a left-padded record's positions
+        # would depend on the longest record of its batch, and so would its gradient (a
+        # learned position embedding: removing one record moved the update by 1.69 C).
+        b, t = inputs["input_ids"].shape[:2]
+        mask = inputs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and tuple(mask.shape) == (b, t):
+            inputs["position_ids"] = position_ids_from_attention_mask(mask)
+        else:
+            positions = torch.arange(t, device=inputs["input_ids"].device)
+            inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
+    return inputs, labels, given_shift_labels, units
+
+
+def _check_batch_independence(trainer: Any, model: nn.Module, inputs: LogicalBatch) -> None:
+    """The first batch's check (:func:`~opacus_rc.integrations.batch_check.check_first_batch`),
+    on this rank's share; under DDP every rank learns whether any rank's check failed (one
+    all-reduce at the first step, which every rank reaches), so that no rank goes on to the
+    backward's collectives while another has refused."""
+    error: BatchIndependenceError | None = None
+    if inputs.num_examples > 0:
+        try:
+            check_first_batch(trainer, model, inputs)
+        except BatchIndependenceError as err:
+            error = err
+    if trainer._world_size > 1:
+        failed = torch.tensor([0.0 if error is None else 1.0], device=trainer.args.device)
+        dist.all_reduce(failed)
+        if error is None and float(failed.item()) > 0:
+            error = batch_independence_error(
+                "the batch-independence check failed on another rank (its error says why)"
+            )
+    if inputs.num_examples > 0 or trainer._world_size > 1:
+        trainer._batch_independence_checked = True
+    if error is not None:
+        raise error
+
+
+def unpadded_next_token_labels(labels: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+    """Causal-LM labels with no token predicted from padding.
+
+    Position ``t`` predicts label ``t + 1``; under left padding the last padding position
+    would predict a record's first real token, a term the record collated alone does not have
+    (it has no position before its first token). Such labels are set to ``-100`` (ignored), so
+    that each record's loss in the batch is its loss alone. With right padding nothing changes
+    (the labels after a record's last token are already ignored).
+
+    Args:
+        labels: ``(B, T)`` labels (``-100`` where ignored).
+        attention_mask: ``(B, T)`` mask (nonzero at real tokens), or None.
+
+    Returns:
+        ``labels``, or a copy with the labels after padding positions set to ``-100``.
+    """
+    if (
+        not isinstance(attention_mask, torch.Tensor)
+        or labels.dim() != 2
+        or attention_mask.shape != labels.shape
+    ):
+        return labels
+    after_padding = torch.zeros_like(labels, dtype=torch.bool)
+    after_padding[:, 1:] = attention_mask[:, :-1] == 0
+    if not bool(after_padding.any()):
+        return labels
+    return labels.masked_fill(after_padding, -100)
+
+
 def micro_batch_loss(
     model: nn.Module,
     inputs: Mapping[str, Any],
@@ -128,9 +237,11 @@ def micro_batch_loss(
             ``privacy_unit``, the units ``(B,)`` under
             :data:`~opacus_rc.integrations.logical_batches.UNITS_KEY`).
         criterion: The engine's DP criterion.
-        shift_labels: Whether targets are the next tokens (a causal LM).
+        shift_labels: Whether targets are the next tokens (a causal LM): then no token is
+            predicted from a padding position (:func:`unpadded_next_token_labels`).
         expand_positions: Whether the model takes ``position_ids``: then, when the batch has
-            none, they are passed as ``(B, T)`` rows ``0..T-1``, one per example.
+            none, they are passed ``(B, T)``, one row per example, from the attention mask
+            (see :func:`model_inputs`).
 
     Returns:
         The DP loss (see :func:`~opacus_rc.integrations.per_sample_loss.per_sample_cross_entropy`).
@@ -138,23 +249,17 @@ def micro_batch_loss(
     Raises:
         ValueError: No ``labels`` in the batch.
     """
-    inputs = dict(inputs)
-    units = inputs.pop(UNITS_KEY, None)  # (B,) units 0..U-1, with privacy_unit
-    labels = inputs.pop("labels", None)
-    given_shift_labels = inputs.pop("shift_labels", None)
+    inputs, labels, given_shift_labels, units = model_inputs(
+        inputs, expand_positions=expand_positions
+    )
     if labels is None:
         raise ValueError(
             "a DP trainer computes each example's loss from the batch's 'labels' (-100 where "
             "ignored); the data collator returned none (for a causal LM use a collator that "
             "copies input_ids to labels, e.g. DataCollatorForLanguageModeling(mlm=False))"
         )
-    if expand_positions and "position_ids" not in inputs and "input_ids" in inputs:
-        # Batch-broadcast position ids ([1, T], the model's default) would give a trainable
-        # position embedding one norm for the whole batch (Opacus issue 841); the expanded
-        # ids are the same values, one row per example.
-        b, t = inputs["input_ids"].shape[:2]
-        positions = torch.arange(t, device=inputs["input_ids"].device)
-        inputs["position_ids"] = positions.unsqueeze(0).expand(b, -1)
+    if shift_labels and given_shift_labels is None:
+        labels = unpadded_next_token_labels(labels, inputs.get("attention_mask"))
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
     return per_sample_cross_entropy(

@@ -25,7 +25,9 @@ def per_sample_cross_entropy(
     ``transformers``' ``ForCausalLMLoss``; pre-shifted ``shift_labels`` are used as they are),
     and each example's loss is the mean over its positions whose target is not
     ``criterion.criterion.ignore_index`` (``-100``): ``loss_i = sum_t l_it / max(1, n_i)``
-    with ``n_i`` its labelled positions, so padding changes nothing. Token-level labels without
+    with ``n_i`` its labelled positions, so padding adds no term (a DP trainer also drops the
+    prediction of a record's first token from left padding and gives each row its positions
+    from the attention mask, so that a record's loss is its loss alone). Token-level labels without
     shift (token classification) are reduced the same way; labels of shape ``(B,)`` give one
     loss per example. Logits are computed with in float32 at least (as ``ForCausalLMLoss``).
 

@@ -94,6 +94,13 @@ class PrivacyArguments:
             taken from the private data without noise and no epsilon covers it (neighbouring
             datasets log different counts); the Trainer's own
             ``include_num_input_tokens_seen`` is refused.
+        check_batch_independence: ``True`` (default): at the first non-empty logical batch,
+            before anything is noised or accounted, a few examples collated alone by the
+            trainer's data collator must equal their rows of the collated batch, and their
+            outputs and per-example losses alone must equal the same inside the batch
+            (:mod:`opacus_rc.integrations.batch_check`); otherwise
+            :class:`~opacus_rc.batch_independence.BatchIndependenceError` names the likely
+            cause. ``False``: no check.
 
     Raises:
         ValueError: Neither or both of ``target_epsilon`` and ``noise_multiplier``; a value out
@@ -167,6 +174,14 @@ class PrivacyArguments:
         metadata={
             "help": "Log the tokens trained on as non_private/num_input_tokens_seen (counted "
             "from the private data without noise: not covered by epsilon)."
+        },
+    )
+
+    check_batch_independence: bool = field(
+        default=True,
+        metadata={
+            "help": "Check at the first batch that each example's loss does not depend on "
+            "the other examples of its batch."
         },
     )
 

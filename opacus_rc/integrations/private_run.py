@@ -223,6 +223,9 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
             denoise=pa.denoise,
             denoise_kappa=pa.denoise_kappa,
             bookkeeping=BOOKKEEPING[pa.bookkeeping],
+            # The trainer checks its first batch itself (integrations/batch_check.py), with
+            # its collator and its per-example loss.
+            check_batch_independence=False,
         )
     if sketch_generator is not None:
         warnings.warn(

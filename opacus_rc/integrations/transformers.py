@@ -19,11 +19,20 @@ differently:
   is refused: the logical batch is ``expected_batch_size``.
 * **Loss.** The training loss is computed per example (:meth:`DPTrainerMixin.compute_private_loss`):
   for a causal LM, the next-token cross-entropy of the model's logits (labels shifted by one,
-  positions labelled ``-100`` left out), averaged over each example's own labelled positions,
-  so padding changes nothing; for a sequence classifier, one cross-entropy per example. The
+  positions labelled ``-100`` left out, and no token predicted from a padding position),
+  averaged over each example's own labelled positions, with each row's position ids from its
+  attention mask (:func:`opacus_rc.position_ids_from_attention_mask`), so that an example's
+  loss is its loss alone on either padding side; for a sequence classifier, one cross-entropy
+  per example. The
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
   one row, are refused where they can be seen).
+* **Batch independence.** At the first non-empty batch (before anything is noised or
+  accounted) every row of the first micro-batch is checked to be its example's own, and up to
+  three examples' outputs and losses alone to equal theirs in the batch
+  (:mod:`~opacus_rc.integrations.batch_check`; ``PrivacyArguments.check_batch_independence``
+  turns it off): a collator that mixes rows, NEFTune or a batch statistic is refused with a
+  :class:`~opacus_rc.batch_independence.BatchIndependenceError`.
 * **Privacy unit.** With ``PrivacyArguments.privacy_unit`` (a column naming each row's
   document or user) the records are the units: the ``U`` units are Poisson-sampled at ``q = 1 /
   ceil(U / expected_batch_size)`` (``expected_batch_size`` counts units), a sampled unit brings
@@ -234,6 +243,8 @@ class DPTrainerMixin(TrainerSeams):
         self._num_records: int | None = None
         self._hooks_removed = False
         self._non_private_tokens_seen = 0
+        self._train_collate: Any = None
+        self._batch_independence_checked = False
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -367,6 +378,7 @@ class DPTrainerMixin(TrainerSeams):
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_train_dataset(self.train_dataset)
         dataset, collator = train_dataset_and_collator(self)
+        self._train_collate = collator  # also collates single examples for the batch check
         if self.privacy_args.privacy_unit is not None:
             return unit_train_loader(self, dataset, collator)
         return example_train_loader(self, dataset, collator)
@@ -458,6 +470,10 @@ class DPTrainerMixin(TrainerSeams):
         Raises:
             TypeError: If ``inputs`` is not a :class:`LogicalBatch`.
             RuntimeError: A step beyond the schedule the noise was searched for.
+            BatchIndependenceError: At the first non-empty batch (with
+                ``PrivacyArguments.check_batch_independence``): an example's row, output or
+                loss depends on the other examples of its batch; nothing is noised or
+                accounted.
         """
         return logical_batch_step(self, model, inputs)
 
