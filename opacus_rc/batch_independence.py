@@ -321,6 +321,9 @@ class BatchIndependenceCheck:
         self.hooks = hooks
         self.batch_first = bool(batch_first)
         self.checked_rows: list[int] | None = None
+        #: The first checked batch's ``attention_mask`` ``(B, T)``, until the DP criterion's
+        #: first call checks its targets against it (:meth:`check_padding_targets`).
+        self.pending_mask: torch.Tensor | None = None
         self.handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
     def remove(self) -> None:
@@ -384,6 +387,7 @@ class BatchIndependenceCheck:
             return
         rows = check_rows(batch_size, mask)
         self.checked_rows = rows
+        self.pending_mask = None if mask is None else mask.detach() != 0
         with independence_forward(model, self.hooks):
             full = first_tensor(model(*args, **kwargs), batch_size=batch_size, batch_dim=batch_dim)
             if full is None:
@@ -421,6 +425,53 @@ class BatchIndependenceCheck:
                         )
                         + ")"
                     )
+
+    def check_padding_targets(self, targets: Any, *, shape: Any, ignore_index: Any) -> None:
+        """Refuse a per-token loss with a target predicted from a padding position (once).
+
+        The outputs compared by :meth:`run` are a record's outputs at its real tokens; a
+        causal LM's output at a *padding* position also enters the loss when that position's
+        target is not ignored. Under left padding the last padding position predicts the
+        record's first token, and its output depends on how much padding the batch has, that
+        is on the other records (a released update moved by 1.04 C in the neighbouring-dataset
+        harness). Output position ``t`` of a per-token loss over ``T' = T`` or ``T - 1``
+        positions (targets already shifted, or logits ``[:, :-1]`` against labels ``[:, 1:]``)
+        is computed at input position ``t``, so a target that is not ``ignore_index`` where
+        ``attention_mask[:, t] == 0`` is such a prediction.
+
+        Args:
+            targets: The criterion's targets: ``(B, T')`` or flattened ``(B T',)`` with
+                ``shape = (B, T', ...)``; anything else is not a per-token loss and passes.
+            shape: The criterion's ``shape=`` (None without).
+            ignore_index: The criterion's ``ignore_index`` (None: no target is ignored).
+
+        Raises:
+            BatchIndependenceError: If a target at a padding position is not ignored.
+        """
+        mask, self.pending_mask = self.pending_mask, None
+        if mask is None or not isinstance(targets, torch.Tensor):
+            return
+        b, t = mask.shape
+        if shape is not None and len(shape) >= 2 and int(shape[0]) == b:
+            if targets.numel() != int(shape[0]) * int(shape[1]):
+                return
+            targets = targets.reshape(int(shape[0]), int(shape[1]))
+        if targets.dim() != 2 or targets.shape[0] != b or targets.shape[1] not in (t, t - 1):
+            return
+        padding = ~mask[:, : targets.shape[1]].to(targets.device)
+        counted = torch.ones_like(padding) if ignore_index is None else targets != ignore_index
+        bad = padding & counted
+        if bool(bad.any()):
+            row, position = (int(v) for v in bad.nonzero()[0])
+            raise batch_independence_error(
+                f"{int(bad.sum())} target(s) of the first training batch are predicted from "
+                f"padding positions (attention_mask == 0; the first: record {row}, position "
+                f"{position}): under left padding the last padding position predicts the "
+                "record's first token, and its output depends on how much padding the batch "
+                "has. Set the labels predicted from padding to the criterion's ignore_index "
+                "(labels[:, 1:][attention_mask[:, :-1] == 0] = -100 for labels shifted in the "
+                "loss; DPTrainer does it), or pad on the right"
+            )
 
 
 def _cuttable(value: Any) -> bool:

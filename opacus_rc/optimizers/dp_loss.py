@@ -325,6 +325,13 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             if not args:
                 args = (kwargs.pop("input"),) if "input" in kwargs else ()
             args = (*args, kwargs.pop("target"))
+        check = getattr(self.module, "batch_independence_check", None)
+        if check is not None and check.pending_mask is not None and len(args) >= 2:
+            # The first step's targets against the first batch's padding (the engine's
+            # batch-independence check compares outputs at real tokens only).
+            check.check_padding_targets(
+                args[1], shape=shape, ignore_index=getattr(self.criterion, "ignore_index", None)
+            )
         out = super().__call__(*args, shape=shape, **kwargs)
         losses = out.loss_per_sample
         layout = unit_layout_for_loss(out.module, losses, units, split=unit_split)

@@ -173,11 +173,17 @@ def test_each_records_loss_in_the_batch_equals_its_loss_alone() -> None:
 
 
 def engine_step(
-    model: nn.Module, batch: dict, *, positions: str, check: bool = True
+    model: nn.Module,
+    batch: dict,
+    *,
+    positions: str,
+    check: bool = True,
+    pad_targets: bool = False,
 ) -> PrivacyEngine:
     """One private step of a causal LM on ``batch`` (input_ids, attention_mask), with position
     ids ``"mask"`` (from the attention mask), ``"arange"`` (``0..T-1`` per row) or ``"none"``
-    (the model's default)."""
+    (the model's default). A target predicted from a padding position is ignored unless
+    ``pad_targets`` (then the last left pad predicts each record's first token)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     engine = PrivacyEngine(accountant="rc")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -197,7 +203,10 @@ def engine_step(
     elif positions == "arange":
         kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
     logits = m(**kwargs).logits[:, :-1]
-    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    ignored = mask[:, 1:] == 0
+    if not pad_targets:
+        ignored = ignored | (mask[:, :-1] == 0)
+    targets = ids[:, 1:].masked_fill(ignored, -100)
     loss = crit(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape)
     loss.backward()
     o.step()
@@ -222,6 +231,26 @@ def test_engine_left_padding_with_learned_positions_is_refused_then_runs_with_ma
     after = th.params(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
     engine = engine_step(th.tiny_gpt2_exact(), _padded("left"), positions="mask")
+    assert len(engine.accountant) == 1
+
+
+def test_engine_refuses_a_target_predicted_from_left_padding() -> None:
+    """Positions from the mask, but the last left pad's logit predicts each record's first
+    token (labels -100 only on padding): its output depends on the batch's padding (1.04 C in
+    the neighbouring-dataset harness), and outputs at real tokens cannot show it; the DP
+    criterion's first call refuses it before anything is noised or accounted."""
+    model = th.tiny_gpt2_exact()
+    before = th.params(model)
+    with pytest.raises(BatchIndependenceError, match="predicted from padding positions") as err:
+        engine_step(model, _padded("left"), positions="mask", pad_targets=True)
+    assert "Nothing was noised or accounted" in str(err.value)
+    after = th.params(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # Right padding: the pads predict only ignored labels; the check off lets it run.
+    engine_step(th.tiny_gpt2_exact(), _padded("right"), positions="arange", pad_targets=True)
+    engine = engine_step(
+        th.tiny_gpt2_exact(), _padded("left"), positions="mask", pad_targets=True, check=False
+    )
     assert len(engine.accountant) == 1
 
 

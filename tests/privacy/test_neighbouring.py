@@ -16,8 +16,10 @@ For each path of :data:`tests.privacy.neighbouring.PATHS` the same step runs on 
   0.05 or 0.1), so removing a sampled record moves the sum by about ``C``, and a harness that
   did not remove it (or a path that dropped it) fails.
 
-The cases marked ``xfail(strict=True)`` are violations on today's main that issue 30 fixes (or
-a finding of this harness); when a fix lands the case passes and its mark must go.
+Every violation this harness found on the main of issue 30 (the Trainer's positions under left
+padding, 1.67 C; a target predicted from left padding, 1.04-1.07 C; the unit loaders' divisor
+from the private number of units) now passes or is refused (``REFUSED``, and the unit paths
+without a public size); a new violation is added as ``xfail(strict=True)`` until it is fixed.
 
 A new path is not done until it is in this harness.
 """
@@ -30,6 +32,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+from opacus_rc.batch_independence import BatchIndependenceError
 
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
@@ -55,21 +59,12 @@ UNIT_PATHS = ("engine-units", "unit-loader-virtual", "unit-split", "distributed-
 #: Paths that differ from another only in their labels (the mechanism is the same).
 LABEL_VARIANTS = ("engine-gpt2-left-pad-target", "trainer-gpt2-left-mask-positions")
 
-TRAINER_LEFT_POSITIONS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 30 item 2: DPTrainer passes position_ids = arange(T) for every row "
-    "(integrations/logical_batch_step.py), so under left padding a record's learned positions "
-    "depend on the other records' lengths (1.67 C); fixed by positions from the attention "
-    "mask together with the pad-target fix below",
-)
-PAD_TARGET = pytest.mark.xfail(
-    strict=True,
-    reason="finding of the issue 30 harness: under left padding the last pad position's logit "
-    "predicts the first real token (the causal shift; labels are -100 only on padding, as "
-    "DataCollatorForLanguageModeling), and that pad's hidden state depends on the batch's "
-    "padding (1.04 C engine, 1.07 C Trainer, positions from the mask); fixed by ignoring "
-    "targets whose input position is padding, or refused by item 2's batch-independence check",
-)
+#: Refused by the engine's batch-independence check (on by default): under left padding the
+#: last pad position's logit predicts the first real token (the causal shift; labels -100 only
+#: on padding, as DataCollatorForLanguageModeling), and that pad's hidden state depends on the
+#: batch's padding: 1.04 C on the engine (1.07 C on the Trainer, which now drops these targets)
+#: before issue 30; the check refuses the first step before anything is noised or accounted.
+REFUSED = {"engine-gpt2-left-pad-target": "predicted from padding positions"}
 
 
 def mechanism_cases() -> list:
@@ -84,11 +79,7 @@ def mechanism_cases() -> list:
 
 
 def release_cases() -> list:
-    marks = {
-        "trainer-gpt2-left": [TRAINER_LEFT_POSITIONS],
-        "trainer-gpt2-left-mask-positions": [PAD_TARGET],
-        "engine-gpt2-left-pad-target": [PAD_TARGET],
-    }
+    marks = {}
     return [pytest.param(name, id=name, marks=marks.get(name, [])) for name in nb.PATHS]
 
 
@@ -118,6 +109,11 @@ def test_mechanism_is_the_same_for_neighbours(name: str, public: bool) -> None:
 
 @pytest.mark.parametrize("name", release_cases())
 def test_one_record_moves_the_release_by_at_most_c(name: str) -> None:
+    if name in REFUSED:
+        for neighbour in (False, True):
+            with pytest.raises(BatchIndependenceError, match=REFUSED[name]):
+                nb.PATHS[name][0](neighbour=neighbour, noise_multiplier=0.0, public_size=False)
+        return
     # The unit paths need a public number of units (refused without one, above).
     a, b = neighbours(name, noise_multiplier=0.0, public_size=name in UNIT_PATHS)
     # The masks are aligned: the same records, plus the removed one in D's step.
