@@ -293,10 +293,16 @@ def batch_independence_error(what: str) -> BatchIndependenceError:
 class BatchIndependenceCheck:
     """The engine's check of batch independence, a forward pre-hook on the model.
 
-    At the model's first forward in training mode with gradients enabled and the grad-sample
-    hooks enabled and a non-empty batch, the hook removes itself and runs the forward of the
-    whole batch and of each of a few records alone (:func:`check_rows`), inside
-    :func:`independence_forward`, then lets the training forward proceed. "Alone" is the
+    At a forward in training mode with gradients enabled, the grad-sample hooks enabled and
+    a non-empty batch, the hook runs the forward of the whole batch and of each of a few
+    records alone (:func:`check_rows`), inside :func:`independence_forward`, then lets the
+    training forward proceed. It checks the first such batch of at least two records (batch
+    statistics, a record's outputs alone), and, until it has checked one, the first batch with
+    padding (``attention_mask`` zeros in a checked row), then removes itself: a first batch
+    without padding (records of equal length, or one record) does not end the check, since
+    a later physical batch of the same run may be padded (a vacuous first check let left
+    padding with learned positions through a second physical batch at 1.38 C). While it
+    waits for a padded batch, each training forward costs one reduction of the mask. "Alone" is the
     record's row of every batch-shaped tensor input (``(B, ...)`` with ``batch_first``, else
     ``(T, B, ...)``); with an ``attention_mask`` ``(B, T)`` among the keyword inputs (and
     ``batch_first``), every ``(B, T, ...)`` input is further cut to the row's real tokens
@@ -321,6 +327,9 @@ class BatchIndependenceCheck:
         self.hooks = hooks
         self.batch_first = bool(batch_first)
         self.checked_rows: list[int] | None = None
+        #: A batch of at least two records was checked; a batch with padding was checked.
+        self.checked_batch = False
+        self.checked_padding = False
         #: The first checked batch's ``attention_mask`` ``(B, T)``, until the DP criterion's
         #: first call checks its targets against it (:meth:`check_padding_targets`).
         self.pending_mask: torch.Tensor | None = None
@@ -339,11 +348,19 @@ class BatchIndependenceCheck:
         size = _batch_size([*args, *kwargs.values()], batch_dim)
         if not size:
             return  # no batch-shaped input, or an empty batch: check the next forward
-        self.remove()
         inner = _unwrap_data_parallel(module)
         if _is_fsdp(inner):
+            self.remove()
             return
+        mask = _padding_mask(kwargs, size, self.batch_first)
+        padded = mask is not None and size > 1 and bool((mask == 0).any())
+        if self.checked_batch and not padded:
+            return  # waiting for a padded batch
         self.run(inner, args, kwargs, batch_size=size, batch_dim=batch_dim)
+        self.checked_batch = self.checked_batch or size > 1
+        self.checked_padding = self.checked_padding or padded
+        if self.checked_batch and (self.checked_padding or mask is None):
+            self.remove()
 
     def run(
         self,
@@ -355,14 +372,7 @@ class BatchIndependenceCheck:
         batch_dim: int,
     ) -> None:
         """Compare a few records alone with the batch (see the class docstring)."""
-        mask = kwargs.get("attention_mask")
-        if not (
-            self.batch_first
-            and isinstance(mask, torch.Tensor)
-            and mask.dim() == 2
-            and mask.shape[0] == batch_size
-        ):
-            mask = None
+        mask = _padding_mask(kwargs, batch_size, self.batch_first)
         values = (*args, *kwargs.values())
         uncut = sorted({type(v).__name__ for v in values if not _cuttable(v)})
         sizes = {
@@ -472,6 +482,19 @@ class BatchIndependenceCheck:
                 "(labels[:, 1:][attention_mask[:, :-1] == 0] = -100 for labels shifted in the "
                 "loss; DPTrainer does it), or pad on the right"
             )
+
+
+def _padding_mask(kwargs: dict[str, Any], batch_size: int, batch_first: bool) -> Any:
+    """The ``attention_mask`` ``(B, T)`` among the keyword inputs, or None."""
+    mask = kwargs.get("attention_mask")
+    if (
+        batch_first
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and mask.shape[0] == batch_size
+    ):
+        return mask
+    return None
 
 
 def _cuttable(value: Any) -> bool:

@@ -1,9 +1,15 @@
-"""A DP trainer's check of batch independence, at its first non-empty logical batch.
+"""A DP trainer's check of batch independence, at its first logical batches.
 
-:func:`check_first_batch` takes a few examples of the first micro-batch (the shortest, the
-first and the last), collates each alone with the trainer's own data collator, and checks
+:func:`check_logical_batch` checks micro-batches until it has checked one of at least two
+examples and, where the batches have an ``attention_mask``, one with padding: a first
+micro-batch without padding (examples of equal length, or one example) says nothing about
+padding, and a later micro-batch of the same step may be padded (left padding then moved a
+release by 1.26 C through a BERT classifier's [CLS] slot, unseen by a check of the first
+micro-batch alone). :func:`check_micro_batch` takes a few examples of one micro-batch (the
+shortest, the first and the last), collates each alone with the trainer's own data collator,
+and checks
 
-1. that every example's row in the first collated micro-batch is its own: every tensor the
+1. that every example's row in the collated micro-batch is its own: every tensor the
    collator returns for it alone equals its row in the batch, compared at the real tokens
    (``attention_mask != 0``) where both have a mask (a collator that copies, shuffles or merges
    rows is caught here, which counting rows does not);
@@ -17,13 +23,16 @@ The forwards run in :func:`~opacus_rc.batch_independence.independence_forward` (
 hooks disabled, dropout off in train mode, buffers and random states restored), with the inputs
 the training step gives the model (:func:`~opacus_rc.integrations.logical_batch_step.model_inputs`,
 position ids from the attention mask). A mismatch raises
-:class:`~opacus_rc.batch_independence.BatchIndependenceError` before the first backward: nothing
-is noised or accounted. ``PrivacyArguments.check_batch_independence=False`` turns it off.
+:class:`~opacus_rc.batch_independence.BatchIndependenceError` before the logical batch's first
+backward: nothing is noised or accounted. While the check waits for a padded micro-batch, each
+logical batch costs one scan of its micro-batches' masks.
+``PrivacyArguments.check_batch_independence=False`` turns it off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,29 +49,79 @@ from opacus_rc.batch_independence import (
 )
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 
-__all__ = ["check_first_batch"]
+__all__ = ["BatchCheckState", "check_logical_batch", "check_micro_batch"]
 
 
-def check_first_batch(trainer: Any, model: nn.Module, batch: LogicalBatch) -> list[int]:
-    """Check the first micro-batch of ``batch`` (module docstring).
+@dataclass
+class BatchCheckState:
+    """What the trainer's check has seen so far (one per run).
+
+    Attributes:
+        checked_batch: A micro-batch of at least two examples was checked.
+        checked_padding: A micro-batch with padding (``attention_mask`` zeros) was checked.
+        masked: The checked micro-batches had an ``attention_mask``.
+    """
+
+    checked_batch: bool = False
+    checked_padding: bool = False
+    masked: bool = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the check has seen what it needs (and stops)."""
+        return self.checked_batch and (self.checked_padding or not self.masked)
+
+
+def check_logical_batch(
+    trainer: Any, model: nn.Module, batch: LogicalBatch, state: BatchCheckState
+) -> None:
+    """Check the micro-batches of ``batch`` that can still teach the check something.
+
+    A micro-batch is checked if no micro-batch of at least two examples was checked yet, or
+    if it has padding and no padded one was checked yet; ``state`` is updated.
+
+    Raises:
+        BatchIndependenceError: From :func:`check_micro_batch`.
+    """
+    collate = getattr(trainer, "_train_collate", None)
+    if not batch.micro_batches or not batch.micro_examples or collate is None:
+        return
+    for micro, examples in zip(batch.micro_batches, batch.micro_examples):
+        if state.done:
+            return
+        if not isinstance(micro, Mapping) or not examples:
+            continue
+        mask = micro.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        padded = mask is not None and len(examples) > 1 and bool((mask == 0).any())
+        if state.checked_batch and not padded:
+            continue
+        check_micro_batch(trainer, model, micro, examples)
+        state.checked_batch = state.checked_batch or len(examples) > 1
+        state.checked_padding = state.checked_padding or padded
+        state.masked = state.masked or mask is not None
+
+
+def check_micro_batch(
+    trainer: Any, model: nn.Module, micro: Mapping[str, Any], examples: list[Any]
+) -> list[int]:
+    """Check one collated micro-batch against its examples (module docstring).
 
     Args:
         trainer: The DP trainer, made private (its collator ``_train_collate``, its flags).
         model: The model (DDP wrapper already run past).
-        batch: A non-empty logical batch that kept its first micro-batch's examples.
+        micro: The collated micro-batch (before ``prepare_inputs``).
+        examples: Its examples, uncollated, in row order.
 
     Returns:
-        The rows of the first micro-batch that were checked.
+        The rows that were computed alone.
 
     Raises:
-        BatchIndependenceError: A checked row is not its example's own, or an example's output
-            or loss alone differs from the same inside the batch.
+        BatchIndependenceError: A row is not its example's own, or an example's output or
+            loss alone differs from the same inside the batch.
     """
-    examples = batch.first_examples
-    collate = getattr(trainer, "_train_collate", None)
-    if not batch.micro_batches or not examples or collate is None:
-        return []
-    micro = prepare_inputs(trainer, batch.micro_batches[0])
+    collate = trainer._train_collate
+    micro = prepare_inputs(trainer, micro)
     if not isinstance(micro, Mapping):
         return []
     micro = {k: v for k, v in micro.items() if k != UNITS_KEY}

@@ -28,7 +28,7 @@ from opacus_rc.batch_independence import (
     batch_independence_error,
     position_ids_from_attention_mask,
 )
-from opacus_rc.integrations.batch_check import check_first_batch
+from opacus_rc.integrations.batch_check import check_logical_batch
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
 
@@ -89,7 +89,8 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     optimizer.zero_grad()
     device = trainer.args.device
     if trainer.privacy_args.check_batch_independence and not trainer._batch_independence_checked:
-        # Once per run, before the first backward: nothing is noised or accounted if it fails.
+        # Before the logical batch's first backward, until the check has seen a micro-batch of
+        # two examples and one with padding: nothing is noised or accounted if it fails.
         _check_batch_independence(trainer, model, inputs)
     if inputs.num_examples == 0:
         # No record is in the batch: the step is the noise alone, noised and accounted by
@@ -169,25 +170,30 @@ def model_inputs(
 
 
 def _check_batch_independence(trainer: Any, model: nn.Module, inputs: LogicalBatch) -> None:
-    """The first batch's check (:func:`~opacus_rc.integrations.batch_check.check_first_batch`),
-    on this rank's share; under DDP every rank learns whether any rank's check failed (one
-    all-reduce at the first step, which every rank reaches), so that no rank goes on to the
-    backward's collectives while another has refused."""
+    """The check of the logical batch's micro-batches that can still teach it something
+    (:func:`~opacus_rc.integrations.batch_check.check_logical_batch`), on this rank's share;
+    under DDP every rank learns whether any rank's check failed and whether every rank's
+    check is done (one all-reduce per logical batch while it runs, which every rank reaches),
+    so that no rank goes on to the backward's collectives while another has refused, and the
+    ranks stop checking together."""
+    state = trainer._batch_check_state
     error: BatchIndependenceError | None = None
-    if inputs.num_examples > 0:
-        try:
-            check_first_batch(trainer, model, inputs)
-        except BatchIndependenceError as err:
-            error = err
+    try:
+        check_logical_batch(trainer, model, inputs, state)
+    except BatchIndependenceError as err:
+        error = err
+    done = state.done
     if trainer._world_size > 1:
-        failed = torch.tensor([0.0 if error is None else 1.0], device=trainer.args.device)
-        dist.all_reduce(failed)
-        if error is None and float(failed.item()) > 0:
+        flags = torch.tensor(
+            [0.0 if error is None else 1.0, 0.0 if done else 1.0], device=trainer.args.device
+        )
+        dist.all_reduce(flags)
+        if error is None and float(flags[0].item()) > 0:
             error = batch_independence_error(
                 "the batch-independence check failed on another rank (its error says why)"
             )
-    if inputs.num_examples > 0 or trainer._world_size > 1:
-        trainer._batch_independence_checked = True
+        done = float(flags[1].item()) == 0
+    trainer._batch_independence_checked = done
     if error is not None:
         raise error
 

@@ -128,13 +128,13 @@ class LogicalBatch:
         micro_batches: The collated micro-batches, each of at most the physical batch size
             (empty for an empty Poisson batch).
         sizes: The number of examples in each micro-batch.
-        first_examples: The examples (uncollated) of the first micro-batch, for the trainer's
-            check of batch independence (:mod:`~opacus_rc.integrations.batch_check`), or None.
+        micro_examples: The examples (uncollated) of each micro-batch, for the trainer's check
+            of batch independence (:mod:`~opacus_rc.integrations.batch_check`), or None.
     """
 
     micro_batches: list[Any]
     sizes: list[int]
-    first_examples: list[Any] | None = None
+    micro_examples: list[list[Any]] | None = None
 
     @property
     def num_examples(self) -> int:
@@ -198,8 +198,11 @@ class LogicalBatchCollator:
                 )
             micro.append(batch)
             sizes.append(len(chunk))
-        first = examples[bounds[0][0] : bounds[0][1]] if bounds else None
-        return LogicalBatch(micro_batches=micro, sizes=sizes, first_examples=first)
+        return LogicalBatch(
+            micro_batches=micro,
+            sizes=sizes,
+            micro_examples=[examples[lo:hi] for lo, hi in bounds],
+        )
 
 
 class UnitLogicalBatchCollator(LogicalBatchCollator):

@@ -136,6 +136,7 @@ from torch.utils.data import DataLoader
 
 from opacus_rc._compat.transformers import TrainerSeams, output_dir
 from opacus_rc.accountants import AccountingError
+from opacus_rc.integrations.batch_check import BatchCheckState
 from opacus_rc.integrations.logical_batch_step import logical_batch_step, micro_batch_loss
 from opacus_rc.integrations.logical_batches import (
     LogicalBatch,
@@ -245,6 +246,7 @@ class DPTrainerMixin(TrainerSeams):
         self._non_private_tokens_seen = 0
         self._train_collate: Any = None
         self._batch_independence_checked = False
+        self._batch_check_state = BatchCheckState()
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
