@@ -192,7 +192,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             loader = poisson_loader(
                 DistributedDPDataLoader if own_distributed else DPDataLoader,
                 data_loader,
-                sample_rate=1 / len(data_loader) if mechanism is None else mechanism.sample_rate,
+                # Set with _build for every make_private call: the run's rate.
+                sample_rate=mechanism.sample_rate,
                 distributed=distributed,
                 generator=self.secure_rng,
                 batch_first=batch_first,
