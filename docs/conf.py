@@ -87,6 +87,7 @@ API_PACKAGES = (
     "opacus_rc.accountants.analysis",
     "opacus_rc.denoising",
     "opacus_rc.sketching",
+    "opacus_rc.mechanism",
     "opacus_rc.data_loader",
     "opacus_rc.unit_data_loader",
     "opacus_rc.grad_sample.units",

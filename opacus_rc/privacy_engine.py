@@ -11,7 +11,8 @@ the order of one call; each step is a module of :mod:`opacus_rc.engine`:
    optimizer);
 2. the noise multiplier: searched for a target epsilon at the schedule the run will have, or a
    given one checked (``noise_multiplier=0`` only with an accountant that records it,
-   :mod:`opacus_rc.engine.noise`);
+   :mod:`opacus_rc.engine.noise`); with it the run's one
+   :class:`~opacus_rc.mechanism.Mechanism` is built (``engine.mechanism``);
 3. Opacus' ``make_private``, whose build steps for randomized clipping are the seams of
    :class:`~opacus_rc.engine.seams.RandomizedClippingSeams` (the grad-sample module, the
    Poisson loader, the optimizer of :mod:`opacus_rc.optimizers.registry`, the DP loss);
@@ -49,6 +50,7 @@ from opacus_rc.engine.request import Request, build_request
 from opacus_rc.engine.seams import RandomizedBuild, RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
+from opacus_rc.mechanism import Mechanism
 from opacus_rc.unit_data_loader import UnitDataLoader
 
 __all__ = ["PrivacyEngine"]
@@ -81,6 +83,12 @@ class PrivacyEngine(RandomizedClippingSeams):
             did at the last step), or None.
         lora_update_guard: The :class:`~opacus_rc.lora.LoRAUpdateGuard` the last
             ``make_private(check_lora_update=True)`` attached, or None.
+        mechanism: The :class:`~opacus_rc.mechanism.Mechanism` of the last successful
+            ``make_private`` (or ``make_private_with_epsilon``) call, or None before one: the
+            privacy unit, sampling rate, accounted rate, steps per epoch, divisor, ``C``,
+            ``sigma``, sketch and threat model of every step, all from public inputs. The
+            randomized-clipping optimizer holds the same record (``optimizer.mechanism``) and
+            makes every step's DP event from it (``mechanism.step_event()``).
 
     Raises:
         ValueError: If the accountant name is not registered.
@@ -88,6 +96,7 @@ class PrivacyEngine(RandomizedClippingSeams):
 
     denoiser: Any = None
     lora_update_guard: LoRAUpdateGuard | None = None
+    mechanism: Mechanism | None = None
 
     def __init__(self, *, accountant: str = "rc", secure_mode: bool = False) -> None:
         if accountant == "rc":
@@ -405,8 +414,18 @@ class PrivacyEngine(RandomizedClippingSeams):
         had_hooks = hasattr(module, "autograd_grad_sample_hooks")
         previous_dataset = self.dataset
         build = None if request.config is None else RandomizedBuild(request.config)
+        # The run's mechanism, built once from the validated request and the noise multiplier:
+        # the seams sample at its rate, the optimizer divides, noises and accounts from it.
+        mechanism = Mechanism(
+            sizes=request.sizes,
+            max_grad_norm=request.opacus_options["max_grad_norm"]
+            if build is None
+            else build.config.max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            sketch_spec=None if build is None else build.config.sketch_spec,
+        )
         self._build = build
-        self._sizes = request.sizes
+        self._mechanism = mechanism
         try:
             with warnings.catch_warnings():
                 # The module warns about a passed sketch generator, and the accountant would
@@ -424,12 +443,14 @@ class PrivacyEngine(RandomizedClippingSeams):
             raise
         finally:
             self._build = None
-            self._sizes = None
+            self._mechanism = None
+        self.mechanism = mechanism
         if isinstance(request.opacus_options["data_loader"], UnitDataLoader):
             # Opacus' template accounts at 1 / len(loader), the loader's ``steps``; the units
-            # are drawn at its sample rate (public_sizes' rate): the accountant records that.
+            # are drawn at its sample rate, the mechanism's accounted rate: the accountant
+            # records that.
             out[1].attach_step_hook(
-                self.accountant.get_optimizer_hook_fn(sample_rate=request.sizes.sample_rate)
+                self.accountant.get_optimizer_hook_fn(sample_rate=mechanism.accounted_rate)
             )
         if build is not None and build.config.sketch_generator is not None:
             warnings.warn(
@@ -448,7 +469,7 @@ class PrivacyEngine(RandomizedClippingSeams):
             logger.info(
                 "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
                 build.config.sketch_spec,
-                1 / len(out[-1]),
+                mechanism.accounted_rate,
                 build.module.bookkeeping,
             )
         if request.check_batch_independence and callable(getattr(out[0], "disable_hooks", None)):

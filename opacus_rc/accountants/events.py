@@ -27,6 +27,10 @@ its sketch (the optimizer's :meth:`~opacus_rc.optimizers.RandomizedClipOptimizer
 event's own check, the history adapter and
 :meth:`~opacus_rc.accountants.rc.RCAccountant.threat_model_for` all call it), and
 :func:`optimizer_step_event` the one place where the step of an optimizer becomes an event.
+:func:`step_event` is the one constructor call of :class:`RandomizedClipDpEvent` in the package:
+a run's step event is made from its mechanism (:meth:`opacus_rc.mechanism.Mechanism.step_event`),
+the others (a history entry, ``RCAccountant.step``, the noise search, a plain Opacus optimizer)
+from the values they are given.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "history_entry",
     "optimizer_step_event",
     "sketch_spec_from",
+    "step_event",
 ]
 
 
@@ -212,9 +217,7 @@ def event_from_history_entry(
     ):
         raise ValueError(f"steps must be an integer >= 0, got {steps!r} in {entry!r}")
     mode = accounted_threat_model(spec, requested=threat_model)
-    event = RandomizedClipDpEvent(
-        noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
-    )
+    event = step_event(noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode)
     return event, int(steps)
 
 
@@ -243,9 +246,44 @@ def optimizer_step_event(optimizer: Any, *, sample_rate: float) -> RandomizedCli
     if emit is not None:
         return emit(sample_rate=sample_rate)
     spec = sketch_spec_from(getattr(optimizer, "sketch_spec", None))
-    return RandomizedClipDpEvent(
+    return step_event(
         noise_multiplier=optimizer.noise_multiplier,
         sample_rate=sample_rate * optimizer.accumulated_iterations,
         sketch_spec=spec,
-        threat_model=accounted_threat_model(spec),
+    )
+
+
+def step_event(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    sketch_spec: SketchSpec | None,
+    threat_model: str | None = None,
+) -> RandomizedClipDpEvent:
+    """The event of one step: the one place a :class:`RandomizedClipDpEvent` is constructed.
+
+    A run's steps get theirs from the run's mechanism
+    (:meth:`opacus_rc.mechanism.Mechanism.step_event`); a history entry, ``RCAccountant.step``,
+    the noise search and a plain Opacus optimizer from the values they hold.
+
+    Args:
+        noise_multiplier: ``sigma``.
+        sample_rate: The step's accounted rate, in ``(0, 1]``.
+        sketch_spec: The sketch that produced the clip factors, or ``None`` (exact clipping).
+        threat_model: The threat model; ``None``: the strongest the sketch supports
+            (:func:`accounted_threat_model`).
+
+    Returns:
+        The event.
+
+    Raises:
+        TypeError, ValueError: As :class:`RandomizedClipDpEvent`.
+    """
+    if threat_model is None:
+        threat_model = accounted_threat_model(sketch_spec)
+    return RandomizedClipDpEvent(
+        noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate,
+        sketch_spec=sketch_spec,
+        threat_model=threat_model,
     )

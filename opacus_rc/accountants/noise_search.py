@@ -23,7 +23,7 @@ from typing import Any
 
 from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
-from opacus_rc.accountants.events import RandomizedClipDpEvent, sketch_spec_from
+from opacus_rc.accountants.events import sketch_spec_from, step_event
 from opacus_rc.accountants.rc import RCAccountant
 from opacus_rc.sketching import SketchSpec
 from opacus_rc.validation import validate_delta, validate_sample_rate
@@ -143,9 +143,7 @@ def get_noise_multiplier(
     def bounds(sigma: float, eps_error: float) -> _Bounds:
         work.clear()
         work.compose(
-            RandomizedClipDpEvent(
-                noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode
-            ),
+            step_event(noise_multiplier=sigma, sample_rate=q, sketch_spec=spec, threat_model=mode),
             steps,
         )
         try:

@@ -62,6 +62,7 @@ from opacus_rc.accountants.events import (
     history_entry,
     optimizer_step_event,
     sketch_spec_from,
+    step_event,
 )
 from opacus_rc.sketching import SketchSpec
 from opacus_rc.validation import validate_delta
@@ -216,7 +217,7 @@ class RCAccountant(IAccountant):
                 stacklevel=2,
             )
         spec = sketch_spec_from(sketch_spec)
-        event = RandomizedClipDpEvent(
+        event = step_event(
             noise_multiplier=noise_multiplier,
             sample_rate=sample_rate,
             sketch_spec=spec,

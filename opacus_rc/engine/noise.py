@@ -4,8 +4,9 @@
   an epsilon for) is refused before any hook is attached, never at a later step; a run without
   noise warns that it is not private.
 * :func:`search_noise_multiplier`: ``make_private_with_epsilon``'s search, at the schedule the
-  run will have (:func:`~opacus_rc.engine.schedule.accounted_schedule`), with this engine's
-  accountant (and, for randomized clipping, the module's exact sketch spec).
+  run will have (the request's :class:`~opacus_rc.mechanism.PublicSizes`, from
+  :func:`~opacus_rc.engine.schedule.public_sizes`, which the run's mechanism holds), with this
+  engine's accountant (and, for randomized clipping, the module's exact sketch spec).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 
 from opacus_rc.engine.request import Request
-from opacus_rc.engine.schedule import accounted_schedule
 
 __all__ = ["check_zero_noise", "search_noise_multiplier"]
 
@@ -111,16 +111,13 @@ def search_noise_multiplier(
 ) -> float:
     """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``.
 
-    Searched at the schedule the run will have (:func:`accounted_schedule`), not at ``q``
-    and ``int(epochs / q)``: for some ``q`` an epoch is one step short of ``1 / q`` and
-    the accountant records the larger rate ``1 / int(1 / q)`` (``q = 1/93``: 92 steps at
-    ``1/92``), which would end the run above the target.
+    Searched at the schedule the run will have (``request.sizes``: ``accounted_rate`` and
+    ``steps_per_epoch``, the values the run's :class:`~opacus_rc.mechanism.Mechanism` will
+    hold), not at ``q`` and ``int(epochs / q)``: for some ``q`` an epoch is one step short
+    of ``1 / q`` and the accountant records the larger rate ``1 / int(1 / q)``
+    (``q = 1/93``: 92 steps at ``1/92``), which would end the run above the target.
     """
-    sample_rate, per_epoch = accounted_schedule(
-        request.sizes,
-        data_loader=request.opacus_options["data_loader"],
-        poisson_sampling=request.opacus_options["poisson_sampling"],
-    )
+    sample_rate, per_epoch = request.sizes.accounted_rate, request.sizes.steps_per_epoch
     schedule: dict[str, Any] = {"epochs": epochs, "steps": None}
     if isinstance(epochs, (int, float)) and 0 < epochs < math.inf:
         schedule = {"epochs": None, "steps": max(1, int(epochs * per_epoch))}

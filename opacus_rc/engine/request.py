@@ -74,7 +74,9 @@ class Request:
         kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
         config: The randomized-clipping configuration, or None for Opacus' own clipping.
         post: The post-processing to attach.
-        sizes: The sampling rate and divisor, from public inputs.
+        sizes: The sampling rate, accounted rate, steps per epoch and divisor, from public
+            inputs (:func:`~opacus_rc.engine.schedule.public_sizes`): the schedule of the run's
+            :class:`~opacus_rc.mechanism.Mechanism`, and of the noise search.
         check_batch_independence: Whether the check of batch independence is attached
             (:class:`~opacus_rc.batch_independence.BatchIndependenceCheck`).
     """

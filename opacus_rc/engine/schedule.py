@@ -3,47 +3,30 @@
 One concept: how many records a step samples and how the accountant counts it, decided before
 any loader is built.
 
-* :func:`public_sizes`: the Poisson rate ``q`` and the divisor of the noisy sum, from the
-  loader's ``batch_size``, a unit loader's ``expected_batch_size`` or a public
-  ``dataset_size``, never from the private number of records or units.
-* :func:`accounted_schedule`: the rate the accountant records and the steps of one epoch
-  (Opacus' ``1 / len(loader)`` of the loader the run iterates); the noise search of
-  ``make_private_with_epsilon`` and :class:`~opacus_rc.integrations.transformers.DPTrainer`
-  both search at it.
+* :func:`public_sizes`: the one function that computes a run's
+  :class:`~opacus_rc.mechanism.PublicSizes`: the Poisson rate ``q`` and the divisor of the
+  noisy sum, from the loader's ``batch_size``, a unit loader's ``expected_batch_size`` or a
+  public ``dataset_size``, never from the private number of records or units, and the rate
+  the accountant records with the steps of one epoch (:func:`accounted_schedule`, Opacus'
+  ``1 / len(loader)`` of the loader the run iterates). The engine (its
+  :class:`~opacus_rc.mechanism.Mechanism`, its noise search) and the DP trainers
+  (:func:`~opacus_rc.integrations.train_data.trainer_schedule`) all call it.
 * :func:`poisson_loader`: Opacus' Poisson ``DPDataLoader`` at a given rate.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from opacus.data_loader import DPDataLoader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_rc.data_loader import worker_options
+from opacus_rc.mechanism import PublicSizes
 from opacus_rc.unit_data_loader import UnitDataLoader
 
 __all__ = ["PublicSizes", "accounted_schedule", "poisson_loader", "public_sizes"]
-
-
-@dataclass(frozen=True)
-class PublicSizes:
-    """The sizes the mechanism uses, computed from public inputs only (docs/privacy/mechanism.md).
-
-    Attributes:
-        sample_rate: ``q``, the Poisson rate the loader samples at; an epoch is ``int(1 / q)``
-            steps, each accounted at ``1 / int(1 / q)`` (Opacus' ``1 / len(loader)``, at least
-            ``q``: see :func:`accounted_schedule`).
-        expected_batch_size: The divisor of the noisy sum under ``loss_reduction="mean"``, the
-            expected *global* batch (per process: divided by the world size in a distributed
-            run, as Opacus does); None under ``loss_reduction="sum"`` where no public number
-            was given (nothing is divided).
-    """
-
-    sample_rate: float
-    expected_batch_size: int | None
 
 
 _NO_PUBLIC_DIVISOR = (
@@ -113,6 +96,10 @@ def public_sizes(
         poisson_sampling: Whether the engine replaces the loader by a Poisson one
             (``make_private``'s argument); False uses it as it is, per rank.
 
+    The rate the accountant records and the steps of an epoch come with them
+    (:func:`accounted_schedule`), so that the engine, its noise search and the DP trainers
+    read one record (:class:`~opacus_rc.mechanism.PublicSizes`).
+
     Returns:
         The sizes.
 
@@ -123,6 +110,35 @@ def public_sizes(
             ``dataset_size`` nor a unit loader's ``expected_batch_size``), or a unit loader
             with both.
     """
+    sample_rate, divisor = _rate_and_divisor(
+        data_loader,
+        dataset_size=dataset_size,
+        loss_reduction=loss_reduction,
+        world_size=world_size,
+        poisson_sampling=poisson_sampling,
+    )
+    accounted_rate, steps = accounted_schedule(
+        sample_rate, data_loader=data_loader, poisson_sampling=poisson_sampling
+    )
+    return PublicSizes(
+        sample_rate=sample_rate,
+        expected_batch_size=divisor,
+        accounted_rate=accounted_rate,
+        steps_per_epoch=steps,
+        privacy_unit="unit" if isinstance(data_loader, UnitDataLoader) else "record",
+        world_size=world_size,
+    )
+
+
+def _rate_and_divisor(
+    data_loader: DataLoader,
+    *,
+    dataset_size: int | None,
+    loss_reduction: str,
+    world_size: int,
+    poisson_sampling: bool,
+) -> tuple[float, int | None]:
+    """``(q, global divisor)`` of :func:`public_sizes` (see there)."""
     _check_public_count(dataset_size, "dataset_size")
     batch_size = data_loader.batch_size
     # Batches per rank (see above): the global batch is W of them.
@@ -157,7 +173,7 @@ def public_sizes(
         )
     sample_rate = 1 / n_batches
     if batch_size is not None:
-        return PublicSizes(sample_rate, batch_size * ranks)
+        return sample_rate, batch_size * ranks
     if units:
         given = data_loader.expected_batch_size
         if given is not None and dataset_size is not None:
@@ -167,10 +183,10 @@ def public_sizes(
                 "sum (the expected number of units per step); give one of them"
             )
         if given is not None:
-            return PublicSizes(sample_rate, given)
+            return sample_rate, given
     if dataset_size is None:
         if loss_reduction == "sum":
-            return PublicSizes(sample_rate, None)  # nothing is divided
+            return sample_rate, None  # nothing is divided
         if units:
             what, records, record = "the UnitDataLoader", "units", "unit"
             count = data_loader.num_units
@@ -202,7 +218,7 @@ def public_sizes(
         )
     divisor = int(dataset_size * sample_rate)
     if divisor == 0 and loss_reduction == "sum":
-        return PublicSizes(sample_rate, None)  # nothing is divided
+        return sample_rate, None  # nothing is divided
     if divisor == 0:
         # The noisy sum would be divided by 0: inf/NaN parameters from the first step on,
         # every step still accounted.
@@ -218,35 +234,36 @@ def public_sizes(
             )
             + ", so that at least one is expected per step"
         )
-    return PublicSizes(sample_rate, divisor)
+    return sample_rate, divisor
 
 
 def accounted_schedule(
-    sizes: PublicSizes, *, data_loader: DataLoader, poisson_sampling: bool
+    sample_rate: float, *, data_loader: DataLoader, poisson_sampling: bool
 ) -> tuple[float, int]:
     """The rate the accountant records and the steps of one epoch, before the loader exists.
 
+    Called by :func:`public_sizes` only (its ``accounted_rate`` and ``steps_per_epoch``).
     Opacus accounts each step at ``1 / len(loader)`` of the loader the run iterates. A Poisson
     loader built at rate ``q`` (Opacus' ``DPDataLoader``, :class:`DistributedDPDataLoader`)
     has ``int(1 / q)`` batches, one short of ``1 / q`` for some ``q`` in floating point
     (``q = 1/93``: 92); a loader used as it is (a :class:`UnitDataLoader`, or
     ``poisson_sampling=False``) has ``len(data_loader)``. A :class:`UnitDataLoader`'s steps
-    are accounted at ``sizes.sample_rate`` (:func:`public_sizes`), not ``1 / len(loader)``:
-    its ``steps`` need not be ``int(1 / q)``.
+    are accounted at ``sample_rate`` (the rate its units are drawn at), not
+    ``1 / len(loader)``: its ``steps`` need not be ``int(1 / q)``.
 
     Args:
-        sizes: The public sizes of the run.
+        sample_rate: ``q``, the public sampling rate of the run.
         data_loader: The user's data loader.
         poisson_sampling: Whether the engine builds a Poisson loader.
 
     Returns:
-        ``(1 / n, n)`` with ``n`` the batches per epoch (``(sizes.sample_rate, n)`` for a
+        ``(1 / n, n)`` with ``n`` the batches per epoch (``(sample_rate, n)`` for a
         :class:`UnitDataLoader`).
     """
     if isinstance(data_loader, UnitDataLoader):
         # ``len(loader)`` steps (its ``steps``), each at the rate the units are drawn at.
-        return sizes.sample_rate, len(data_loader)
-    per_epoch = max(1, int(1 / sizes.sample_rate)) if poisson_sampling else len(data_loader)
+        return sample_rate, len(data_loader)
+    per_epoch = max(1, int(1 / sample_rate)) if poisson_sampling else len(data_loader)
     return 1 / per_epoch, per_epoch
 
 

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from opacus_rc._compat.opacus import PrivacyEngineSeams, wrapped_module_if_built
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.data_loader import DistributedDPDataLoader, RandomOnEmptyCollate
-from opacus_rc.engine.schedule import PublicSizes, poisson_loader
+from opacus_rc.engine.schedule import poisson_loader
 from opacus_rc.grad_sample import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
@@ -47,6 +47,7 @@ from opacus_rc.grad_sample.fsdp import (
 )
 from opacus_rc.grad_sample.grad_sample_module import check_training_mode
 from opacus_rc.grad_sample.unit_record import UnitBatchRecord
+from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.registry import get_optimizer_class
 from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
@@ -76,12 +77,14 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
     """Opacus' build steps for randomized clipping and the public sizes (see the module docstring).
 
     The base of :class:`~opacus_rc.PrivacyEngine`, whose ``make_private`` sets ``_build`` (a
-    randomized call) and ``_sizes`` (every call) for the duration of Opacus' template; with
+    randomized call) and ``_mechanism`` (every call: the run's
+    :class:`~opacus_rc.mechanism.Mechanism`, whose rate the loader samples at and whose
+    divisor, noise and events the optimizer uses) for the duration of Opacus' template; with
     both None each seam is Opacus' own.
     """
 
     _build: RandomizedBuild | None = None
-    _sizes: PublicSizes | None = None
+    _mechanism: Mechanism | None = None
 
     def prepare_model_seam(
         self,
@@ -162,9 +165,11 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
                 distributed=distributed,
                 randomized=self._build is not None,
             )
-        sizes = self._sizes
+        mechanism = self._mechanism
         own_rate = (
-            poisson_sampling and sizes is not None and sizes.sample_rate != 1 / len(data_loader)
+            poisson_sampling
+            and mechanism is not None
+            and mechanism.sample_rate != 1 / len(data_loader)
         )
         own_distributed = self._build is not None and distributed and poisson_sampling
         if not (own_rate or own_distributed):
@@ -187,7 +192,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             loader = poisson_loader(
                 DistributedDPDataLoader if own_distributed else DPDataLoader,
                 data_loader,
-                sample_rate=1 / len(data_loader) if sizes is None else sizes.sample_rate,
+                # Set with _build for every make_private call: the run's rate.
+                sample_rate=mechanism.sample_rate,
                 distributed=distributed,
                 generator=self.secure_rng,
                 batch_first=batch_first,
@@ -226,14 +232,15 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         """Opacus' seam; for randomized clipping, the registry's optimizer for the module.
 
         Opacus passes ``int(len(dataset) * q)`` as ``expected_batch_size``: a function of the
-        private number of records. The divisor used is the public one of
-        :func:`~opacus_rc.engine.schedule.public_sizes` (per process in a distributed run, as
-        Opacus).
+        private number of records. The divisor used is the run's mechanism's
+        (:attr:`~opacus_rc.mechanism.Mechanism.divisor`, from
+        :func:`~opacus_rc.engine.schedule.public_sizes`: per process in a distributed run, as
+        Opacus). The randomized-clipping optimizer is given the mechanism itself and takes its
+        noise multiplier, clip bound, divisor and step event from it.
         """
-        if self._sizes is not None:
-            expected_batch_size = self._sizes.expected_batch_size
-            if distributed and expected_batch_size is not None:
-                expected_batch_size /= torch.distributed.get_world_size()
+        mechanism = self._mechanism
+        if mechanism is not None:
+            expected_batch_size = mechanism.divisor
         build = self._build
         if build is None:
             return super().prepare_optimizer_seam(
@@ -257,8 +264,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         return optimizer_class(
             optimizer,
             grad_sample_module=build.module,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
+            mechanism=mechanism,
             generator=self.secure_rng if self.secure_mode else noise_generator,
             secure_mode=build.config.secure_mode,
         )

@@ -3,9 +3,10 @@
 :func:`make_private_run` builds the engine (RC accountant), the generators, and, with
 ``PrivacyArguments.target_epsilon``, the noise multiplier searched for the Trainer's number of
 optimizer steps at the rate the accountant records
-(:func:`~opacus_rc.integrations.train_data.trainer_schedule`, the engine's own rule), then makes
-the model private with ``clipping="randomized"`` (hooks on the model's own modules, no
-wrapper) and checks that the engine's schedule and sketch are the ones the trainer sampled and
+(:func:`~opacus_rc.integrations.train_data.trainer_schedule`, the engine's own
+:func:`~opacus_rc.engine.schedule.public_sizes`), then makes the model private with
+``clipping="randomized"`` (hooks on the model's own modules, no wrapper) and checks that the
+engine's mechanism (``engine.mechanism``) has the schedule and sketch the trainer sampled and
 searched for. The result is one :class:`PrivateRun`. :func:`run_seeds` gives the seeds of the
 run's sampler and noise generator; :func:`causal_lm` and :func:`takes_position_ids` say how the
 per-example loss reads the model.
@@ -157,6 +158,7 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
         trainer._num_records,
         expected_batch_size=pa.expected_batch_size,
         dataset_size=pa.dataset_size,
+        world_size=world_size,
     )
     planned = None
     if pa.target_epsilon is not None:
@@ -234,20 +236,27 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
             UserWarning,
             stacklevel=4,
         )
-    sample_rate = 1 / len(dp_loader)
-    # The accountant's rate and the loader's batches per epoch are the engine's; the trainer's
-    # sampler was built from the same rule (one check that they cannot drift apart).
-    if (dp_loader.sample_rate, len(dp_loader)) != (sampler.sample_rate, sampler.steps):
+    mechanism = engine.mechanism
+    sample_rate = mechanism.accounted_rate
+    # The engine's mechanism and the trainer's schedule come from one function (public_sizes
+    # of the same loader); the trainer's sampler was built from that schedule and the engine's
+    # loader from the mechanism (one check that they cannot drift apart).
+    if mechanism.sizes != schedule.sizes or (dp_loader.sample_rate, len(dp_loader)) != (
+        sampler.sample_rate,
+        sampler.steps,
+    ):
         module.cleanup()
         raise RuntimeError(
-            f"internal: the engine samples at q={dp_loader.sample_rate} with "
-            f"{len(dp_loader)} batches per epoch, the trainer at q={sampler.sample_rate} "
-            f"with {sampler.steps}"
+            f"internal: the engine's mechanism is {mechanism.sizes} (its loader samples at "
+            f"q={dp_loader.sample_rate} with {len(dp_loader)} batches per epoch), the "
+            f"trainer's schedule {schedule.sizes} (its sampler at q={sampler.sample_rate} "
+            f"with {sampler.steps})"
         )
-    if spec is not None and module.sketch_spec != spec:
+    if spec is not None and mechanism.sketch_spec != spec:
         module.cleanup()
         raise RuntimeError(
-            f"internal: the noise was searched for {spec}, the module uses {module.sketch_spec}"
+            f"internal: the noise was searched for {spec}, the mechanism has "
+            f"{mechanism.sketch_spec}"
         )
     logger.info(
         "DP trainer: q=%.6g (%d logical batches per epoch, expected %d examples), "

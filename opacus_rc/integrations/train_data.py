@@ -1,9 +1,10 @@
 """A DP trainer's training data: its records, its Poisson schedule and its loader.
 
 * :func:`trainer_schedule`: the rate ``q`` the trainer's sampler draws at, the rate the
-  accountant records and the steps of an epoch, by the engine's own rule
-  (:func:`opacus_rc.engine.schedule.accounted_schedule`, for the loader the trainer hands to
-  ``make_private``), so the trainer's sampler, its noise search and the engine cannot disagree;
+  accountant records and the steps of an epoch: the engine's own
+  :func:`opacus_rc.engine.schedule.public_sizes` of the loader the trainer hands to
+  ``make_private`` (the sizes the engine's :class:`~opacus_rc.mechanism.Mechanism` holds), so
+  the trainer's sampler, its noise search and the engine cannot disagree;
 * :func:`train_dataset_and_collator`: the dataset and collator with unused columns removed, as
   the Trainer does;
 * :func:`unit_members`: the units of ``PrivacyArguments.privacy_unit`` and their rows;
@@ -29,7 +30,7 @@ from opacus_rc._compat.transformers import (
     remove_unused_columns,
     train_batch_size,
 )
-from opacus_rc.engine.schedule import accounted_schedule, public_sizes
+from opacus_rc.engine.schedule import public_sizes
 from opacus_rc.integrations.logical_batches import (
     IndexDataset,
     LogicalBatchCollator,
@@ -39,6 +40,7 @@ from opacus_rc.integrations.logical_batches import (
     UnitLogicalBatchSampler,
     UnitRows,
 )
+from opacus_rc.mechanism import PublicSizes
 from opacus_rc.unit_data_loader import select_unit_members
 
 __all__ = [
@@ -60,40 +62,55 @@ class TrainerSchedule:
     Attributes:
         rate_loader: ``DataLoader(IndexDataset(n), batch_size=expected_batch_size)``, the loader
             the trainer passes to ``make_private`` (only its length and batch size matter).
-        sample_rate: ``q``, the rate every record is sampled at (Opacus' ``1 / len(loader)``).
-        accounted_rate: The rate the accountant records, ``1 / steps`` (at least ``q``).
-        steps: Logical batches per epoch, ``int(1 / q)``.
+        sizes: The engine's :func:`~opacus_rc.engine.schedule.public_sizes` of that loader: the
+            :class:`~opacus_rc.mechanism.PublicSizes` that ``make_private`` puts in the run's
+            mechanism (``engine.mechanism.sizes``).
     """
 
     rate_loader: DataLoader
-    sample_rate: float
-    accounted_rate: float
-    steps: int
+    sizes: PublicSizes
+
+    @property
+    def sample_rate(self) -> float:
+        """``q``, the rate every record is sampled at (Opacus' ``1 / len(loader)``)."""
+        return self.sizes.sample_rate
+
+    @property
+    def accounted_rate(self) -> float:
+        """The rate the accountant records, ``1 / steps`` (at least ``q``)."""
+        return self.sizes.accounted_rate
+
+    @property
+    def steps(self) -> int:
+        """Logical batches per epoch, ``int(1 / q)``."""
+        return self.sizes.steps_per_epoch
 
 
 def trainer_schedule(
-    n: int, *, expected_batch_size: int, dataset_size: int | None = None
+    n: int, *, expected_batch_size: int, dataset_size: int | None = None, world_size: int = 1
 ) -> TrainerSchedule:
     """The schedule the engine gives a loader of batch size ``expected_batch_size`` over ``n``.
 
-    ``q = 1 / ceil(n / expected_batch_size)`` (:func:`~opacus_rc.engine.schedule.public_sizes`)
-    and an epoch of ``int(1 / q)`` steps, each accounted at ``1 / int(1 / q)``
-    (:func:`~opacus_rc.engine.schedule.accounted_schedule`): ``q = 1/93`` gives 92 steps at
-    ``1/92``.
+    The engine's own function, :func:`~opacus_rc.engine.schedule.public_sizes`, on the loader
+    the trainer hands to ``make_private``: ``q = 1 / ceil(n / expected_batch_size)`` and an
+    epoch of ``int(1 / q)`` steps, each accounted at ``1 / int(1 / q)`` (``q = 1/93`` gives 92
+    steps at ``1/92``).
 
     Args:
         n: The number of records (>= 1).
         expected_batch_size: The expected logical batch size (>= 1).
         dataset_size: The public number of records ``N'`` (``PrivacyArguments.dataset_size``):
             given, ``q = 1 / ceil(N' / expected_batch_size)`` whatever ``n``.
+        world_size: The number of data-parallel processes of the run (as the engine counts
+            them for the DP model it is given).
 
     Returns:
         The schedule.
     """
     loader = DataLoader(IndexDataset(n), batch_size=expected_batch_size)
-    sizes = public_sizes(loader, dataset_size=dataset_size)
-    accounted_rate, steps = accounted_schedule(sizes, data_loader=loader, poisson_sampling=True)
-    return TrainerSchedule(loader, sizes.sample_rate, accounted_rate, steps)
+    return TrainerSchedule(
+        loader, public_sizes(loader, dataset_size=dataset_size, world_size=world_size)
+    )
 
 
 def check_delta(target_delta: float, n: int, what: str) -> None:

@@ -33,7 +33,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from opacus_rc._compat.opacus import next_step_skipped
-from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
+from opacus_rc.mechanism import Mechanism
+from opacus_rc.optimizers.randomized_clip_optimizer import (
+    FROM_MECHANISM,
+    RandomizedClipOptimizer,
+)
 from opacus_rc.optimizers.registry import register_optimizer
 
 __all__ = ["DistributedRandomizedClipOptimizer"]
@@ -52,6 +56,8 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         loss_reduction: ``"mean"`` or ``"sum"``.
         generator: Noise generator (used on rank 0 only).
         secure_mode: Opacus' secure noise.
+        mechanism: The run's :class:`~opacus_rc.mechanism.Mechanism` (its per-process divisor,
+            ``sigma`` and ``C``); as :class:`RandomizedClipOptimizer`.
 
     Raises:
         RuntimeError: If ``torch.distributed`` is not initialised.
@@ -69,12 +75,13 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         optimizer: Optimizer,
         *,
         grad_sample_module: Any,
-        noise_multiplier: float,
-        expected_batch_size: int | None,
+        noise_multiplier: float | None = None,
+        expected_batch_size: Any = FROM_MECHANISM,
         max_grad_norm: float | None = None,
         loss_reduction: str | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
+        mechanism: Mechanism | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -90,6 +97,7 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
             loss_reduction=loss_reduction,
             generator=generator,
             secure_mode=secure_mode,
+            mechanism=mechanism,
         )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()

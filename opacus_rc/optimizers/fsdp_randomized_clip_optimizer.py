@@ -54,6 +54,8 @@ class FSDPRandomizedClipOptimizer(
         loss_reduction: ``"mean"`` or ``"sum"``.
         generator: Noise generator (each rank draws the global shape and keeps its shard).
         secure_mode: Opacus' secure noise.
+        mechanism: The run's :class:`~opacus_rc.mechanism.Mechanism`; as
+            :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`.
 
     Raises:
         RuntimeError: If ``torch.distributed`` is not initialised.

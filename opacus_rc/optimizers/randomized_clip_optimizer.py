@@ -25,6 +25,7 @@ raises before anything is noised or accounted (:meth:`RandomizedClipOptimizer.ch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -38,11 +39,12 @@ from opacus_rc._compat.opacus import (
     next_step_skipped,
     wrapped_module,
 )
-from opacus_rc.accountants.events import RandomizedClipDpEvent, accounted_threat_model
+from opacus_rc.accountants.events import RandomizedClipDpEvent, step_event
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.private_step import ClipResult
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.units import check_no_open_unit
+from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
@@ -50,6 +52,9 @@ from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["RandomizedClipOptimizer"]
+
+#: ``expected_batch_size`` not given: the mechanism's divisor (required without a mechanism).
+FROM_MECHANISM: Any = object()
 
 
 @register_optimizer("randomized", distributed=False)
@@ -61,19 +66,29 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         grad_sample_module: The :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
             (or hooks twin) that computes the clip factors. Its ``sketch_spec`` is what this
             optimizer reports, and its clip bound is kept equal to ``max_grad_norm``.
-        noise_multiplier: ``sigma`` (>= 0); the noise std is ``sigma * C``.
-        max_grad_norm: ``C`` (> 0); must equal the module's ``max_grad_norm``. Setting it later
-            (e.g. by an Opacus clip scheduler) updates the module too.
+        noise_multiplier: ``sigma`` (>= 0); the noise std is ``sigma * C``. Required without
+            ``mechanism``; with one, taken from it (if given, it must equal it).
+        max_grad_norm: ``C`` (> 0); must equal the module's ``max_grad_norm`` (and the
+            mechanism's). Setting it later (e.g. by an Opacus clip scheduler) updates the module
+            too.
         expected_batch_size: Divisor of the noisy sum under ``loss_reduction="mean"`` (the
-            expected, not realised, Poisson batch size).
+            expected, not realised, Poisson batch size). Required without ``mechanism``; with
+            one, its per-process :attr:`~opacus_rc.mechanism.Mechanism.divisor` (if given, it
+            must equal it).
         loss_reduction: ``"mean"`` or ``"sum"``; must equal the module's.
         generator: Generator for the Gaussian noise (never the sketch generator).
         secure_mode: Opacus' secure noise generation.
+        mechanism: The run's :class:`~opacus_rc.mechanism.Mechanism` (``make_private`` passes
+            it): the divisor, ``sigma``, ``C`` and every step's DP event come from it
+            (:attr:`mechanism`). None (an optimizer built by hand): the arguments above, and
+            each step's event at the rate the accountant's hook gives.
 
     Raises:
-        TypeError: If ``grad_sample_module`` is not a randomized-clipping module.
+        TypeError: If ``grad_sample_module`` is not a randomized-clipping module, or
+            ``noise_multiplier`` or ``expected_batch_size`` is missing without a mechanism.
         ValueError: Invalid ``noise_multiplier`` or ``max_grad_norm``, or a mismatch with the
-            module's ``max_grad_norm`` or ``loss_reduction``.
+            module's ``max_grad_norm``, ``loss_reduction`` or ``sketch_spec``, or with the
+            mechanism.
     """
 
     #: post_processing.attach_post_processing_hook need not warn: attach_step_hook keeps the chain.
@@ -92,13 +107,20 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         optimizer: Optimizer,
         *,
         grad_sample_module: Any,
-        noise_multiplier: float,
-        expected_batch_size: int | None,
+        noise_multiplier: float | None = None,
+        expected_batch_size: Any = FROM_MECHANISM,
         max_grad_norm: float | None = None,
         loss_reduction: str | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
+        mechanism: Mechanism | None = None,
     ) -> None:
+        noise_multiplier, expected_batch_size, max_grad_norm = _step_values(
+            mechanism,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            max_grad_norm=max_grad_norm,
+        )
         config = getattr(grad_sample_module, "clipping_config", None)
         if not isinstance(config, RandomizedClippingConfig) or not isinstance(
             getattr(grad_sample_module, "step_state", None), StepState
@@ -128,6 +150,12 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         # The sketch the module clips with, fixed by its frozen config: handed over once here,
         # and every private backward's ClipResult is checked against it (accept_clip_result).
         self._sketch_spec: SketchSpec = grad_sample_module.sketch_spec
+        if mechanism is not None and mechanism.sketch_spec != self._sketch_spec:
+            raise ValueError(
+                f"the mechanism accounts the sketch {mechanism.sketch_spec}, the grad-sample "
+                f"module clips with {self._sketch_spec}: build both from one make_private call"
+            )
+        self._mechanism = mechanism
         self._clip_result: ClipResult | None = None
         super().__init__(
             optimizer,
@@ -197,10 +225,30 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         privatized: for debugging and logging only."""
         return self._clip_result
 
-    def dp_event(self, *, sample_rate: float) -> RandomizedClipDpEvent:
+    @property
+    def mechanism(self) -> Mechanism | None:
+        """The run's :class:`~opacus_rc.mechanism.Mechanism` (read-only), or None for an
+        optimizer built without one.
+
+        The record ``make_private`` built; if an Opacus scheduler has since changed
+        :attr:`noise_multiplier` or :attr:`max_grad_norm`, the same record with the values the
+        next step uses.
+        """
+        mechanism = self._mechanism
+        if mechanism is None:
+            return None
+        sigma, bound = self.noise_multiplier, self.max_grad_norm
+        if (sigma, bound) == (mechanism.noise_multiplier, mechanism.max_grad_norm):
+            return mechanism
+        return dataclasses.replace(mechanism, noise_multiplier=sigma, max_grad_norm=bound)
+
+    def dp_event(self, *, sample_rate: float | None = None) -> RandomizedClipDpEvent:
         """This step's complete DP event, as the accountant's step hook composes it.
 
-        Built from what this optimizer holds, without reading the grad-sample module:
+        With a :attr:`mechanism` (``make_private``), the event is the mechanism's
+        (:meth:`~opacus_rc.mechanism.Mechanism.step_event`: its ``sigma``, its accounted rate
+        times :attr:`accumulated_iterations`, its sketch and threat model). Without one it is
+        built from what this optimizer holds, without reading the grad-sample module:
         ``sigma`` is :attr:`noise_multiplier` (what is accounted; Opacus' adaptive clipping
         may noise with more, never less), ``q = sample_rate * accumulated_iterations`` (as
         Opacus' accountants compute it), the sketch is :attr:`sketch_spec` (handed over at
@@ -211,21 +259,36 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         ``"revealed"`` accounts it so).
 
         Args:
-            sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``.
+            sample_rate: The Poisson sampling rate of one physical batch, in ``(0, 1]``, as the
+                accountant's hook was attached with; with a mechanism it must be its accounted
+                rate (None: the mechanism's).
 
         Returns:
             The :class:`~opacus_rc.accountants.events.RandomizedClipDpEvent` of the step.
 
         Raises:
             ValueError: If ``sample_rate`` (times the accumulated iterations) is not in
-                ``(0, 1]``, or ``noise_multiplier`` is invalid.
+                ``(0, 1]``, or ``noise_multiplier`` is invalid; with a mechanism, if
+                ``sample_rate`` is not its accounted rate (an accountant attached at another
+                rate would account another mechanism than the run's).
+            TypeError: Without a mechanism, if ``sample_rate`` is None.
         """
-        spec = self.sketch_spec  # the public property (a plain twin of this optimizer has it)
-        return RandomizedClipDpEvent(
+        mechanism = getattr(self, "mechanism", None)
+        if mechanism is not None:
+            if sample_rate is not None and sample_rate != mechanism.accounted_rate:
+                raise ValueError(
+                    f"the accountant's hook was attached at sample_rate={sample_rate}, but the "
+                    f"run's mechanism accounts each step at {mechanism.accounted_rate} "
+                    "(engine.mechanism.accounted_rate): attach it at that rate"
+                )
+            return mechanism.step_event(accumulated_iterations=self.accumulated_iterations)
+        if sample_rate is None:
+            raise TypeError("dp_event needs sample_rate for an optimizer without a mechanism")
+        return step_event(
             noise_multiplier=self.noise_multiplier,
             sample_rate=sample_rate * self.accumulated_iterations,
-            sketch_spec=spec,
-            threat_model=accounted_threat_model(spec),
+            # the public property (a plain twin of this optimizer has it)
+            sketch_spec=self.sketch_spec,
         )
 
     @property
@@ -433,3 +496,40 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     flags = torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors])
     return bool(flags.all())
+
+
+def _step_values(
+    mechanism: Mechanism | None,
+    *,
+    noise_multiplier: float | None,
+    expected_batch_size: Any,
+    max_grad_norm: float | None,
+) -> tuple[float, Any, float | None]:
+    """``(sigma, divisor, C)`` of the optimizer: the mechanism's, or the arguments without one.
+
+    Raises:
+        TypeError: Without a mechanism, ``noise_multiplier`` or ``expected_batch_size``
+            missing.
+        ValueError: A given value that differs from the mechanism's.
+    """
+    if mechanism is None:
+        if noise_multiplier is None or expected_batch_size is FROM_MECHANISM:
+            raise TypeError(
+                "RandomizedClipOptimizer needs noise_multiplier and expected_batch_size "
+                "(or the run's mechanism=, as make_private passes it)"
+            )
+        return noise_multiplier, expected_batch_size, max_grad_norm
+    if not isinstance(mechanism, Mechanism):
+        raise TypeError(f"mechanism must be a Mechanism, got {type(mechanism).__name__}")
+    given = {
+        "noise_multiplier": (noise_multiplier, mechanism.noise_multiplier),
+        "expected_batch_size": (expected_batch_size, mechanism.divisor),
+        "max_grad_norm": (max_grad_norm, mechanism.max_grad_norm),
+    }
+    for name, (value, own) in given.items():
+        if value is not None and value is not FROM_MECHANISM and value != own:
+            raise ValueError(
+                f"{name}={value!r} differs from the mechanism's {own!r}: the optimizer's "
+                "divisor, noise and events come from the run's mechanism"
+            )
+    return mechanism.noise_multiplier, mechanism.divisor, mechanism.max_grad_norm

@@ -219,18 +219,23 @@ def test_public_sizes_count_per_rank_batches_globally() -> None:
         sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False) if sharded else None
         return DataLoader(ds, batch_size=4, sampler=sampler)
 
+    def sizes(q: float, divisor: int, steps: int, world_size: int) -> PublicSizes:
+        # Poisson or per-rank batches alike: every step accounted at 1 / steps = q here.
+        return PublicSizes(q, divisor, 1 / steps, steps, "record", world_size)
+
     for n in (40, 39):
         for size in (None, 40):
             got = public_sizes(loader(n, sharded=True), dataset_size=size, world_size=2)
-            assert got == PublicSizes(0.2, 8), (n, size, got)
+            assert got == sizes(0.2, 8, 5, 2), (n, size, got)
+            assert got.divisor == 4.0  # each of the two processes divides its share
     fixed = public_sizes(
         loader(40, sharded=True), dataset_size=None, world_size=2, poisson_sampling=False
     )
-    assert fixed == PublicSizes(0.2, 8)
+    assert fixed == sizes(0.2, 8, 5, 2)
     assert public_sizes(loader(40, sharded=False), dataset_size=None, world_size=2) == (
-        PublicSizes(0.1, 4)
+        sizes(0.1, 4, 10, 2)
     )
-    assert public_sizes(loader(40, sharded=True), dataset_size=40) == PublicSizes(0.1, 4)
+    assert public_sizes(loader(40, sharded=True), dataset_size=40) == sizes(0.1, 4, 10, 1)
 
 
 @pytest.mark.slow
