@@ -56,6 +56,7 @@ __all__ = [
     "check_rows",
     "first_tensor",
     "independence_forward",
+    "per_record_inputs",
     "position_ids_from_attention_mask",
 ]
 
@@ -221,6 +222,57 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def per_record_inputs(model: nn.Module, *, batch_dim: int = 0) -> Iterator[None]:
+    """Refuse a trainable module whose input has no per-record axis, in a forward of one record.
+
+    Inside, a forward of a *single* record must give every module with trainable parameters
+    of its own a first tensor input of size 1 along ``batch_dim``: a module whose input is
+    shared by the batch (Opacus #841: T5's ``relative_attention_bias`` takes ``(T, T)``
+    bucket ids, GPT-2's ``wpe`` position ids ``[1, T]`` broadcast) has no per-sample gradient,
+    and when its leading size happens to equal the batch (``T = B``) its rows would pass for
+    records and be clipped as such.
+
+    Args:
+        model: The model whose one-record forwards run inside.
+        batch_dim: The batch axis of the modules' inputs.
+
+    Raises:
+        BatchIndependenceError: On exit, naming the first module whose input's batch axis is
+            not 1 (the module's leading size and type).
+    """
+    found: list[str] = []
+
+    def hook(name: str, module: nn.Module) -> Any:
+        def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            first = next(
+                (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None
+            )
+            if first is not None and first.dim() > batch_dim and first.shape[batch_dim] != 1:
+                found.append(f"{name} ({type(module).__name__}, input {tuple(first.shape)})")
+
+        return pre
+
+    handles = [
+        m.register_forward_pre_hook(hook(name, m), with_kwargs=True)
+        for name, m in model.named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    if found:
+        raise batch_independence_error(
+            f"the trainable module {found[0]} received, for a single record, an input whose "
+            f"batch axis is not 1: its input is shared by the batch (a bias over positions, "
+            "position ids broadcast as [1, T]; Opacus #841), so it has no per-record gradient "
+            "to clip. Freeze it (requires_grad=False), or give it a per-record input "
+            "(e.g. position_ids.expand(B, -1))"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,9 +463,9 @@ class BatchIndependenceCheck:
                 one_kwargs = {
                     k: _one_record(v, i, batch_size, batch_dim, keep) for k, v in kwargs.items()
                 }
-                alone = first_tensor(
-                    model(*one_args, **one_kwargs), batch_size=1, batch_dim=batch_dim
-                )
+                with per_record_inputs(model, batch_dim=batch_dim):
+                    out = model(*one_args, **one_kwargs)
+                alone = first_tensor(out, batch_size=1, batch_dim=batch_dim)
                 inside = full.select(batch_dim, i)
                 if keep is not None and inside.dim() >= 1 and inside.shape[0] == keep.shape[0]:
                     inside = inside[keep]

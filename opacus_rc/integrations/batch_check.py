@@ -46,6 +46,7 @@ from opacus_rc.batch_independence import (
     check_rows,
     first_tensor,
     independence_forward,
+    per_record_inputs,
 )
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 
@@ -141,7 +142,8 @@ def check_micro_batch(
     with independence_forward(model, private.module):
         full = _forward(model, micro, positions, trainer, default_loss, size)
         for i in rows:
-            alone = _forward(model, alone_batches[i], positions, trainer, default_loss, 1)
+            with per_record_inputs(model):
+                alone = _forward(model, alone_batches[i], positions, trainer, default_loss, 1)
             _compare(full, alone, micro, alone_batches[i], i, size)
     return rows
 
@@ -161,11 +163,16 @@ def _forward(
     size: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The model's first tensor output and (with the default loss) per-example losses."""
-    from opacus_rc.integrations.logical_batch_step import model_inputs, unpadded_next_token_labels
+    from opacus_rc.integrations.logical_batch_step import (
+        check_decoder_inputs,
+        model_inputs,
+        unpadded_next_token_labels,
+    )
 
     kwargs, labels, shift_labels, _ = model_inputs(inputs, expand_positions=positions)
     if labels is not None and trainer._shift_labels and shift_labels is None:
         labels = unpadded_next_token_labels(labels, kwargs.get("attention_mask"))
+    check_decoder_inputs(model, kwargs)
     out = first_tensor(model(**kwargs), batch_size=size)
     losses = None
     if loss and out is not None and labels is not None:

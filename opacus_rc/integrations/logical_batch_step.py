@@ -169,6 +169,31 @@ def model_inputs(
     return inputs, labels, given_shift_labels, units
 
 
+def check_decoder_inputs(model: nn.Module, inputs: Mapping[str, Any]) -> None:
+    """Refuse an encoder-decoder batch without decoder inputs (a clear error, not the model's).
+
+    A DP trainer takes ``labels`` out of the batch and computes each example's loss itself, so
+    an encoder-decoder model (``config.is_encoder_decoder``, e.g. T5, BART) cannot build its
+    decoder inputs from them, as it does when given ``labels``.
+
+    Raises:
+        ValueError: If the model is an encoder-decoder and ``inputs`` has neither
+            ``decoder_input_ids`` nor ``decoder_inputs_embeds``.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False):
+        return
+    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return
+    raise ValueError(
+        f"{type(model).__name__} is an encoder-decoder model and the batch has no "
+        "decoder_input_ids: a DP trainer computes each example's loss from 'labels' itself and "
+        "does not pass them to the model, which would otherwise build its decoder inputs from "
+        "them. Collate decoder_input_ids too: DataCollatorForSeq2Seq(tokenizer, model=model) "
+        "does (from the labels, with model.prepare_decoder_input_ids_from_labels)"
+    )
+
+
 def _check_batch_independence(trainer: Any, model: nn.Module, inputs: LogicalBatch) -> None:
     """The check of the logical batch's micro-batches that can still teach it something
     (:func:`~opacus_rc.integrations.batch_check.check_logical_batch`), on this rank's share;
@@ -253,7 +278,8 @@ def micro_batch_loss(
         The DP loss (see :func:`~opacus_rc.integrations.per_sample_loss.per_sample_cross_entropy`).
 
     Raises:
-        ValueError: No ``labels`` in the batch.
+        ValueError: No ``labels`` in the batch; an encoder-decoder batch without decoder
+            inputs (:func:`check_decoder_inputs`).
     """
     inputs, labels, given_shift_labels, units = model_inputs(
         inputs, expand_positions=expand_positions
@@ -266,6 +292,7 @@ def micro_batch_loss(
         )
     if shift_labels and given_shift_labels is None:
         labels = unpadded_next_token_labels(labels, inputs.get("attention_mask"))
+    check_decoder_inputs(model, inputs)
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
     return per_sample_cross_entropy(
