@@ -549,7 +549,7 @@ class LMMethod:
                 # A cost measurement on fixed batches, not a unit loader: the module's record
                 # is told the batch's units as a UnitDataLoader would tell it (units= with a
                 # per-sequence loader is refused otherwise; opacus_rc/grad_sample/unit_record.py).
-                from opacus_rc.grad_sample.unit_record import UnitBatchRecord
+                from opacus_rc.units.record import UnitBatchRecord
 
                 record = UnitBatchRecord(per_unit=True)
                 record.record(units)

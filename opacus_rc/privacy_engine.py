@@ -49,7 +49,7 @@ from opacus_rc.engine.request import Request, build_request
 from opacus_rc.engine.seams import RandomizedBuild, RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PrivacyEngine"]
 

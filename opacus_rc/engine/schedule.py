@@ -23,7 +23,7 @@ from opacus.data_loader import DPDataLoader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_rc.data_loader import worker_options
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PublicSizes", "accounted_schedule", "poisson_loader", "public_sizes"]
 

@@ -46,10 +46,11 @@ from opacus_rc.grad_sample.fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
 )
 from opacus_rc.grad_sample.grad_sample_module import check_training_mode
-from opacus_rc.grad_sample.unit_record import UnitBatchRecord
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.registry import get_optimizer_class
-from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
+from opacus_rc.units.data_loader import UnitDataLoader
+from opacus_rc.units.distributed import prepare_unit_data_loader
+from opacus_rc.units.record import UnitBatchRecord
 
 __all__ = ["RandomizedBuild", "RandomizedClippingSeams"]
 

@@ -90,8 +90,8 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.grad_sample.units import drop_open_unit
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
+from opacus_rc.units.split import drop_open_unit
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 

@@ -22,7 +22,8 @@ import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
-from opacus_rc.unit_data_loader import DistributedUnitPoissonSampler, pack_whole_units
+from opacus_rc.units.data_loader import pack_whole_units
+from opacus_rc.units.distributed import DistributedUnitPoissonSampler
 
 #: The key of a micro-batch's ``(B,)`` units tensor (``0..U-1``) on the privacy-unit path.
 UNITS_KEY = "dp_privacy_units"

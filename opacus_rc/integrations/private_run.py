@@ -29,11 +29,11 @@ from torch import nn
 from opacus_rc._compat.transformers import loss_shifts_labels
 from opacus_rc.accountants import get_noise_multiplier
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.grad_sample.unit_record import UnitBatchRecord
 from opacus_rc.integrations.logical_batches import UNITS_KEY, seeded_generator
 from opacus_rc.integrations.privacy_arguments import BOOKKEEPING
 from opacus_rc.integrations.train_data import trainer_schedule
 from opacus_rc.privacy_engine import PrivacyEngine
+from opacus_rc.units.record import UnitBatchRecord
 
 __all__ = [
     "PrivateRun",

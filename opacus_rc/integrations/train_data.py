@@ -39,7 +39,7 @@ from opacus_rc.integrations.logical_batches import (
     UnitLogicalBatchSampler,
     UnitRows,
 )
-from opacus_rc.unit_data_loader import select_unit_members
+from opacus_rc.units.data_loader import select_unit_members
 
 __all__ = [
     "TrainerSchedule",

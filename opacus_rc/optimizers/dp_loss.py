@@ -63,7 +63,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from opacus_rc.grad_sample.units import unit_layout_for_loss
+from opacus_rc.units.criterion import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
 

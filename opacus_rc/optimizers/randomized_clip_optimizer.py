@@ -42,12 +42,12 @@ from opacus_rc.accountants.events import RandomizedClipDpEvent, accounted_threat
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.private_step import ClipResult
 from opacus_rc.grad_sample.step import StepState
-from opacus_rc.grad_sample.units import check_no_open_unit
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.units.split import check_no_open_unit
 
 __all__ = ["RandomizedClipOptimizer"]
 

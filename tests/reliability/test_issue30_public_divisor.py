@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_rc import PrivacyEngine
 from opacus_rc.engine.request import check_per_rank_loader
-from opacus_rc.unit_data_loader import DistributedUnitDataLoader, UnitDataLoader
+from opacus_rc.units import DistributedUnitDataLoader, UnitDataLoader
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Secure RNG turned off"),

@@ -6,8 +6,6 @@
 (``split_units=True``) of exactly ``max_physical_batch_size`` consecutive sequences, cutting
 units, each batch then carrying its :class:`~opacus_rc.grad_sample.units.UnitSplit`
 (docs/privacy/units.md#units-split). One noised, accounted step per logical batch.
-
-Split from :mod:`opacus_rc.unit_data_loader`, which re-exports every public name here.
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplitting
 from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc.data_loader import worker_options
-from opacus_rc.distributed_unit_data_loader import DistributedUnitDataLoader
-from opacus_rc.grad_sample.unit_record import CollatedUnits
-from opacus_rc.grad_sample.units import UnitSplit
-from opacus_rc.unit_data_loader import (
+from opacus_rc.units.data_loader import (
     RecordingUnitLoader,
     UnitDataLoader,
     UnitPoissonSampler,
@@ -32,6 +27,9 @@ from opacus_rc.unit_data_loader import (
     pack_whole_units,
     split_at_size,
 )
+from opacus_rc.units.distributed import DistributedUnitDataLoader
+from opacus_rc.units.layout import UnitSplit
+from opacus_rc.units.record import CollatedUnits
 
 __all__ = ["UnitBatchMemoryManager", "UnitBatchSplittingSampler"]
 

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from opacus_rc.units.layout import UnitSplit
+
 __all__ = ["CollatedUnits", "UnitBatchRecord", "same_partition"]
 
 
@@ -91,8 +93,6 @@ class UnitBatchRecord:
                 sampling; ``units=`` that groups the sequences otherwise than the loader's
                 batch; a ``unit_split=`` that is not the one the manager yielded with the batch.
         """
-        from opacus_rc.grad_sample.units import UnitSplit
-
         if not self.per_unit:
             if units is not None:
                 raise ValueError(
