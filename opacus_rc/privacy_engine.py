@@ -209,7 +209,7 @@ class PrivacyEngine(RandomizedClippingSeams):
                 (``floor`` with ``drop_last``; Poisson sampling only), or for the divisor
                 ``int(N q)`` of a loader without ``batch_size`` (an Opacus ``DPDataLoader``,
                 a custom ``batch_sampler``; for a
-                :class:`~opacus_rc.unit_data_loader.UnitDataLoader` ``N`` is the public
+                :class:`~opacus_rc.units.UnitDataLoader` ``N`` is the public
                 number of units). ``None`` (default): the rate of a loader with a
                 ``batch_size`` comes from ``len(dataset)``, as Opacus, which makes the number
                 of records public, and its divisor is ``B``; a loader without ``batch_size``

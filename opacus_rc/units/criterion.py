@@ -55,7 +55,7 @@ def unit_layout_for_loss(
         ValueError: For a module made private by the engine, ``units``/``split`` that are not
             the batch the loader yielded (missing ``units=`` under unit sampling, ``units=``
             under per-sequence sampling, another grouping, another ``unit_split``; see
-            :meth:`opacus_rc.grad_sample.unit_record.UnitBatchRecord.check`).
+            :meth:`opacus_rc.units.record.UnitBatchRecord.check`).
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
             or a step whose other criterion calls disagree (:meth:`StepState.set_units`); a
@@ -64,9 +64,9 @@ def unit_layout_for_loss(
             (:func:`check_unit_routes`); a cut unit without book-keeping, with a sketched
             module whose norm cannot be taken from a summed gradient, or with a distributed
             model (DDP, DPDDP, FSDP2; whole units are supported there, each on one rank:
-            :class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader`).
+            :class:`~opacus_rc.units.DistributedUnitDataLoader`).
     """
-    # Made private by the engine: units= must be the loader's batch's (unit_record.py); a
+    # Made private by the engine: units= must be the loader's batch's (units/record.py); a
     # malformed units= gets its own message below first.
     record = getattr(module, "unit_batch_record", None)
     if record is not None and units is None:

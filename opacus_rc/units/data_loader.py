@@ -6,7 +6,7 @@ documents) and the unit of each sequence. At every step it includes each *unit*
 independently with probability ``q`` (Poisson subsampling of units) and yields all of the
 sampled units' sequences (at most ``max_sequences_per_unit`` of each), together with the
 ``(B,)`` tensor ``units`` that numbers the batch's units ``0..U-1``, which is what the
-criterion's ``units=`` takes (:mod:`opacus_rc.grad_sample.units`).
+criterion's ``units=`` takes (:mod:`opacus_rc.units.layout`).
 
 **Which sequences of a unit.** With ``max_sequences_per_unit = m``, the ``m`` sequences of a
 longer unit are fixed once, at construction, without looking at their content: the first
@@ -26,7 +26,7 @@ runs a logical batch as virtual steps, in one of two ways: with ``split_units=Fa
 default) its physical batches hold whole units (a unit larger than ``max_physical_batch_size``
 gets a physical batch of its own); with ``split_units=True`` they hold exactly
 ``max_physical_batch_size`` consecutive sequences (the last one fewer), cutting units where
-needed, and each batch carries a :class:`~opacus_rc.grad_sample.units.UnitSplit` (whether its
+needed, and each batch carries a :class:`~opacus_rc.units.UnitSplit` (whether its
 first unit continues one from the previous batch and whether its last one continues into the
 next) to pass to the criterion as ``unit_split=``. The module then keeps the open unit's
 unclipped summed gradient until its last sequence is in, and clips it once

@@ -2,7 +2,7 @@
 exactly one rank.
 
 :class:`DistributedUnitPoissonSampler` draws, at every step, the inclusion mask of all units
-(as the single-process :class:`~opacus_rc.unit_data_loader.UnitPoissonSampler`) and keeps the
+(as the single-process :class:`~opacus_rc.units.UnitPoissonSampler`) and keeps the
 sampled units of its rank's shard, ``u % num_replicas == rank``;
 :class:`DistributedUnitDataLoader` is the per-rank loader built on it, and
 :func:`check_unit_loader_world` refuses a loader that does not match the model
@@ -203,7 +203,7 @@ def check_unit_loader_world(loader: UnitDataLoader, *, distributed: bool) -> Non
     elif distributed:
         raise ValueError(
             "a UnitDataLoader with a distributed model: every rank would sample and train on "
-            "every sampled unit. Use opacus_rc.unit_data_loader.DistributedUnitDataLoader "
+            "every sampled unit. Use opacus_rc.units.DistributedUnitDataLoader "
             "(each sampled unit on exactly one rank; docs/privacy/units.md)"
         )
 

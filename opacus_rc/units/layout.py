@@ -36,7 +36,7 @@ concatenating its inputs would not give the unit's summed gradient.
 
 **Distributed training.** Under DDP, DPDDP or FSDP2 each rank packs its own sequences, so a
 unit's sequences must all be on one rank:
-:class:`~opacus_rc.unit_data_loader.DistributedUnitDataLoader` gives every sampled unit to
+:class:`~opacus_rc.units.DistributedUnitDataLoader` gives every sampled unit to
 exactly one rank. FSDP2 all-gathers a layer's whole weight in forward and backward, so the
 stored inputs and output gradients, hence the packed per-unit norms, are those of the whole
 layer on every rank (no reduction of norms across shards is needed); the clipped sums are
@@ -59,7 +59,7 @@ the criterion's ``units=`` and ``unit_split=`` are checked and recorded in
 
 Cost: the packed copies are ``U n_max T`` positions per layer instead of ``B T`` (no copy at
 all when every unit has the same number of sequences and they are contiguous in the batch, as
-:class:`~opacus_rc.unit_data_loader.UnitDataLoader` yields them); the work of every norm is
+:class:`~opacus_rc.units.UnitDataLoader` yields them); the work of every norm is
 linear in the unit's tokens.
 """
 
@@ -138,7 +138,7 @@ def check_unit_routes(model: nn.Module) -> None:
             f"units= (unit-level clipping) needs every trainable module to act on each "
             f"position independently, so that a unit's summed gradient is the gradient of its "
             f"concatenated sequences; {bad[:5]} are not known to be token-wise. Freeze them, or "
-            "declare a type token-wise with opacus_rc.grad_sample.units.register_tokenwise "
+            "declare a type token-wise with opacus_rc.units.register_tokenwise "
             "(only if its output at each position depends on that position's input only)"
         )
 
@@ -147,7 +147,7 @@ class UnitSplit(NamedTuple):
     """Where a physical batch cuts a unit (virtual steps that split units; module docstring).
 
     With contiguous packing only the batch's first and last units can be cut, so two flags say
-    everything. :class:`~opacus_rc.unit_data_loader.UnitBatchMemoryManager` with
+    everything. :class:`~opacus_rc.units.UnitBatchMemoryManager` with
     ``split_units=True`` yields one per physical batch; pass it to the criterion as
     ``unit_split=``.
     """

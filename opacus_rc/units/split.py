@@ -2,7 +2,7 @@
 
 ``UnitBatchMemoryManager(split_units=True)`` cuts units at the physical batch size and every
 batch tells the criterion where (``unit_split=``, a
-:class:`~opacus_rc.grad_sample.units.UnitSplit`). The part of the *open* unit (begun, not
+:class:`~opacus_rc.units.UnitSplit`). The part of the *open* unit (begun, not
 finished) in each physical batch is computed from the book-keeping stash and added to an
 :class:`OpenUnit` buffer of unclipped summed gradients instead of the clipped sum; when its last
 sequence is in, its norm is taken from the buffer with the batch path's estimator and a fresh
