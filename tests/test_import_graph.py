@@ -36,6 +36,23 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
 }
 
 
+#: Known circles between the package's subpackages (``opacus_rc.<name>``, a module counting as
+#: its subpackage), ``frozenset(subpackages): reason``. The module graph has no circle, but
+#: importing any module of a subpackage runs the subpackage's ``__init__`` first, so a circle
+#: between subpackages works only in the order ``opacus_rc/__init__.py`` imports them.
+KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"opacus_rc.grad_sample", "opacus_rc.units"}): (
+        "units/split.py (the summed gradient of a unit cut across physical batches) uses "
+        "grad_sample's clipped sum, clip factors, norm routes and protocol error, and "
+        "grad_sample's step (private_step.py, grad_sample_module.py) keeps and drops that open "
+        "unit and packs per unit (capture.py -> units/layout.py). Works because "
+        "opacus_rc/__init__.py imports grad_sample before units. Gone when the open unit is "
+        "owned by the step (issue 31, item 1): the cut unit's gradient code then belongs to "
+        "grad_sample and units/ depends on nothing in grad_sample"
+    ),
+}
+
+
 def module_files() -> dict[str, Path]:
     """``{dotted module name: file}`` for every module of the package."""
     out = {}
@@ -136,6 +153,18 @@ def circle_through(graph: dict[str, set[str]], component: set[str]) -> list[str]
     raise AssertionError(f"{component} is not strongly connected")
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the package's subpackages and top-level modules (``opacus_rc.x``)."""
+
+    def top(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {top(m): set() for m in graph}
+    for a, targets in graph.items():
+        out[top(a)].update(top(b) for b in targets if top(b) != top(a))
+    return out
+
+
 def test_the_graph_is_read_from_every_module() -> None:
     graph = import_graph()
     assert "opacus_rc.units" in graph and "opacus_rc.units.layout" in graph
@@ -171,3 +200,12 @@ def test_no_import_circle_in_the_package() -> None:
     )
     stale = [sorted(k) for k in KNOWN_CYCLES if k not in {frozenset(c) for c in found}]
     assert not stale, f"known circles that are gone (remove them from KNOWN_CYCLES): {stale}"
+
+
+def test_no_import_circle_between_subpackages_but_the_known_one() -> None:
+    graph = package_graph(import_graph())
+    found = {frozenset(c) for c in circular_groups(graph)}
+    assert found == set(KNOWN_PACKAGE_CYCLES), (
+        f"circles between subpackages: {[sorted(c) for c in found]}; known: "
+        f"{[sorted(c) for c in KNOWN_PACKAGE_CYCLES]}"
+    )
