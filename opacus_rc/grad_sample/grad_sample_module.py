@@ -230,7 +230,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
                     UserWarning,
                     stacklevel=3,
                 )
-            self._estimator = estimator  # also the norm of a unit cut across batches (units/split.py)
+            self._estimator = estimator  # also a cut unit's norm (opacus_rc/units/split.py)
             self._step = StepState(name_of=self._name_of)
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(
