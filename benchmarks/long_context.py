@@ -548,8 +548,8 @@ class LMMethod:
             if units is not None:
                 # A cost measurement on fixed batches, not a unit loader: the module's record
                 # is told the batch's units as a UnitDataLoader would tell it (units= with a
-                # per-sequence loader is refused otherwise; opacus_rc/grad_sample/unit_record.py).
-                from opacus_rc.grad_sample.unit_record import UnitBatchRecord
+                # per-sequence loader is refused otherwise; opacus_rc/units/record.py).
+                from opacus_rc.units.record import UnitBatchRecord
 
                 record = UnitBatchRecord(per_unit=True)
                 record.record(units)

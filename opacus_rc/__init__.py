@@ -19,7 +19,7 @@ from opacus_rc.grad_sample import (
 from opacus_rc.optimizers import RandomizedClipOptimizer, attach_post_processing_hook
 from opacus_rc.privacy_engine import PrivacyEngine
 from opacus_rc.sketching import SketchSpec
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units import UnitDataLoader
 from opacus_rc.version import __version__
 
 register()

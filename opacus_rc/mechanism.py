@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["PRIVACY_UNITS", "Mechanism", "PublicSizes"]
 
 #: What one sampled element is: a record (a row of the dataset), or a unit of several records
-#: (a document or user of a :class:`~opacus_rc.unit_data_loader.UnitDataLoader`).
+#: (a document or user of a :class:`~opacus_rc.units.UnitDataLoader`).
 PRIVACY_UNITS = ("record", "unit")
 
 

@@ -51,7 +51,7 @@ from opacus_rc.engine.seams import RandomizedBuild, RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.mechanism import Mechanism
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PrivacyEngine"]
 
@@ -218,7 +218,7 @@ class PrivacyEngine(RandomizedClippingSeams):
                 (``floor`` with ``drop_last``; Poisson sampling only), or for the divisor
                 ``int(N q)`` of a loader without ``batch_size`` (an Opacus ``DPDataLoader``,
                 a custom ``batch_sampler``; for a
-                :class:`~opacus_rc.unit_data_loader.UnitDataLoader` ``N`` is the public
+                :class:`~opacus_rc.units.UnitDataLoader` ``N`` is the public
                 number of units). ``None`` (default): the rate of a loader with a
                 ``batch_size`` comes from ``len(dataset)``, as Opacus, which makes the number
                 of records public, and its divisor is ``B``; a loader without ``batch_size``

@@ -40,7 +40,7 @@ from opacus_rc.config import DEFAULT_SKETCH, DEFAULT_SKETCH_DIM, RandomizedClipp
 from opacus_rc.engine.options import MakePrivateOptions
 from opacus_rc.engine.post_processing import PostProcessing, prepare_post_processing
 from opacus_rc.engine.schedule import PublicSizes, public_sizes
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["Request", "build_request", "check_data_loader"]
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_rc.data_loader import worker_options
 from opacus_rc.mechanism import PublicSizes
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PublicSizes", "accounted_schedule", "poisson_loader", "public_sizes"]
 
@@ -63,7 +63,7 @@ def public_sizes(
       the divisor is ``B`` itself, and ``q = 1 / n`` with ``n = ceil(N' / B)`` batches
       (``floor`` with ``drop_last=True``, as ``len(DataLoader)``), ``N' = dataset_size`` if
       given, else ``len(dataset)`` (Opacus' rate);
-    * a :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (the records are the units): the
+    * a :class:`~opacus_rc.units.UnitDataLoader` (the records are the units): the
       rate is that of a ``DPDataLoader`` at the loader's ``sample_rate``,
       ``1 / int(1 / sample_rate)``, not ``1 / len(loader)`` (the loader's ``steps`` sets the
       number of steps only), and the divisor is the loader's public ``expected_batch_size``
@@ -90,7 +90,7 @@ def public_sizes(
     Args:
         data_loader: The user's (map-style) data loader.
         dataset_size: The public number of records ``N'`` (of units for a
-            :class:`~opacus_rc.unit_data_loader.UnitDataLoader`), or None.
+            :class:`~opacus_rc.units.UnitDataLoader`), or None.
         loss_reduction: ``"mean"`` (the noisy sum is divided by the divisor) or ``"sum"``.
         world_size: The number of processes ``W`` of a distributed run (1: not distributed).
         poisson_sampling: Whether the engine replaces the loader by a Poisson one

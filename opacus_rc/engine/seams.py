@@ -46,11 +46,12 @@ from opacus_rc.grad_sample.fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
 )
 from opacus_rc.grad_sample.grad_sample_module import check_training_mode
-from opacus_rc.grad_sample.unit_record import UnitBatchRecord
 from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers import DPLossRandomizedClipping
 from opacus_rc.optimizers.registry import get_optimizer_class
-from opacus_rc.unit_data_loader import UnitDataLoader, prepare_unit_data_loader
+from opacus_rc.units.data_loader import UnitDataLoader
+from opacus_rc.units.distributed import prepare_unit_data_loader
+from opacus_rc.units.record import UnitBatchRecord
 
 __all__ = ["RandomizedBuild", "RandomizedClippingSeams"]
 
@@ -144,11 +145,11 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         Poisson sampler drops a rank's empty batch, so that rank runs one step less (its
         all-reduces misalign, its accountant counts fewer steps);
         :class:`DistributedDPDataLoader` yields it as a noise-only step. A
-        :class:`~opacus_rc.unit_data_loader.UnitDataLoader` (unit-level DP) is used as it is.
+        :class:`~opacus_rc.units.UnitDataLoader` (unit-level DP) is used as it is.
         """
         build = self._build
         if build is not None and build.module is not None:
-            # What the criterion's units= / unit_split= are checked against (unit_record.py):
+            # What the criterion's units= / unit_split= are checked against (units/record.py):
             # the unit loader records each batch it yields; a per-sequence loader refuses them.
             record = UnitBatchRecord(
                 per_unit=isinstance(data_loader, UnitDataLoader),

@@ -33,7 +33,7 @@ from opacus_rc.grad_sample.checkpointing import in_backward, in_checkpointed_for
 from opacus_rc.grad_sample.forward_inputs import check_single_output, contiguous_index_inputs
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.grad_sample.step import StepPhase
-from opacus_rc.grad_sample.units import pack_for_units
+from opacus_rc.units.layout import pack_for_units
 
 __all__ = ["NORM_SAMPLED_PATHS", "CaptureHooksMixin"]
 

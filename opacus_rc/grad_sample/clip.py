@@ -4,7 +4,7 @@ The clip factors ``c_i = min(1, C / (n_hat_i + 1e-6))`` are computed by one func
 :func:`clip_factors` (called when a step issues them,
 :meth:`~opacus_rc.grad_sample.step.StepState.issue_clip_factors`, for a unit cut across
 physical batches when its last part is in,
-:func:`~opacus_rc.grad_sample.unit_split.write_split_clipped_sums`, and by the canary audit,
+:func:`~opacus_rc.units.split.write_split_clipped_sums`, and by the canary audit,
 :func:`~opacus_rc.auditing.run_canary_audit`), and applied by one, :func:`apply_clip_factors`: the
 two-pass loss weights its per-sample losses (``sum_i c_i loss_i``,
 :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`), and book-keeping weights each layer's

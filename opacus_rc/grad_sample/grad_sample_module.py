@@ -90,8 +90,8 @@ from opacus_rc.grad_sample.routing import (
 )
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.grad_sample.units import drop_open_unit
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
+from opacus_rc.units.split import drop_open_unit
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 
@@ -230,7 +230,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
                     UserWarning,
                     stacklevel=3,
                 )
-            self._estimator = estimator  # also the norm of a unit cut across batches (units.py)
+            self._estimator = estimator  # also a cut unit's norm (opacus_rc/units/split.py)
             self._step = StepState(name_of=self._name_of)
             self._tied = TiedSketches(tied_groups, name_of=self._name_of)
             self._norms = ModuleNorms(

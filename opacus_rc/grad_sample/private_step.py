@@ -60,8 +60,8 @@ from opacus_rc._compat.opacus import (
 from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import in_backward
 from opacus_rc.grad_sample.clip import apply_clip_factors
-from opacus_rc.grad_sample.units import drop_open_unit, write_split_clipped_sums
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.units.split import drop_open_unit, write_split_clipped_sums
 
 __all__ = ["ClipResult", "PrivateBackwardMixin", "StepPeer"]
 

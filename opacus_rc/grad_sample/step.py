@@ -80,7 +80,7 @@ _TWO_BACKWARDS = (
     "batch's clipped gradients would be dropped, Opacus issue 683). Step after every backward, "
     "and use opacus.utils.batch_memory_manager.BatchMemoryManager to split a logical batch "
     "into physical ones (with a UnitDataLoader, units=: "
-    "opacus_rc.unit_data_loader.UnitBatchMemoryManager, which keeps units whole or, with "
+    "opacus_rc.units.UnitBatchMemoryManager, which keeps units whole or, with "
     "split_units=True, cuts them and yields each batch's unit_split=)."
 )
 _FAILED = (
@@ -193,7 +193,7 @@ class StepState:
 
     @property
     def units(self) -> Any:
-        """The step's :class:`~opacus_rc.grad_sample.units.UnitLayout` (``units=`` passed to
+        """The step's :class:`~opacus_rc.units.UnitLayout` (``units=`` passed to
         the criterion), or None (per-sequence clipping)."""
         return None if self._units is _NO_CRITERION else self._units
 

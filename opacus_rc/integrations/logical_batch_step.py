@@ -114,7 +114,7 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
         for i, micro in enumerate(inputs.micro_batches):
             micro = prepare_inputs(trainer, micro)
             if record is not None and record.per_unit:
-                # The units the criterion's units= must group the rows as (unit_record.py).
+                # The units the criterion's units= must group the rows as (units/record.py).
                 record.record(micro[UNITS_KEY])
             with trainer.compute_loss_context_manager():
                 loss = trainer.compute_private_loss(model, micro)

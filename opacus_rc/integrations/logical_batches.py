@@ -22,7 +22,8 @@ import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset
 
-from opacus_rc.unit_data_loader import DistributedUnitPoissonSampler, pack_whole_units
+from opacus_rc.units.data_loader import pack_whole_units
+from opacus_rc.units.distributed import DistributedUnitPoissonSampler
 
 #: The key of a micro-batch's ``(B,)`` units tensor (``0..U-1``) on the privacy-unit path.
 UNITS_KEY = "dp_privacy_units"
@@ -208,7 +209,7 @@ class LogicalBatchCollator:
 class UnitLogicalBatchCollator(LogicalBatchCollator):
     """:class:`LogicalBatchCollator` for the privacy-unit path: items are ``(example, unit)``
     (:class:`UnitRows`), a unit's items contiguous, and each micro-batch holds whole units,
-    packed greedily in order (:func:`opacus_rc.unit_data_loader.pack_whole_units`; the trainer
+    packed greedily in order (:func:`opacus_rc.units.pack_whole_units`; the trainer
     refuses, before training, a unit larger than ``max_physical_batch_size``). Each collated
     micro-batch gets its ``(B,)`` long tensor of units, numbered ``0..U-1`` in order of
     appearance, under :data:`UNITS_KEY` (what the criterion's ``units=`` takes); a collated
@@ -256,14 +257,14 @@ def _rows(batch: Any) -> int | None:
 
 
 class UnitLogicalBatchSampler(DistributedUnitPoissonSampler):
-    """:class:`~opacus_rc.unit_data_loader.UnitPoissonSampler` (every unit in a batch
+    """:class:`~opacus_rc.units.UnitPoissonSampler` (every unit in a batch
     independently with probability ``sample_rate``, all of its selected rows, unit after unit)
     whose masks in epoch ``e`` come from a generator seeded by ``(seed, e)``, as
     :class:`PoissonLogicalBatchSampler` (replayable epochs, for resuming).
 
     With ``world_size > 1`` (DDP) every rank draws the same global mask of all units (same
     ``seed``) and keeps the sampled units of its shard, ``u % world_size == rank``
-    (:class:`~opacus_rc.unit_data_loader.DistributedUnitPoissonSampler`): each sampled unit is
+    (:class:`~opacus_rc.units.DistributedUnitPoissonSampler`): each sampled unit is
     trained on exactly one rank, with all of its rows, and the ranks' batches partition the
     batch one process draws with that seed.
 
@@ -277,7 +278,7 @@ class UnitLogicalBatchSampler(DistributedUnitPoissonSampler):
         world_size: Number of data-parallel processes.
 
     Raises:
-        ValueError: As :class:`~opacus_rc.unit_data_loader.DistributedUnitPoissonSampler`.
+        ValueError: As :class:`~opacus_rc.units.DistributedUnitPoissonSampler`.
     """
 
     def __init__(

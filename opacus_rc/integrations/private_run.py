@@ -30,11 +30,11 @@ from torch import nn
 from opacus_rc._compat.transformers import loss_shifts_labels
 from opacus_rc.accountants import get_noise_multiplier
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.grad_sample.unit_record import UnitBatchRecord
 from opacus_rc.integrations.logical_batches import UNITS_KEY, seeded_generator
 from opacus_rc.integrations.privacy_arguments import BOOKKEEPING
 from opacus_rc.integrations.train_data import trainer_schedule
 from opacus_rc.privacy_engine import PrivacyEngine
+from opacus_rc.units.record import UnitBatchRecord
 
 __all__ = [
     "PrivateRun",
@@ -271,7 +271,7 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
     )
     # The engine was given the rate loader (per-example batches), but with privacy_unit the
     # records are units: each micro-batch's units are recorded by logical_batch_step and the
-    # criterion's units= is checked against them (grad_sample/unit_record.py).
+    # criterion's units= is checked against them (units/record.py).
     module.unit_batch_record = UnitBatchRecord(
         per_unit=pa.privacy_unit is not None,
         where=f'units=inputs["{UNITS_KEY}"]: an override of compute_private_loss must pass '

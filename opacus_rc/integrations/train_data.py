@@ -41,7 +41,7 @@ from opacus_rc.integrations.logical_batches import (
     UnitRows,
 )
 from opacus_rc.mechanism import PublicSizes
-from opacus_rc.unit_data_loader import select_unit_members
+from opacus_rc.units.data_loader import select_unit_members
 
 __all__ = [
     "TrainerSchedule",

@@ -63,7 +63,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from opacus_rc.grad_sample.units import unit_layout_for_loss
+from opacus_rc.units.criterion import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
 
@@ -286,9 +286,9 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             units: Optional ``(B,)`` integer tensor, the unit (document, user) ``0..U-1`` of
                 each sequence: the losses, norms and clip factors are then per unit, shape
                 ``(U,)``, each unit's loss the sum of its sequences' losses
-                (:mod:`opacus_rc.grad_sample.units`, docs/privacy/units.md).
+                (:mod:`opacus_rc.units`, docs/privacy/units.md).
             unit_split: With ``units``, the batch's
-                :class:`~opacus_rc.grad_sample.units.UnitSplit` when a unit is cut across the
+                :class:`~opacus_rc.units.UnitSplit` when a unit is cut across the
                 physical batches of a logical one (``UnitBatchMemoryManager(split_units=True)``
                 yields it), or None (whole units).
             **kwargs: The criterion's keyword arguments.
@@ -297,7 +297,7 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             A :class:`DPTensorRandomizedClipping` of ``(B,)`` (or ``(U,)``) per-sample losses.
 
         Raises:
-            See :func:`opacus_rc.grad_sample.units.unit_layout_for_loss` for ``units``.
+            See :func:`opacus_rc.units.unit_layout_for_loss` for ``units``.
         """
         if (
             shape is not None

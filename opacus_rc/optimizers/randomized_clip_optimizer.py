@@ -43,13 +43,13 @@ from opacus_rc.accountants.events import RandomizedClipDpEvent, step_event
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
 from opacus_rc.grad_sample.private_step import ClipResult
 from opacus_rc.grad_sample.step import StepState
-from opacus_rc.grad_sample.units import check_no_open_unit
 from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.units.split import check_no_open_unit
 
 __all__ = ["RandomizedClipOptimizer"]
 
@@ -468,7 +468,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             FloatingPointError: See :meth:`check_step_allowed`.
             StepProtocolError: If this step ends a logical batch while a unit cut across its
                 physical batches is open
-                (:func:`~opacus_rc.grad_sample.units.check_no_open_unit`).
+                (:func:`~opacus_rc.units.check_no_open_unit`).
         """
         self.check_step_allowed()
         # A unit cut across physical batches must be closed by the batch that ends the step.

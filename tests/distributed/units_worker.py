@@ -50,14 +50,13 @@ from worker_common import CLASSES, WORLD, D, SeqMLP, T, free_port, gather  # noq
 import opacus_rc  # noqa: F401  (registers the "rc" accountant)
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.grad_sample.fsdp import GradSampleModuleRandomizedClippingFSDP
-from opacus_rc.grad_sample.units import UnitSplit
 from opacus_rc.optimizers import (
     DistributedRandomizedClipOptimizer,
     DPLossRandomizedClipping,
     FSDPRandomizedClipOptimizer,
 )
 from opacus_rc.privacy_engine import PrivacyEngine
-from opacus_rc.unit_data_loader import DistributedUnitDataLoader, UnitDataLoader
+from opacus_rc.units import DistributedUnitDataLoader, UnitDataLoader, UnitSplit
 
 H = 64  # 5 * 64 + 64 + 64 * 3 + 3 = 579 parameters
 LR = 0.5

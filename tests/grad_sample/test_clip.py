@@ -180,14 +180,14 @@ def test_every_clip_factor_goes_through_the_one_function(
         if name.startswith("opacus_rc.") and getattr(mod, "apply_clip_factors", None) is real
     ]
     # private_step (two passes), linear, embedding, embedding_bag, bookkeeping (book-keeping),
-    # unit_split (cut units)
-    assert {m.__name__.rsplit(".", 1)[1] for m in callers} >= {
-        "private_step",
-        "linear",
-        "embedding",
-        "embedding_bag",
-        "bookkeeping",
-        "unit_split",  # a unit cut across physical batches (its closed unit's summed gradient)
+    # units.split (cut units)
+    assert {m.__name__ for m in callers} >= {
+        "opacus_rc.grad_sample.private_step",
+        "opacus_rc.grad_sample.linear",
+        "opacus_rc.grad_sample.embedding",
+        "opacus_rc.grad_sample.embedding_bag",
+        "opacus_rc.grad_sample.bookkeeping",
+        "opacus_rc.units.split",  # a unit cut across physical batches (its closed unit's sum)
     }
     for mod in callers:
         monkeypatch.setattr(mod, "apply_clip_factors", zero_factors)

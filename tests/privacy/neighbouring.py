@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc import PrivacyEngine
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
-from opacus_rc.unit_data_loader import (
+from opacus_rc.units import (
     DistributedUnitDataLoader,
     UnitBatchMemoryManager,
     UnitDataLoader,

@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parent / "integrations"))
 
 import opacus_rc  # noqa: E402,F401  (registers the "rc" accountant)
 from opacus_rc.privacy_engine import PrivacyEngine  # noqa: E402
-from opacus_rc.unit_data_loader import DistributedUnitDataLoader  # noqa: E402
+from opacus_rc.units import DistributedUnitDataLoader  # noqa: E402
 
 WORLD = 2
 D_IN, CLASSES, T = 5, 3, 4

@@ -19,7 +19,7 @@ from opacus_rc.engine.schedule import public_sizes
 from opacus_rc.integrations.train_data import trainer_schedule
 from opacus_rc.mechanism import Mechanism, PublicSizes
 from opacus_rc.optimizers import RandomizedClipOptimizer
-from opacus_rc.unit_data_loader import UnitDataLoader
+from opacus_rc.units import UnitDataLoader
 from tests.privacy.neighbouring import (
     BATCH,
     C_MLP,

@@ -3,7 +3,7 @@
 An adversary compares the releases of neighbouring datasets (``D`` and ``D`` with one unit or
 record removed): the step's divisor, and so the released noise sd ``sigma C / divisor``, must be
 the same constant on both. Before the fix, ``make_private`` with a
-:class:`~opacus_rc.unit_data_loader.UnitDataLoader` (or a ``DistributedUnitDataLoader``, or a
+:class:`~opacus_rc.units.UnitDataLoader` (or a ``DistributedUnitDataLoader``, or a
 per-record loader without ``batch_size``, an Opacus ``DPDataLoader``) and no public size divided
 by ``int(N * q)`` with ``N`` the private number of units or records: 12 units against 11 at
 ``q = 0.25`` gave divisors 3 and 2 (noise sd ``0.33`` against ``0.50``) with the same
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from opacus_rc import PrivacyEngine
 from opacus_rc.engine.request import check_per_rank_loader
-from opacus_rc.unit_data_loader import DistributedUnitDataLoader, UnitDataLoader
+from opacus_rc.units import DistributedUnitDataLoader, UnitDataLoader
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Secure RNG turned off"),

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.grad_sample.units import UnitLayout
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
+from opacus_rc.units import UnitLayout
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),

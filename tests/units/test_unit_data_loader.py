@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from opacus_rc import PrivacyEngine, UnitDataLoader
-from opacus_rc.unit_data_loader import (
+from opacus_rc.units import (
     DistributedUnitDataLoader,
     DistributedUnitPoissonSampler,
     UnitBatchMemoryManager,

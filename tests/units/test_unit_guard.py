@@ -130,8 +130,7 @@ def test_a_cut_batch_without_its_own_unit_split_is_refused(bad: str) -> None:
     was clipped alone (2.02 C for the unit, accounted as one). Refused at the first criterion
     call: omitted, None, UnitSplit(False, False) on a batch that cuts the unit, or a plain
     tuple equal to the yielded one (not the manager's UnitSplit)."""
-    from opacus_rc.grad_sample.units import UnitSplit
-    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+    from opacus_rc.units import UnitBatchMemoryManager, UnitSplit
 
     engine, model, m, opt, crit, dl = private(unit_loader())
     before = params(model)
@@ -153,7 +152,7 @@ def test_a_cut_batch_without_its_own_unit_split_is_refused(bad: str) -> None:
 
 
 def test_a_cut_run_with_the_yielded_splits_is_one_accounted_step() -> None:
-    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+    from opacus_rc.units import UnitBatchMemoryManager
 
     engine, model, m, opt, crit, dl = private(unit_loader())
     parts = 0
@@ -170,8 +169,7 @@ def test_a_cut_run_with_the_yielded_splits_is_one_accounted_step() -> None:
 
 
 def test_a_split_that_says_cut_on_a_whole_unit_batch_is_refused() -> None:
-    from opacus_rc.grad_sample.units import UnitSplit
-    from opacus_rc.unit_data_loader import UnitBatchMemoryManager
+    from opacus_rc.units import UnitBatchMemoryManager, UnitSplit
 
     engine, model, m, opt, crit, dl = private(unit_loader())
     with UnitBatchMemoryManager(data_loader=dl, max_physical_batch_size=8, optimizer=opt) as mem:

@@ -34,11 +34,10 @@ from torch.utils.data import TensorDataset
 from opacus_rc import PrivacyEngine, UnitDataLoader
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.grad_sample.step import StepProtocolError
-from opacus_rc.grad_sample.unit_split import _summed_gradient_norm
-from opacus_rc.grad_sample.units import UnitSplit
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.sketching import hutchinson_sqnorm
-from opacus_rc.unit_data_loader import UnitBatchMemoryManager, split_at_size
+from opacus_rc.units import UnitBatchMemoryManager, UnitSplit, split_at_size
+from opacus_rc.units.split import _summed_gradient_norm
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),

@@ -3,11 +3,11 @@
 
 Per-unit clipping bounds a unit's contribution by ``C`` only when the criterion's ``units=``
 groups the batch's sequences as the loader sampled them, and a cut unit is clipped once only
-when every physical batch passes the :class:`~opacus_rc.grad_sample.units.UnitSplit` the
+when every physical batch passes the :class:`~opacus_rc.units.UnitSplit` the
 manager cut it with. Neither is visible in the criterion call, so the engine gives the module a
 :class:`UnitBatchRecord` at ``make_private``: the
-:class:`~opacus_rc.unit_data_loader.UnitDataLoader` (and the loader of
-:class:`~opacus_rc.unit_batches.UnitBatchMemoryManager`) writes into it, in the process that
+:class:`~opacus_rc.units.UnitDataLoader` (and the loader of
+:class:`~opacus_rc.units.UnitBatchMemoryManager`) writes into it, in the process that
 iterates, the unit of each sequence of the batch it yields and the batch's ``UnitSplit``; the
 criterion call compares what it was given with it (:meth:`UnitBatchRecord.check`), before any
 backward, noise or accounting. A model made private with a per-sequence loader gets a record
@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from opacus_rc.units.layout import UnitSplit
+
 __all__ = ["CollatedUnits", "UnitBatchRecord", "same_partition"]
 
 
@@ -35,7 +37,7 @@ class CollatedUnits(NamedTuple):
     batch: Any
     #: ``(B,)`` long tensor: the loader's unit index of each sequence of the batch.
     units: torch.Tensor
-    #: The batch's :class:`~opacus_rc.grad_sample.units.UnitSplit` when the manager cuts units
+    #: The batch's :class:`~opacus_rc.units.UnitSplit` when the manager cuts units
     #: (``split_units=True``), else None.
     split: Any
 
@@ -58,7 +60,7 @@ class UnitBatchRecord:
 
     Args:
         per_unit: Whether the model was made private with unit-level sampling (a
-            :class:`~opacus_rc.unit_data_loader.UnitDataLoader`, or the Trainer's
+            :class:`~opacus_rc.units.UnitDataLoader`, or the Trainer's
             ``privacy_unit``); False: per-sequence sampling, where ``units=`` is refused.
         where: How the user passes the units, for the messages (e.g. ``"units=batch['units']"``).
     """
@@ -91,8 +93,6 @@ class UnitBatchRecord:
                 sampling; ``units=`` that groups the sequences otherwise than the loader's
                 batch; a ``unit_split=`` that is not the one the manager yielded with the batch.
         """
-        from opacus_rc.grad_sample.units import UnitSplit
-
         if not self.per_unit:
             if units is not None:
                 raise ValueError(

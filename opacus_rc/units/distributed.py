@@ -2,13 +2,12 @@
 exactly one rank.
 
 :class:`DistributedUnitPoissonSampler` draws, at every step, the inclusion mask of all units
-(as the single-process :class:`~opacus_rc.unit_data_loader.UnitPoissonSampler`) and keeps the
+(as the single-process :class:`~opacus_rc.units.UnitPoissonSampler`) and keeps the
 sampled units of its rank's shard, ``u % num_replicas == rank``;
 :class:`DistributedUnitDataLoader` is the per-rank loader built on it, and
 :func:`check_unit_loader_world` refuses a loader that does not match the model
-(docs/privacy/units.md#units-distributed).
-
-Split from :mod:`opacus_rc.unit_data_loader`, which re-exports every public name here.
+(docs/privacy/units.md#units-distributed). :func:`prepare_unit_data_loader`, what
+``make_private`` does with a unit loader, lives here because it runs that check.
 """
 
 from __future__ import annotations
@@ -19,9 +18,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from opacus_rc.unit_data_loader import UnitDataLoader, UnitPoissonSampler
+from opacus_rc.units.data_loader import UnitDataLoader, UnitPoissonSampler
 
-__all__ = ["DistributedUnitDataLoader", "DistributedUnitPoissonSampler", "check_unit_loader_world"]
+__all__ = [
+    "DistributedUnitDataLoader",
+    "DistributedUnitPoissonSampler",
+    "check_unit_loader_world",
+    "prepare_unit_data_loader",
+]
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -199,6 +203,43 @@ def check_unit_loader_world(loader: UnitDataLoader, *, distributed: bool) -> Non
     elif distributed:
         raise ValueError(
             "a UnitDataLoader with a distributed model: every rank would sample and train on "
-            "every sampled unit. Use opacus_rc.unit_data_loader.DistributedUnitDataLoader "
+            "every sampled unit. Use opacus_rc.units.DistributedUnitDataLoader "
             "(each sampled unit on exactly one rank; docs/privacy/units.md)"
         )
+
+
+def prepare_unit_data_loader(
+    loader: UnitDataLoader, *, engine: Any, distributed: bool, randomized: bool
+) -> UnitDataLoader:
+    """The engine's data-loader step for a :class:`UnitDataLoader`: used as it is.
+
+    The engine's dataset is recorded (as Opacus does for any loader) and, in secure mode, the
+    unit masks are drawn from the engine's secure generator.
+
+    Args:
+        loader: The unit loader passed to ``make_private``.
+        engine: The :class:`~opacus_rc.PrivacyEngine`.
+        distributed: Whether the model is distributed.
+        randomized: Whether ``clipping="randomized"``.
+
+    Returns:
+        ``loader``.
+
+    Raises:
+        ValueError: Without ``clipping="randomized"`` (Opacus' clipping is per sequence, and it
+            would re-sample the sequences); a plain :class:`UnitDataLoader` with a distributed
+            model (every rank would train on every sampled unit); a
+            :class:`DistributedUnitDataLoader` whose ``num_replicas`` is not the world size of a
+            distributed model (or is more than 1 without one).
+    """
+    if not randomized:
+        raise ValueError(
+            "UnitDataLoader (unit-level DP) needs clipping='randomized': the other clipping "
+            "modes clip each sequence, not each unit"
+        )
+    check_unit_loader_world(loader, distributed=distributed)
+    if engine.dataset is None:
+        engine.dataset = loader.dataset
+    if engine.secure_mode:
+        loader.batch_sampler.generator = engine.secure_rng
+    return loader

@@ -1,13 +1,11 @@
 """Virtual steps of units: a logical batch of units run as several physical batches.
 
 :class:`UnitBatchMemoryManager` (Opacus' ``BatchMemoryManager`` for a
-:class:`~opacus_rc.unit_data_loader.UnitDataLoader`) splits each logical batch with
+:class:`~opacus_rc.units.UnitDataLoader`) splits each logical batch with
 :class:`UnitBatchSplittingSampler`: into physical batches of whole units, or
 (``split_units=True``) of exactly ``max_physical_batch_size`` consecutive sequences, cutting
-units, each batch then carrying its :class:`~opacus_rc.grad_sample.units.UnitSplit`
+units, each batch then carrying its :class:`~opacus_rc.units.UnitSplit`
 (docs/privacy/units.md#units-split). One noised, accounted step per logical batch.
-
-Split from :mod:`opacus_rc.unit_data_loader`, which re-exports every public name here.
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplitting
 from torch.utils.data import DataLoader, Dataset
 
 from opacus_rc.data_loader import worker_options
-from opacus_rc.distributed_unit_data_loader import DistributedUnitDataLoader
-from opacus_rc.grad_sample.unit_record import CollatedUnits
-from opacus_rc.grad_sample.units import UnitSplit
-from opacus_rc.unit_data_loader import (
+from opacus_rc.units.data_loader import (
     RecordingUnitLoader,
     UnitDataLoader,
     UnitPoissonSampler,
@@ -32,6 +27,9 @@ from opacus_rc.unit_data_loader import (
     pack_whole_units,
     split_at_size,
 )
+from opacus_rc.units.distributed import DistributedUnitDataLoader
+from opacus_rc.units.layout import UnitSplit
+from opacus_rc.units.record import CollatedUnits
 
 __all__ = ["UnitBatchMemoryManager", "UnitBatchSplittingSampler"]
 
@@ -164,7 +162,7 @@ class UnitBatchMemoryManager(BatchMemoryManager):
     With ``split_units=False`` the physical batches hold whole units. With
     ``split_units=True`` they hold ``max_physical_batch_size`` consecutive sequences each (the
     last fewer), cutting units where needed, and every batch carries its
-    :class:`~opacus_rc.grad_sample.units.UnitSplit` after ``units`` (the last element of a
+    :class:`~opacus_rc.units.UnitSplit` after ``units`` (the last element of a
     tuple batch; the key ``split_key`` of a dict batch), to pass to the criterion::
 
         with UnitBatchMemoryManager(data_loader=dl, max_physical_batch_size=4,
@@ -182,7 +180,7 @@ class UnitBatchMemoryManager(BatchMemoryManager):
             ``split_units``, a unit with more sequences forms a physical batch of its own).
         optimizer: The DP optimizer.
         split_units: Cut units at ``max_physical_batch_size``.
-        split_key: The key of the :class:`~opacus_rc.grad_sample.units.UnitSplit` in a dict
+        split_key: The key of the :class:`~opacus_rc.units.UnitSplit` in a dict
             batch.
 
     Raises:

@@ -2,7 +2,7 @@
 
 ``UnitBatchMemoryManager(split_units=True)`` cuts units at the physical batch size and every
 batch tells the criterion where (``unit_split=``, a
-:class:`~opacus_rc.grad_sample.units.UnitSplit`). The part of the *open* unit (begun, not
+:class:`~opacus_rc.units.UnitSplit`). The part of the *open* unit (begun, not
 finished) in each physical batch is computed from the book-keeping stash and added to an
 :class:`OpenUnit` buffer of unclipped summed gradients instead of the clipped sum; when its last
 sequence is in, its norm is taken from the buffer with the batch path's estimator and a fresh
@@ -10,15 +10,13 @@ probe (:func:`unit_norm_kinds`), and ``c_u x buffer`` joins the clipped sum
 (:func:`write_split_clipped_sums`). The optimizer refuses to end a logical step with a unit open
 (:func:`check_no_open_unit`). docs/privacy/units.md#units-split states why this is the batch
 mechanism.
-
-Split from :mod:`opacus_rc.grad_sample.units`, which re-exports every public name here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +27,7 @@ from opacus_rc.grad_sample.clip import apply_clip_factors, clip_factors
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.grad_sample.step import StepProtocolError
 from opacus_rc.sketching import autocast_off, hutchinson_sqnorm
-
-if TYPE_CHECKING:
-    from opacus_rc.grad_sample.units import UnitLayout
+from opacus_rc.units.layout import UnitLayout
 
 __all__ = [
     "OpenUnit",
