@@ -28,7 +28,7 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
         }
     ): (
         "the Trainer's first-batch check imports, inside functions, model_inputs and "
-        "unpadded_next_token_labels from logical_batch_step (which calls check_first_batch) and "
+        "unpadded_next_token_labels from logical_batch_step (which calls check_logical_batch) and "
         "DPTrainerMixin from transformers (which imports logical_batch_step). Left while the "
         "Trainer path is reworked (issue 31, items 1-3); the fix: those two batch-shaping "
         "helpers in a module of their own, and the default-loss test without the mixin class"

@@ -291,7 +291,7 @@ def _compare(
         equal, diff, tol = allclose_rounding(loss_b[i], loss_a[0])
         if not equal:
             raise batch_independence_error(
-                f"example {i} of the first micro-batch has the per-example loss "
+                f"example {i} of the checked micro-batch has the per-example loss "
                 f"{float(loss_b[i]):.6g} inside its batch of {size} and {float(loss_a[0]):.6g} "
                 f"collated alone (|difference| {diff:.3g}, rounding tolerance {tol:.3g})"
             )
@@ -302,7 +302,7 @@ def _compare(
     equal, diff, tol = allclose_rounding(b, a)
     if not equal:
         raise batch_independence_error(
-            f"example {i} of the first micro-batch gives other outputs inside its batch of "
+            f"example {i} of the checked micro-batch gives other outputs inside its batch of "
             f"{size} than collated alone (max |difference| {diff:.3g}, rounding tolerance "
             f"{tol:.3g}, compared at its real tokens)"
         )

@@ -27,9 +27,10 @@ differently:
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
   one row, are refused where they can be seen).
-* **Batch independence.** At the first non-empty batch (before anything is noised or
-  accounted) every row of the first micro-batch is checked to be its example's own, and up to
-  three examples' outputs and losses alone to equal theirs in the batch
+* **Batch independence.** Before anything is noised or accounted, micro-batches are checked
+  until one of two or more examples and one with padding have been: every row of a checked
+  micro-batch is its example's own, and up to three examples' outputs and losses alone equal
+  theirs in the batch
   (:mod:`~opacus_rc.integrations.batch_check`; ``PrivacyArguments.check_batch_independence``
   turns it off): a collator that mixes rows, NEFTune or a batch statistic is refused with a
   :class:`~opacus_rc.batch_independence.BatchIndependenceError`.
