@@ -28,7 +28,7 @@ from opacus_rc.accountants import (
     RCAccountant,
     get_noise_multiplier,
 )
-from opacus_rc.sketching import SketchSpec
+from opacus_rc.sketch_spec import SketchSpec
 
 try:
     from opacus_rc_cli import EXAMPLES, arg_parser, main

@@ -230,3 +230,65 @@ def test_an_install_without_the_launcher_says_to_reinstall() -> None:
     name, _, message = done.stdout.strip().splitlines()[-1].partition(" | ")
     assert name == "opacus_rc_cli"
     assert "reinstall opacus_rc (in a checkout: pip install -e .)" in message
+
+
+def _fresh(probe: str) -> str:
+    """``probe``'s standard output, run in a fresh interpreter at the repository root."""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def test_accountant_and_commands_import_neither_torch_nor_opacus() -> None:
+    """Issue 33 item 2: ``import opacus_rc.accountants`` imported torch and Opacus (4.6 s of
+    a 6 s ``opacus-rc epsilon``). After the accountant's epsilon and both commands, in a fresh
+    interpreter, neither is loaded; the command prints RCAccountant's epsilon."""
+    probe = (
+        "import sys\n"
+        "from opacus_rc.accountants import RCAccountant\n"
+        "acc = RCAccountant(sketch_dim=32)\n"
+        "acc.history = [(1.0, 0.01, 1000)]\n"
+        "print('accountant', acc.get_epsilon(delta=1e-5))\n"
+        "import opacus_rc_cli\n"
+        "opacus_rc_cli.main('epsilon -s 1.0 -q 0.01 --steps 1000 --delta 1e-5 -k 32'.split())\n"
+        "opacus_rc_cli.main('noise-multiplier -e 3 -q 0.01 --steps 100 -k 32'.split())\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'opacus'}))\n"
+    )
+    out = _fresh(probe)
+    assert out.strip().splitlines()[-1] == "[]"
+    accountant = float(out.splitlines()[0].split()[1])
+    printed = float(_row(out, "epsilon (upper)")[1])
+    assert printed == round(accountant, 4)
+
+
+def test_package_names_resolve_on_use_and_register_rc_for_opacus() -> None:
+    """The public names of ``opacus_rc`` are imported on first use; the first Opacus-facing
+    name registers "rc" in Opacus' registry (as ``import opacus_rc`` did before), and
+    ``import opacus_rc`` registers it at once when torch is already imported."""
+    probe = (
+        "import sys, opacus_rc\n"
+        "print('after import', 'torch' in sys.modules, 'opacus' in sys.modules)\n"
+        "assert opacus_rc.RCAccountant.__name__ == 'RCAccountant'\n"
+        "print('after RCAccountant', 'opacus' in sys.modules)\n"
+        "from opacus_rc import PrivacyEngine\n"
+        "from opacus.accountants import IAccountant, registry\n"
+        "print('registered', registry._ACCOUNTANTS.get('rc') is opacus_rc.RCAccountant,\n"
+        "      isinstance(opacus_rc.RCAccountant(), IAccountant), PrivacyEngine.__module__)\n"
+        "import opacus_rc.sketching as sk\n"
+        "assert sorted(opacus_rc.__all__) == sorted([*opacus_rc._HOMES, '__version__'])\n"
+        "assert all(getattr(opacus_rc, n) is not None for n in opacus_rc.__all__)\n"
+        "assert opacus_rc.SketchSpec is sk.SketchSpec and 'SketchSpec' in dir(opacus_rc)\n"
+    )
+    out = _fresh(probe).splitlines()
+    assert out == [
+        "after import False False",
+        "after RCAccountant False",
+        "registered True True opacus_rc.privacy_engine",
+    ]
+    probe = (
+        "import torch, opacus_rc\n"
+        "from opacus.accountants import registry\n"
+        "print(registry._ACCOUNTANTS.get('rc') is opacus_rc.RCAccountant)\n"
+    )
+    assert _fresh(probe).split() == ["True"]
