@@ -292,3 +292,76 @@ def test_package_names_resolve_on_use_and_register_rc_for_opacus() -> None:
         "print(registry._ACCOUNTANTS.get('rc') is opacus_rc.RCAccountant)\n"
     )
     assert _fresh(probe).split() == ["True"]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ["--num-batches", "93"],
+        ["--dataset-size", "297", "--batch-size", "3"],
+        ["--num-batches", "211"],
+    ],
+    ids=["n93", "n99-from-sizes", "n211"],
+)
+def test_noise_multiplier_from_public_sizes_is_make_private_with_epsilons(
+    sizes: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 33 item 4: ``--sample-rate 1/n --epochs E`` searched at rate 1/n for int(E / q)
+    steps, but a Poisson loader over n batches has int(1 / q) batches (n - 1 for n = 93, 99,
+    211 in floating point), accounted at 1/(n - 1): the CLI's sigma ended above the target on
+    the run's schedule. From the public sizes the command searches at make_private_with_epsilon's
+    schedule: the same sigma (oracle: the engine's own search on a loader of n batches)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_rc import PrivacyEngine
+
+    if sizes[0] == "--num-batches":
+        records, batch_size = int(sizes[1]), 1
+    else:
+        records, batch_size = int(sizes[1]), int(sizes[3])
+    assert main(["noise-multiplier", "-e", "4", *sizes, "--epochs", "3", "-k", "32"]) == 0
+    out = capsys.readouterr().out
+    n = -(-records // batch_size)
+    assert f"Poisson rate 1/{n}; accounted as make_private_with_epsilon: {n - 1} steps" in out
+    assert f"{3 * (n - 1)} steps" in out.splitlines()[0]
+    cli_sigma = float(_row(out, "noise multiplier")[1])
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(records, 4), torch.randint(0, 2, (records,)))
+    engine = PrivacyEngine()
+    _, optimizer, _, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=batch_size),
+        criterion=torch.nn.CrossEntropyLoss(),
+        target_epsilon=4.0,
+        target_delta=1e-5,
+        epochs=3,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch_dim=32,
+    )
+    assert len(loader) == n - 1  # the schedule the CLI printed
+    assert cli_sigma == pytest.approx(optimizer.noise_multiplier, abs=5e-5)
+
+
+def test_a_bare_sample_rate_says_which_schedule_it_assumes(capsys: pytest.CaptureFixture) -> None:
+    """Issue 33 item 4: a bare --sample-rate is accounted as given for int(E / q) steps (Opacus'
+    convention), and the output says so and names the options for a run's schedule; its sigma
+    is below the one at the run's schedule (1/92 per step), which is why the latter exists."""
+    argv = ["noise-multiplier", "-e", "4", "--epochs", "3", "-k", "32"]
+    assert main([*argv, "--sample-rate", repr(1 / 93)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: every step accounted at the given rate 0.0107527" in out
+    assert "int(1 / q) = 92 batches, each accounted at 1/92, for 276 steps" in out
+    bare = float(_row(out, "noise multiplier")[1])
+    assert main([*argv, "--num-batches", "93"]) == 0
+    assert bare < float(_row(capsys.readouterr().out, "noise multiplier")[1])
+    with pytest.raises(SystemExit):
+        main([*argv, "--sample-rate", "0.01", "--num-batches", "93"])
+    assert "give one of --sample-rate or --num-batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--dataset-size", "93"])
+    assert "--dataset-size and --batch-size go together" in capsys.readouterr().err
