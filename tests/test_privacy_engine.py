@@ -631,3 +631,29 @@ def test_the_readme_quotes_what_each_omitted_switch_step_gives() -> None:
     quoted.append(f"StepProtocolError: {message[: message.index(' (the gradients')]}")
     for line in quoted:
         assert line in section, line
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", 1), ("1", 0)])
+def test_secure_rng_warning_is_shown_once_per_run_on_rank_zero(rank: str, shown: int) -> None:
+    """Issue 33 item 6: Opacus' "Secure RNG turned off" was printed by every rank of a
+    distributed run. Each rank (a fresh interpreter with torchrun's $RANK) builds two engines;
+    rank 0 shows the warning once, the other ranks not at all."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import warnings\n"
+        "warnings.simplefilter('default')\n"
+        "from opacus_rc import PrivacyEngine\n"
+        "PrivacyEngine(); PrivacyEngine()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=README.parent,
+        env={**os.environ, "RANK": rank},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stderr.count("Secure RNG turned off") == shown
