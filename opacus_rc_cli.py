@@ -1,10 +1,10 @@
 """Launcher of the ``opacus-rc`` console script: the command line without the library.
 
-``import opacus_rc`` registers the ``"rc"`` accountant in Opacus' registry, which imports
-Opacus and PyTorch (seconds). This module is outside the package, so ``opacus-rc --help``,
-``--version`` and an invalid command line are answered from the standard library alone;
-:func:`main` imports :mod:`opacus_rc.cli` only to compute a figure. :mod:`opacus_rc.cli`
-re-exports :func:`arg_parser`, :func:`main` and :data:`EXAMPLES`.
+This module is outside the package, so ``opacus-rc --help``, ``--version`` and an invalid
+command line are answered from the standard library alone; :func:`main` imports
+:mod:`opacus_rc.cli` only to compute a figure, and that imports the accountant (numpy, scipy,
+prv-accountant), neither PyTorch nor Opacus (``opacus-rc epsilon`` for 1000 steps: about 1 s).
+:mod:`opacus_rc.cli` re-exports :func:`arg_parser`, :func:`main` and :data:`EXAMPLES`.
 """
 
 from __future__ import annotations
