@@ -12,11 +12,19 @@ PRV accountant is skipped where its one-mesh domain would exceed ``OPACUS_PRV_MA
 (its FFT arrays alone would then need gigabytes); the row says how many points it needed.
 The exact-clipping row is checked against Opacus' PRV (within 0.03) where that ran.
 
+Command line (issue 33): wall time and peak memory of ``opacus-rc epsilon -s 1.0 -q 0.01
+--steps 1000 --delta 1e-5 -k 32`` (a fresh interpreter each run, as a user's shell starts it;
+target under 2 s on an idle core) next to prv-accountant's own command, ``compute-dp-epsilon
+-p 0.01 -s 1.0 -i 1000 -d 1e-5`` (exact clipping only; it also runs its RDP accountant). The
+rows say the load average (``os.getloadavg``) before the runs: on a loaded machine every figure
+grows.
+
 Usage::
 
     python -m benchmarks.accountant_speed            # Markdown table on stdout
     python -m benchmarks.accountant_speed --check    # exit status 1 if a target is missed
     python -m benchmarks.accountant_speed --no-long  # skip the 10^6 and 10^7-step rows
+    python -m benchmarks.accountant_speed --cli-only # only the two command lines
     python -m benchmarks.accountant_speed --csv out.csv --md out.md
 """
 
@@ -24,9 +32,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from opacus.accountants import PRVAccountant, RDPAccountant
@@ -42,6 +55,11 @@ SEARCH_TARGET_S = 30.0
 LONG_HORIZONS = ((10**6, 30.0), (10**7, 120.0))
 LONG_DELTA = 1e-6
 OPACUS_PRV_MAX_POINTS = 2**26
+#: Issue 33: seconds allowed for ``opacus-rc epsilon`` of 1000 steps, start to exit.
+CLI_TARGET_S = 2.0
+CLI_ARGS = "epsilon -s 1.0 -q 0.01 --steps 1000 --delta 1e-5 -k 32"
+PRV_CLI_ARGS = "-p 0.01 -s 1.0 -i 1000 -d 1e-5"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spec(k: int | None) -> dict | None:
@@ -110,6 +128,63 @@ def long_horizon_rows(steps_list=LONG_HORIZONS) -> list[dict]:
                     ref if k is None else None,
                 )
             )
+    return rows
+
+
+def _run_command(argv: list[str]) -> tuple[float, float, str]:
+    """Wall seconds, peak resident memory (MB) and standard output of one command.
+
+    The peak is GNU time's ``%M`` (``/usr/bin/time``; NaN without it): the resource usage of
+    a child forked from this process would count this process' own memory (Linux keeps
+    ``ru_maxrss`` across ``exec``).
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    gnu_time = shutil.which("time", path="/usr/bin")
+    wrapped = [gnu_time, "-f", "peak_kib=%M", *argv] if gnu_time else argv
+    start = time.perf_counter()
+    done = subprocess.run(wrapped, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} exited with {done.returncode}:\n{done.stdout}{done.stderr}")
+    peak = re.search(r"peak_kib=(\d+)", done.stderr)
+    return seconds, int(peak.group(1)) / 1024.0 if peak else float("nan"), done.stdout
+
+
+def cli_rows(repeat: int = 3) -> list[dict]:
+    """``opacus-rc epsilon`` (1000 steps, k = 32) against prv-accountant's ``compute-dp-epsilon``
+    (issue 33): the best of ``repeat`` fresh-interpreter runs each; the value is the printed
+    epsilon upper bound (k = 32 for opacus-rc; exact clipping, eps_error 0.1, for
+    prv-accountant)."""
+    load = os.getloadavg()[0]
+    prv_script = Path(sys.executable).with_name("compute-dp-epsilon")
+    commands = (
+        (
+            f"opacus-rc {CLI_ARGS}",
+            [sys.executable, "-m", "opacus_rc_cli", *CLI_ARGS.split()],
+            lambda out: float(
+                re.search(r"epsilon \(upper\)\s+\S+\s+(\S+)", out).group(1)  # k = 32 column
+            ),
+            CLI_TARGET_S,
+        ),
+        (
+            f"compute-dp-epsilon {PRV_CLI_ARGS}",
+            [sys.executable, str(prv_script), *PRV_CLI_ARGS.split()],
+            lambda out: float(re.search(r"PRV Accountant:.*eps_upper =\s*(\S+)", out).group(1)),
+            None,
+        ),
+    )
+    rows = []
+    for label, argv, parse, target in commands:
+        runs = [_run_command(argv) for _ in range(repeat)]
+        seconds, rss, out = min(runs)
+        row = _row(
+            f"CLI {label} (load {load:.1f}, peak RSS {rss:.0f} MB)",
+            seconds,
+            parse(out),
+            target,
+            None,
+        )
+        rows.append(row)
     return rows
 
 
@@ -227,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-long", action="store_true", help="skip the 10^6 and 10^7-step rows (minutes)"
     )
+    parser.add_argument(
+        "--cli-only", action="store_true", help="only the command-line rows (issue 33)"
+    )
     parser.add_argument("--md", help="also write the Markdown table to this file")
     args = parser.parse_args(argv)
-    rows = run(repeat=args.repeat, long_horizons=not args.no_long)
+    rows = [] if args.cli_only else run(repeat=args.repeat, long_horizons=not args.no_long)
+    rows += cli_rows(repeat=max(args.repeat, 3))
     print(_markdown(rows))
     if args.md:
         with open(args.md, "w") as fh:

@@ -93,6 +93,7 @@ API_PACKAGES = (
     "opacus_rc.lora",
     "opacus_rc.checkpoints",
     "opacus_rc.auditing",
+    "opacus_rc.models",
 )
 
 

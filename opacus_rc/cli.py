@@ -28,7 +28,8 @@ from opacus_rc.accountants import (
     RCAccountant,
     get_noise_multiplier,
 )
-from opacus_rc.sketching import SketchSpec
+from opacus_rc.sampling_schedule import batches_per_epoch, poisson_epoch, steps_for_epochs
+from opacus_rc.sketch_spec import SketchSpec
 
 try:
     from opacus_rc_cli import EXAMPLES, arg_parser, main
@@ -46,12 +47,57 @@ except ModuleNotFoundError as err:
 __all__ = ["EXAMPLES", "arg_parser", "main", "run"]
 
 
-def _steps(args: argparse.Namespace) -> int:
-    if args.steps is not None:
-        if args.steps < 0:
-            raise ValueError(f"--steps must be >= 0, got {args.steps}")
-        return args.steps
-    return int(args.epochs / args.sample_rate)
+def _schedule(args: argparse.Namespace) -> tuple[float, int, str]:
+    """``(rate, steps, note)``: the rate each step is accounted at, the number of steps, and
+    a line saying which schedule that is.
+
+    From the public sizes (``--num-batches``, or ``--dataset-size`` with ``--batch-size``) it
+    is the schedule ``make_private_with_epsilon`` accounts (:func:`~opacus_rc.sampling_schedule.
+    poisson_epoch`); a bare ``--sample-rate`` is accounted as given, for ``int(epochs / q)``
+    steps as Opacus' ``get_noise_multiplier`` counts them.
+
+    Raises:
+        ValueError: on negative ``--steps`` or sizes that give no batch.
+    """
+    if args.steps is not None and args.steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {args.steps}")
+    if args.sample_rate is not None:
+        q = args.sample_rate
+        if args.steps is not None:
+            return q, args.steps, f"schedule: every step accounted at the given rate {q:g}"
+        steps = int(args.epochs / q)
+        rate, per_epoch = poisson_epoch(q)
+        note = (
+            f"schedule: every step accounted at the given rate {q:g}, int(epochs / rate) = "
+            f"{steps} steps (as Opacus' get_noise_multiplier)"
+        )
+        if (rate, steps_for_epochs(args.epochs, per_epoch)) != (q, steps):
+            note += (
+                f"; a Poisson loader at this rate has int(1 / q) = {per_epoch} batches, each "
+                f"accounted at 1/{per_epoch}, for {steps_for_epochs(args.epochs, per_epoch)} "
+                "steps: give --num-batches or --dataset-size and --batch-size to search at "
+                "the schedule make_private_with_epsilon accounts"
+            )
+        return q, steps, note
+    if args.num_batches is not None:
+        n, source = args.num_batches, f"{args.num_batches} batches"
+    else:
+        n = batches_per_epoch(args.dataset_size, args.batch_size, drop_last=args.drop_last)
+        source = (
+            f"{args.dataset_size} records in batches of {args.batch_size}"
+            f"{' (drop_last)' if args.drop_last else ''}: {n} batches"
+        )
+        if n == 0:
+            raise ValueError(
+                f"--dataset-size {args.dataset_size} gives no batch of {args.batch_size}"
+            )
+    rate, per_epoch = poisson_epoch(1 / n)
+    steps = args.steps if args.steps is not None else steps_for_epochs(args.epochs, per_epoch)
+    note = (
+        f"schedule: {source}, Poisson rate 1/{n}; accounted as make_private_with_epsilon: "
+        f"{per_epoch} steps per epoch at rate 1/{per_epoch}"
+    )
+    return rate, steps, note
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -63,7 +109,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _run_epsilon(args: argparse.Namespace) -> str:
-    steps = _steps(args)
+    sample_rate, steps, note = _schedule(args)
     header = ["", "exact clipping"] + [f"k = {k}" for k in args.sketch_dim]
     upper, estimate, remove, add = ["epsilon (upper)"], ["estimate"], ["remove"], ["add"]
     notes: list[str] = []
@@ -72,7 +118,7 @@ def _run_epsilon(args: argparse.Namespace) -> str:
             envelope=args.envelope, threat_model=args.threat_model, eps_error=args.eps_error
         )
         spec = None if k is None else SketchSpec(estimator="hutchinson", sketch_dim=k).to_dict()
-        acc.history = [(args.noise_multiplier, args.sample_rate, steps, spec)]
+        acc.history = [(args.noise_multiplier, sample_rate, steps, spec)]
         try:
             rep = acc.get_epsilon_report(args.delta)
         except (EpsilonOutOfRangeError, NumericalLimitError) as err:
@@ -91,14 +137,14 @@ def _run_epsilon(args: argparse.Namespace) -> str:
         add.append(f"{rep.add[2]:.4f}")
     title = (
         f"epsilon at delta={args.delta:g}: noise multiplier {args.noise_multiplier:g}, "
-        f"sample rate {args.sample_rate:g}, {steps} steps, threat model {args.threat_model}, "
+        f"sample rate {sample_rate:g}, {steps} steps, threat model {args.threat_model}, "
         f"envelope {args.envelope}"
     )
-    return "\n".join([title, _table(header, [upper, estimate, remove, add]), *notes])
+    return "\n".join([title, note, _table(header, [upper, estimate, remove, add]), *notes])
 
 
 def _run_noise(args: argparse.Namespace) -> str:
-    steps = _steps(args)
+    sample_rate, steps, note = _schedule(args)
     if steps < 1:
         raise ValueError("noise-multiplier needs at least one step")
     template = RCAccountant(
@@ -112,7 +158,7 @@ def _run_noise(args: argparse.Namespace) -> str:
         sigma = get_noise_multiplier(
             target_epsilon=args.target_epsilon,
             target_delta=args.delta,
-            sample_rate=args.sample_rate,
+            sample_rate=sample_rate,
             steps=steps,
             sketch_spec=spec,
             accountant=template,
@@ -123,10 +169,10 @@ def _run_noise(args: argparse.Namespace) -> str:
         ratios.append(f"{sigma / base:.3f}")
     title = (
         f"noise multiplier for epsilon={args.target_epsilon:g} at delta={args.delta:g}: "
-        f"sample rate {args.sample_rate:g}, {steps} steps, threat model {args.threat_model}, "
+        f"sample rate {sample_rate:g}, {steps} steps, threat model {args.threat_model}, "
         f"envelope {args.envelope}"
     )
-    return title + "\n" + _table(header, [sigmas, ratios])
+    return "\n".join([title, note, _table(header, [sigmas, ratios])])
 
 
 def run(args: argparse.Namespace) -> int:

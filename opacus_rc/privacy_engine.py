@@ -32,9 +32,12 @@ registers it itself, so ``opacus_rc.PrivacyEngine()`` always works.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,6 +64,26 @@ logger = logging.getLogger(__name__)
 _GENERATOR_WARNING_PREFIX = "a sketch_generator was passed"
 
 
+@contextlib.contextmanager
+def _secure_rng_warning_on_rank_zero() -> Iterator[None]:
+    """Silence Opacus' "Secure RNG turned off" warning on every rank but 0 (the same message
+    on each of W ranks told a distributed run W times). The rank is that of the initialised
+    default process group, else ``$RANK`` (torchrun sets it before the group exists)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+    else:
+        try:
+            rank = int(os.environ.get("RANK", "0"))
+        except ValueError:
+            rank = 0
+    if rank == 0:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off", category=UserWarning)
+        yield
+
+
 class PrivacyEngine(RandomizedClippingSeams):
     """``opacus.PrivacyEngine`` with ``clipping="randomized"`` (DP-SGD-RC).
 
@@ -75,7 +98,10 @@ class PrivacyEngine(RandomizedClippingSeams):
             by ``import opacus_rc``, and by this constructor) accounts for both randomized and
             exact clipping.
         secure_mode: Opacus' secure mode (CSPRNG noise and sampling); with randomized clipping
-            the sketch generator is also reseeded from :mod:`secrets` after every step.
+            the sketch generator is also reseeded from :mod:`secrets` after every step. Without
+            it Opacus warns "Secure RNG turned off" (once per process); in a distributed run
+            only rank 0 shows it (the rank of an initialised process group, else ``$RANK``),
+            so that a run prints it once, not once per rank.
 
     Attributes:
         denoiser: The denoiser the last ``make_private(denoise=...)`` attached (e.g. a
@@ -109,7 +135,8 @@ class PrivacyEngine(RandomizedClippingSeams):
                 logger.debug("opacus_rc.accountants is not importable", exc_info=True)
             else:
                 accountants.register()
-        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        with _secure_rng_warning_on_rank_zero():
+            super().__init__(accountant=accountant, secure_mode=secure_mode)
 
     # ------------------------------------------------------------------------------------------
     # Public API

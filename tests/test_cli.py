@@ -230,3 +230,138 @@ def test_an_install_without_the_launcher_says_to_reinstall() -> None:
     name, _, message = done.stdout.strip().splitlines()[-1].partition(" | ")
     assert name == "opacus_rc_cli"
     assert "reinstall opacus_rc (in a checkout: pip install -e .)" in message
+
+
+def _fresh(probe: str) -> str:
+    """``probe``'s standard output, run in a fresh interpreter at the repository root."""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def test_accountant_and_commands_import_neither_torch_nor_opacus() -> None:
+    """Issue 33 item 2: ``import opacus_rc.accountants`` imported torch and Opacus (4.6 s of
+    a 6 s ``opacus-rc epsilon``). After the accountant's epsilon and both commands, in a fresh
+    interpreter, neither is loaded; the command prints RCAccountant's epsilon."""
+    probe = (
+        "import sys\n"
+        "from opacus_rc.accountants import RCAccountant\n"
+        "acc = RCAccountant(sketch_dim=32)\n"
+        "acc.history = [(1.0, 0.01, 1000)]\n"
+        "print('accountant', acc.get_epsilon(delta=1e-5))\n"
+        "import opacus_rc_cli\n"
+        "opacus_rc_cli.main('epsilon -s 1.0 -q 0.01 --steps 1000 --delta 1e-5 -k 32'.split())\n"
+        "opacus_rc_cli.main('noise-multiplier -e 3 -q 0.01 --steps 100 -k 32'.split())\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'opacus'}))\n"
+    )
+    out = _fresh(probe)
+    assert out.strip().splitlines()[-1] == "[]"
+    accountant = float(out.splitlines()[0].split()[1])
+    printed = float(_row(out, "epsilon (upper)")[1])
+    assert printed == round(accountant, 4)
+
+
+def test_package_names_resolve_on_use_and_register_rc_for_opacus() -> None:
+    """The public names of ``opacus_rc`` are imported on first use; the first Opacus-facing
+    name registers "rc" in Opacus' registry (as ``import opacus_rc`` did before), and
+    ``import opacus_rc`` registers it at once when torch is already imported."""
+    probe = (
+        "import sys, opacus_rc\n"
+        "print('after import', 'torch' in sys.modules, 'opacus' in sys.modules)\n"
+        "assert opacus_rc.RCAccountant.__name__ == 'RCAccountant'\n"
+        "print('after RCAccountant', 'opacus' in sys.modules)\n"
+        "from opacus_rc import PrivacyEngine\n"
+        "from opacus.accountants import IAccountant, registry\n"
+        "print('registered', registry._ACCOUNTANTS.get('rc') is opacus_rc.RCAccountant,\n"
+        "      isinstance(opacus_rc.RCAccountant(), IAccountant), PrivacyEngine.__module__)\n"
+        "import opacus_rc.sketching as sk\n"
+        "assert sorted(opacus_rc.__all__) == sorted([*opacus_rc._HOMES, '__version__'])\n"
+        "assert all(getattr(opacus_rc, n) is not None for n in opacus_rc.__all__)\n"
+        "assert opacus_rc.SketchSpec is sk.SketchSpec and 'SketchSpec' in dir(opacus_rc)\n"
+    )
+    out = _fresh(probe).splitlines()
+    assert out == [
+        "after import False False",
+        "after RCAccountant False",
+        "registered True True opacus_rc.privacy_engine",
+    ]
+    probe = (
+        "import torch, opacus_rc\n"
+        "from opacus.accountants import registry\n"
+        "print(registry._ACCOUNTANTS.get('rc') is opacus_rc.RCAccountant)\n"
+    )
+    assert _fresh(probe).split() == ["True"]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ["--num-batches", "93"],
+        ["--dataset-size", "297", "--batch-size", "3"],
+        ["--num-batches", "211"],
+    ],
+    ids=["n93", "n99-from-sizes", "n211"],
+)
+def test_noise_multiplier_from_public_sizes_is_make_private_with_epsilons(
+    sizes: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 33 item 4: ``--sample-rate 1/n --epochs E`` searched at rate 1/n for int(E / q)
+    steps, but a Poisson loader over n batches has int(1 / q) batches (n - 1 for n = 93, 99,
+    211 in floating point), accounted at 1/(n - 1): the CLI's sigma ended above the target on
+    the run's schedule. From the public sizes the command searches at make_private_with_epsilon's
+    schedule: the same sigma (oracle: the engine's own search on a loader of n batches)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_rc import PrivacyEngine
+
+    if sizes[0] == "--num-batches":
+        records, batch_size = int(sizes[1]), 1
+    else:
+        records, batch_size = int(sizes[1]), int(sizes[3])
+    assert main(["noise-multiplier", "-e", "4", *sizes, "--epochs", "3", "-k", "32"]) == 0
+    out = capsys.readouterr().out
+    n = -(-records // batch_size)
+    assert f"Poisson rate 1/{n}; accounted as make_private_with_epsilon: {n - 1} steps" in out
+    assert f"{3 * (n - 1)} steps" in out.splitlines()[0]
+    cli_sigma = float(_row(out, "noise multiplier")[1])
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(records, 4), torch.randint(0, 2, (records,)))
+    engine = PrivacyEngine()
+    _, optimizer, _, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=batch_size),
+        criterion=torch.nn.CrossEntropyLoss(),
+        target_epsilon=4.0,
+        target_delta=1e-5,
+        epochs=3,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch_dim=32,
+    )
+    assert len(loader) == n - 1  # the schedule the CLI printed
+    assert cli_sigma == pytest.approx(optimizer.noise_multiplier, abs=5e-5)
+
+
+def test_a_bare_sample_rate_says_which_schedule_it_assumes(capsys: pytest.CaptureFixture) -> None:
+    """Issue 33 item 4: a bare --sample-rate is accounted as given for int(E / q) steps (Opacus'
+    convention), and the output says so and names the options for a run's schedule; its sigma
+    is below the one at the run's schedule (1/92 per step), which is why the latter exists."""
+    argv = ["noise-multiplier", "-e", "4", "--epochs", "3", "-k", "32"]
+    assert main([*argv, "--sample-rate", repr(1 / 93)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: every step accounted at the given rate 0.0107527" in out
+    assert "int(1 / q) = 92 batches, each accounted at 1/92, for 276 steps" in out
+    bare = float(_row(out, "noise multiplier")[1])
+    assert main([*argv, "--num-batches", "93"]) == 0
+    assert bare < float(_row(capsys.readouterr().out, "noise multiplier")[1])
+    with pytest.raises(SystemExit):
+        main([*argv, "--sample-rate", "0.01", "--num-batches", "93"])
+    assert "give one of --sample-rate or --num-batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--dataset-size", "93"])
+    assert "--dataset-size and --batch-size go together" in capsys.readouterr().err

@@ -569,3 +569,91 @@ def test_a_loader_expecting_no_record_per_step_is_refused() -> None:
         )
     assert not engine.accountant.history
     assert not isinstance(model, GradSampleModule)  # the user's module was not wrapped
+
+
+def test_the_readme_quotes_what_each_omitted_switch_step_gives() -> None:
+    """Issue 33 item 3: the switch from an Opacus script is three changes, two of them found
+    only by errors that do not say so. The README's "From an Opacus script" quotes the error
+    of each omission: reproduced here, and each must be in that section as printed."""
+    import opacus
+
+    from opacus_rc.grad_sample.step import StepProtocolError
+
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n## From an Opacus script\n")
+    section = " ".join(text[start : text.index("\n## ", start + 1)].split())
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=16)
+
+    quoted = []
+    model, optimizer, loader = setup()
+    with pytest.raises(ValueError) as info:  # opacus.PrivacyEngine with clipping="randomized"
+        opacus.PrivacyEngine(accountant="rc").make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+        )
+    quoted.append(f"ValueError: {info.value}")
+    model, optimizer, loader = setup()
+    with pytest.raises(ValueError) as info:  # Opacus' three-value unpacking
+        model, optimizer, loader = pe.PrivacyEngine().make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            criterion=nn.CrossEntropyLoss(),
+        )
+    quoted.append(f"ValueError: {info.value}")
+    model, optimizer, loader = setup()
+    model, optimizer, criterion, loader = pe.PrivacyEngine().make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        clipping="randomized",  # no criterion=: nn.CrossEntropyLoss(), as the README says
+    )
+    assert isinstance(criterion.criterion, nn.CrossEntropyLoss)
+    x, y = next(iter(loader))
+    nn.CrossEntropyLoss()(model(x), y).backward()  # the user's own loss, not `criterion`
+    with pytest.raises(StepProtocolError) as info:
+        optimizer.step()
+    message = str(info.value)
+    quoted.append(f"StepProtocolError: {message[: message.index(' (the gradients')]}")
+    for line in quoted:
+        assert line in section, line
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", 1), ("1", 0)])
+def test_secure_rng_warning_is_shown_once_per_run_on_rank_zero(rank: str, shown: int) -> None:
+    """Issue 33 item 6: Opacus' "Secure RNG turned off" was printed by every rank of a
+    distributed run. Each rank (a fresh interpreter with torchrun's $RANK) builds two engines;
+    rank 0 shows the warning once, the other ranks not at all."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import warnings\n"
+        "warnings.simplefilter('default')\n"
+        "from opacus_rc import PrivacyEngine\n"
+        "PrivacyEngine(); PrivacyEngine()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=README.parent,
+        env={**os.environ, "RANK": rank},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stderr.count("Secure RNG turned off") == shown

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opacus_rc.accountants.analysis.threat_models import THREAT_MODELS
-from opacus_rc.sketching import SketchSpec
+from opacus_rc.sketch_spec import SketchSpec
 from opacus_rc.validation import validate_choice, validate_noise_multiplier, validate_sample_rate
 
 __all__ = [

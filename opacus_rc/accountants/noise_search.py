@@ -25,7 +25,7 @@ from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
 from opacus_rc.accountants.events import sketch_spec_from, step_event
 from opacus_rc.accountants.rc import RCAccountant
-from opacus_rc.sketching import SketchSpec
+from opacus_rc.sketch_spec import SketchSpec
 from opacus_rc.validation import validate_delta, validate_sample_rate
 
 __all__ = ["MAX_SIGMA", "MIN_SIGMA", "get_noise_multiplier"]

@@ -25,8 +25,8 @@ weights_only=True)`` checkpoints work) and read back as typed events by
 RDP and GDP are never used: the RDP of randomized clipping is infinite
 (docs/privacy/heavy_tails.md#heavy-tails-rdp).
 
-Why one module: it holds one concept, the Opacus ``IAccountant`` of mechanism ``"rc"``, whose
-methods Opacus' interface fixes (``step``, ``get_epsilon``, ``get_optimizer_hook_fn``,
+Why one module: it holds one concept, the accountant of mechanism ``"rc"``, whose methods
+Opacus' ``IAccountant`` interface fixes (``step``, ``get_epsilon``, ``get_optimizer_hook_fn``,
 ``state_dict`` / ``load_state_dict``, ``mechanism``, ``len``) and which all read or write the
 one ledger, ``history``. Each method is a thin layer over the module that owns its concept:
 the events and the threat-model choice are :mod:`~opacus_rc.accountants.events`, the epsilon
@@ -38,14 +38,13 @@ the events and the threat-model choice are :mod:`~opacus_rc.accountants.events`,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from opacus.accountants.accountant import IAccountant
 
 from opacus_rc.accountants.analysis.envelope import SensitivityEnvelope
 from opacus_rc.accountants.analysis.epsilon import (
@@ -64,7 +63,7 @@ from opacus_rc.accountants.events import (
     sketch_spec_from,
     step_event,
 )
-from opacus_rc.sketching import SketchSpec
+from opacus_rc.sketch_spec import SketchSpec
 from opacus_rc.validation import validate_delta
 
 __all__ = ["RCAccountant", "register"]
@@ -72,7 +71,7 @@ __all__ = ["RCAccountant", "register"]
 logger = logging.getLogger(__name__)
 
 
-class RCAccountant(IAccountant):
+class RCAccountant:
     """Privacy accountant for DP-SGD with randomized clipping (and exact clipping).
 
     PRV accounting (Gopi et al. 2021) of the envelope mechanism (docs/privacy/prv.md#prv), in both
@@ -135,7 +134,8 @@ class RCAccountant(IAccountant):
             raise ValueError(f"threat_model must be one of {THREAT_MODELS}, got {threat_model!r}")
         if not (isinstance(eps_error, (int, float)) and 0.0 < eps_error < 1.0):
             raise ValueError(f"eps_error must be a number in (0, 1), got {eps_error!r}")
-        super().__init__()
+        #: The ledger, in Opacus' ``IAccountant`` format (Opacus reads and writes it).
+        self.history: list[tuple[Any, ...]] = []
         self.sketch_dim = None if sketch_dim is None else int(sketch_dim)
         self.envelope = envelope
         self.threat_model = threat_model
@@ -501,7 +501,9 @@ class RCAccountant(IAccountant):
 
     def state_dict(self, destination: Any = None) -> Any:
         """Opacus' state dict (``history``, ``mechanism``) plus ``rc_config``, all plain data."""
-        destination = super().state_dict(destination if destination is not None else OrderedDict())
+        destination = destination if destination is not None else OrderedDict()
+        destination["history"] = copy.deepcopy(self.history)
+        destination["mechanism"] = self.mechanism()
         destination["rc_config"] = self.config()
         return destination
 
@@ -518,8 +520,24 @@ class RCAccountant(IAccountant):
         """
         config = state_dict.get("rc_config") if state_dict else None
         restored = RCAccountant(**config) if config is not None else self
-        super().load_state_dict(state_dict)
-        self.history = [tuple(entry) for entry in self.history]
+        # The checks and messages of Opacus' ``IAccountant.load_state_dict``.
+        if not state_dict:
+            raise ValueError(
+                "state dict is either None or empty and hence cannot be loaded into Privacy "
+                "Accountant."
+            )
+        for key in ("history", "mechanism"):
+            if key not in state_dict:
+                raise ValueError(
+                    f"state_dict does not have the key `{key}`. Cannot be loaded into Privacy "
+                    "Accountant."
+                )
+        if state_dict["mechanism"] != self.mechanism():
+            raise ValueError(
+                f"state_dict of {state_dict['mechanism']} cannot be loaded into Privacy "
+                f"Accountant with mechanism {self.mechanism()}"
+            )
+        self.history = [tuple(entry) for entry in state_dict["history"]]
         self.sketch_dim = restored.sketch_dim
         self.envelope = restored.envelope
         self.threat_model = restored.threat_model
@@ -530,7 +548,14 @@ class RCAccountant(IAccountant):
 def register(*, force: bool = False) -> None:
     """Register :class:`RCAccountant` as mechanism ``"rc"`` in Opacus' accountant registry.
 
-    Idempotent: registering again is a no-op. ``opacus_rc`` calls this on import.
+    Imports Opacus (and so PyTorch); the accountant itself needs neither, so it is a plain class
+    with the methods of Opacus' ``IAccountant``, registered here as a virtual subclass of it
+    (``isinstance(RCAccountant(), IAccountant)`` holds from then on). Idempotent: registering
+    again is a no-op. ``import opacus_rc`` calls it when PyTorch or Opacus is already imported,
+    and otherwise the first use of an Opacus-facing name of ``opacus_rc`` does
+    (``opacus_rc.PrivacyEngine`` also calls it itself); a script that imports ``opacus_rc``
+    before ``torch`` and ``opacus`` and uses only ``opacus.PrivacyEngine(accountant="rc")``
+    calls it.
 
     Args:
         force: Replace another class already registered as ``"rc"``.
@@ -538,16 +563,17 @@ def register(*, force: bool = False) -> None:
     Raises:
         ValueError: if another class is registered as ``"rc"`` and ``force`` is False.
     """
-    from opacus.accountants import registry
+    from opacus.accountants import IAccountant, registry
 
     from opacus_rc._compat.opacus import registered_accountant
 
     existing = registered_accountant("rc")
-    if existing is RCAccountant:
+    if existing is RCAccountant and issubclass(RCAccountant, IAccountant):
         return
     if existing is not None and not force:
         raise ValueError(
             f"Opacus already has {existing.__module__}.{existing.__qualname__} registered as "
             "accountant 'rc'; pass force=True to replace it with opacus_rc's RCAccountant"
         )
+    IAccountant.register(RCAccountant)  # a virtual subclass: no-op if already registered
     registry.register_accountant("rc", RCAccountant, force=True)

@@ -21,6 +21,7 @@ from typing import Any
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 
 from opacus_rc.engine.request import Request
+from opacus_rc.sampling_schedule import steps_for_epochs
 
 __all__ = ["check_zero_noise", "search_noise_multiplier"]
 
@@ -120,7 +121,7 @@ def search_noise_multiplier(
     sample_rate, per_epoch = request.sizes.accounted_rate, request.sizes.steps_per_epoch
     schedule: dict[str, Any] = {"epochs": epochs, "steps": None}
     if isinstance(epochs, (int, float)) and 0 < epochs < math.inf:
-        schedule = {"epochs": None, "steps": max(1, int(epochs * per_epoch))}
+        schedule = {"epochs": None, "steps": steps_for_epochs(epochs, per_epoch)}
     if len(accountant) > 0:
         warnings.warn(
             "make_private_with_epsilon is called with privacy budget already spent; the "

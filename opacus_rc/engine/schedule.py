@@ -12,6 +12,9 @@ any loader is built.
   :class:`~opacus_rc.mechanism.Mechanism`, its noise search) and the DP trainers
   (:func:`~opacus_rc.integrations.train_data.trainer_schedule`) all call it.
 * :func:`poisson_loader`: Opacus' Poisson ``DPDataLoader`` at a given rate.
+
+The arithmetic (batches of an epoch, the Poisson epoch's accounted rate and steps) is
+:mod:`opacus_rc.sampling_schedule`, which the ``opacus-rc`` command shares without torch.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from opacus_rc.data_loader import worker_options
 from opacus_rc.mechanism import PublicSizes
+from opacus_rc.sampling_schedule import batches_per_epoch, poisson_epoch
 from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PublicSizes", "accounted_schedule", "poisson_loader", "public_sizes"]
@@ -153,15 +157,13 @@ def _rate_and_divisor(
     if units:
         # The rate the units are drawn at, as Opacus for its DPDataLoader (whose length is
         # int(1 / q)): 1 / int(1 / q) >= q whatever ``steps`` (only the number of steps) is.
-        n_batches = max(1, int(1 / data_loader.sample_rate))
+        n_batches = poisson_epoch(data_loader.sample_rate)[1]
     elif batch_size is not None and dataset_size is not None:
         per_rank = dataset_size
         if ranks > 1:  # the records of one rank's shard, as DistributedSampler counts them
             drop = getattr(data_loader.sampler, "drop_last", False)
             per_rank = dataset_size // ranks if drop else math.ceil(dataset_size / ranks)
-        n_batches = (
-            per_rank // batch_size if data_loader.drop_last else math.ceil(per_rank / batch_size)
-        )
+        n_batches = batches_per_epoch(per_rank, batch_size, drop_last=data_loader.drop_last)
     else:
         n_batches = len(data_loader)
     if n_batches == 0:
@@ -263,8 +265,9 @@ def accounted_schedule(
     if isinstance(data_loader, UnitDataLoader):
         # ``len(loader)`` steps (its ``steps``), each at the rate the units are drawn at.
         return sample_rate, len(data_loader)
-    per_epoch = max(1, int(1 / sample_rate)) if poisson_sampling else len(data_loader)
-    return 1 / per_epoch, per_epoch
+    if poisson_sampling:
+        return poisson_epoch(sample_rate)
+    return 1 / len(data_loader), len(data_loader)
 
 
 def poisson_loader(

@@ -228,10 +228,10 @@ def scenario_view_warning(rank: int) -> dict[str, Any]:
     names in an opacus_rc model: each is a trainable (hooked) layer or the root returning one's
     output.
 
-    (a) The warning fires for ``FSDPLinear`` (``lin1``) and the root ``FSDPViewNet``, nothing
-    else. (b) The danger it describes, an in-place op on the view silently dropping FSDP2's
-    pre-backward hook, cannot happen: ``lin1``'s caller never sees the flagged view (the
-    per-sample hook returns its own output) and an in-place op on that raises the module's
+    (a) The warning fires for the root ``FSDPViewNet`` and, up to torch 2.14, ``FSDPLinear``
+    (``lin1``), nothing else. (b) The danger it describes, an in-place op on the view silently
+    dropping FSDP2's pre-backward hook, cannot happen: ``lin1``'s caller never sees the flagged
+    view (the per-sample hook returns its own output) and an in-place op on that raises the module's
     explained ``RuntimeError``; an in-place op on the root's output raises PyTorch's
     "BackwardHookFunction is a view" error. (c) The update, in the run that raised the
     warnings, equals ``theta - lr sum_i c_i g_i / B`` over the global batch with exact
@@ -260,7 +260,9 @@ def scenario_view_warning(rank: int) -> dict[str, Any]:
             if VIEW_WARNING in str(w.message)
         }
     )
-    assert flagged == ["FSDPLinear", "FSDPViewNet"], flagged
+    # torch 2.13 and 2.14 name both; torch 2.15 no longer names FSDPLinear (issue 33's
+    # compatibility run). Either way nothing else is named, and (b) and (c) hold.
+    assert "FSDPViewNet" in flagged and set(flagged) <= {"FSDPLinear", "FSDPViewNet"}, flagged
     crit(out, y[rank::WORLD]).backward()
     n_hat = torch.cat(gather(gsm.per_sample_gradient_norms.double()))
     opt.step()

@@ -56,7 +56,8 @@ def test_two_process_gloo_fsdp2_randomized_clipping(tmp_path: Path) -> None:
     assert res["engine"]["steps_with_one_empty_rank"] >= 1
     assert res["denoise_refused"]["refused"]
     view = res["view_warning"]
-    assert view["flagged"] == ["FSDPLinear", "FSDPViewNet"]
+    # torch 2.15 no longer names FSDPLinear (the compatibility run of issue 33)
+    assert view["flagged"] in (["FSDPLinear", "FSDPViewNet"], ["FSDPViewNet"])
     assert view["vs_formula"] < 1e-5 and view["clipped_samples"] >= 4
     assert view["inplace_root_raises"] and view["inplace_layer_raises"]
 
