@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import opacus_rc
 
 PACKAGE = "opacus_rc"
@@ -209,3 +211,34 @@ def test_no_import_circle_between_subpackages_but_the_known_one() -> None:
         f"circles between subpackages: {[sorted(c) for c in found]}; known: "
         f"{[sorted(c) for c in KNOWN_PACKAGE_CYCLES]}"
     )
+
+
+@pytest.mark.slow
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    # The package imports its public names lazily (opacus_rc/__init__.py), so no module can
+    # rely on another having been imported first: the grad_sample <-> units circle above once
+    # broke `import opacus_rc.integrations.transformers` in a fresh process (units.split was
+    # half-initialised when grad_sample.private_step imported it), while every in-process
+    # test passed. Each module is imported first, alone, in its own interpreter.
+    import pkgutil
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import opacus_rc
+
+    modules = sorted(m.name for m in pkgutil.walk_packages(opacus_rc.__path__, "opacus_rc."))
+    assert len(modules) > 50
+
+    def first_import(name: str) -> tuple[str, int, str]:
+        run = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", f"import {name}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return name, run.returncode, run.stderr[-400:]
+
+    with ThreadPoolExecutor(2) as pool:
+        failed = [r for r in pool.map(first_import, modules) if r[1] != 0]
+    assert not failed, failed

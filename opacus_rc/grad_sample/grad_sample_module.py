@@ -91,7 +91,6 @@ from opacus_rc.grad_sample.routing import (
 from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.tied import TiedSketches
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
-from opacus_rc.units.split import drop_open_unit
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 
@@ -422,6 +421,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
             self._tied.clear()
         if self._reducer_off is not None:
             self._reducer_off.restore()
+        from opacus_rc.units.split import drop_open_unit  # units.split imports grad_sample
+
         drop_open_unit(self)
         super().cleanup()  # type: ignore[misc]
         strip_grad_sample_hooks(wrapped_module(self))

@@ -61,7 +61,6 @@ from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
 from opacus_rc.grad_sample.checkpointing import in_backward
 from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.sketching import SketchSpec
-from opacus_rc.units.split import drop_open_unit, write_split_clipped_sums
 
 __all__ = ["ClipResult", "PrivateBackwardMixin", "StepPeer"]
 
@@ -429,6 +428,8 @@ class PrivateBackwardMixin:
         try:
             if layout is not None and layout.split is not None:
                 # A unit cut across physical batches (docs/privacy/units.md#units-split).
+                from opacus_rc.units.split import write_split_clipped_sums  # imports grad_sample
+
                 step.per_sample_gradient_norms = write_split_clipped_sums(
                     self,
                     ready,
@@ -458,6 +459,8 @@ class PrivateBackwardMixin:
     def abort_step(self) -> None:
         """The private backward failed: drop every stored tensor; ``step()`` refuses until
         ``zero_grad()``."""
+        from opacus_rc.units.split import drop_open_unit  # units.split imports grad_sample
+
         self.discard_recorded()
         drop_open_unit(self)  # a unit cut across physical batches lost a part
         self.step_state.fail()  # type: ignore[attr-defined]

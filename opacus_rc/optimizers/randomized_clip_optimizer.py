@@ -49,7 +49,6 @@ from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
-from opacus_rc.units.split import check_no_open_unit
 
 __all__ = ["RandomizedClipOptimizer"]
 
@@ -472,6 +471,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """
         self.check_step_allowed()
         # A unit cut across physical batches must be closed by the batch that ends the step.
+        from opacus_rc.units.split import check_no_open_unit  # imports grad_sample
+
         check_no_open_unit(self._grad_sample_module, step_ends=not next_step_skipped(self))
         return super().pre_step(closure)
 
