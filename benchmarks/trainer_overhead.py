@@ -231,6 +231,9 @@ def run_trainer(cfg: dict[str, Any], model: torch.nn.Module, data: list, out: Pa
         max_grad_norm=cfg["max_grad_norm"],
         sketch_dim=cfg["sketch_dim"],
         seed=0,
+        # The first-batch check of batch independence collates examples alone (the counting
+        # collator would count them) and runs once, in the warm-up; both sides leave it out.
+        check_batch_independence=False,
     )
     trainer = DPTrainer(
         model=model,
@@ -298,6 +301,7 @@ def hand_loop(
             clipping="randomized",
             sketch_dim=cfg["sketch_dim"],
             noise_generator=torch.Generator().manual_seed(0),
+            check_batch_independence=False,  # as the trainer's run (run_trainer)
         )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer.original_optimizer, lambda s: 1 - s / cfg["steps"]

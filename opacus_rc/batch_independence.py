@@ -362,7 +362,8 @@ class BatchIndependenceCheck:
     the model's first tensor output (a Hugging Face output's ``logits``).
 
     Under FSDP (sharded modules gather their parameters with collectives, which ranks with
-    different batches would not reach alike) the check does not run; the docs say so.
+    different batches would not reach alike) the check does not run, nor on the meta device
+    (no values to compare); the docs say so.
 
     Args:
         model: The model the user calls (pre-hook target).
@@ -401,7 +402,10 @@ class BatchIndependenceCheck:
         if not size:
             return  # no batch-shaped input, or an empty batch: check the next forward
         inner = _unwrap_data_parallel(module)
-        if _is_fsdp(inner):
+        values = (*args, *kwargs.values())
+        if _is_fsdp(inner) or any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+            # FSDP: see the class docstring. The meta device (FLOPs and memory counted
+            # without values) has no outputs to compare.
             self.remove()
             return
         mask = _padding_mask(kwargs, size, self.batch_first)
