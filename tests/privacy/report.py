@@ -30,23 +30,52 @@ def _mechanism_cells(a: nb.Mechanism, b: nb.Mechanism) -> list[str]:
     ]
 
 
+def _refused(run: object, **kw: object) -> str | None:
+    """The refusal of both neighbours (a short reason), or None if they run."""
+    from opacus_rc.batch_independence import BatchIndependenceError
+
+    try:
+        for neighbour in (False, True):
+            run(neighbour=neighbour, **kw)  # type: ignore[operator]
+    except BatchIndependenceError:
+        return "refused (batch independence)"
+    except ValueError as error:
+        if "Opacus #819" in str(error):
+            return "refused (no public size)"
+        raise
+    return None
+
+
 def rows() -> list[list[str]]:
-    """One table row per path."""
+    """One table row per path (a refused path says so)."""
+    from tests.privacy.test_neighbouring import UNIT_PATHS
+
     out = []
     for name, (run, has_public) in nb.PATHS.items():
-        a = run(neighbour=False, noise_multiplier=0.0, public_size=False)
-        b = run(neighbour=True, noise_multiplier=0.0, public_size=False)
+        public = name in UNIT_PATHS  # refused without a public number of units
+        refused = _refused(run, noise_multiplier=0.0, public_size=public)
+        if refused:
+            out.append([name, refused] + [""] * (len(HEADER) - 2))
+            continue
+        a = run(neighbour=False, noise_multiplier=0.0, public_size=public)
+        b = run(neighbour=True, noise_multiplier=0.0, public_size=public)
         c = a.mechanism.max_grad_norm
         bound = nb.sensitivity_bound(
             max_grad_norm=c, sketch_dim=a.sketch_dim, others=len(b.sampled)
         )
         row = [name, f"{nb.release_distance(a, b) / c:.4f} ({bound / c:.4f})"]
-        a, b = (run(neighbour=n, noise_multiplier=1.0, public_size=False) for n in (False, True))
-        row += _mechanism_cells(a.mechanism, b.mechanism)
+        refused = _refused(run, noise_multiplier=1.0, public_size=False)
+        if refused:
+            row += [refused] + [""] * 4
+        else:
+            a, b = (
+                run(neighbour=n, noise_multiplier=1.0, public_size=False) for n in (False, True)
+            )
+            row += _mechanism_cells(a.mechanism, b.mechanism)
         if has_public:
             a, b = (run(neighbour=n, noise_multiplier=1.0, public_size=True) for n in (False, True))
             cells = _mechanism_cells(a.mechanism, b.mechanism)
-            row.append(f"{cells[3]}; {cells[4]}")
+            row.append(f"{cells[0]}; {cells[3]}; {cells[4]}")
         else:
             row.append("none")
         out.append(row)
@@ -61,7 +90,7 @@ HEADER = [
     "steps/epoch",
     "divisor",
     "noise sd (σC/divisor)",
-    "public size: divisor; noise sd",
+    "with a public size: q; divisor; noise sd",
 ]
 
 
