@@ -49,6 +49,7 @@ from opacus_rc.batch_independence import (
     per_record_inputs,
 )
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
+from opacus_rc.integrations.per_sample_loss import per_token_targets
 
 __all__ = ["BatchCheckState", "check_logical_batch", "check_micro_batch"]
 
@@ -198,12 +199,7 @@ def _per_example_losses(
     logits = logits.float()
     if labels.dim() == 1:
         return F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
-    if shift_labels is not None:
-        targets = shift_labels
-    elif shift:
-        logits, targets = logits[:, :-1], labels[:, 1:]
-    else:
-        targets = labels
+    logits, targets = per_token_targets(logits, labels, shift=shift, shift_labels=shift_labels)
     if logits.dim() != 3 or logits.shape[:2] != targets.shape:
         return None
     b, t = targets.shape

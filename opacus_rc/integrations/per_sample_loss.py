@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["per_sample_cross_entropy"]
+__all__ = ["per_sample_cross_entropy", "per_token_targets"]
 
 
 def per_sample_cross_entropy(
@@ -58,12 +58,7 @@ def per_sample_cross_entropy(
                 f"{tuple(logits.shape)}"
             )
         return criterion(logits, labels, units=units)
-    if shift_labels is not None:
-        targets = shift_labels
-    elif shift:
-        logits, targets = logits[:, :-1], labels[:, 1:]
-    else:
-        targets = labels
+    logits, targets = per_token_targets(logits, labels, shift=shift, shift_labels=shift_labels)
     if logits.dim() != 3 or logits.shape[:2] != targets.shape:
         raise ValueError(
             f"per-token labels of shape {tuple(targets.shape)} need logits (B, T, V) with the "
@@ -71,3 +66,29 @@ def per_sample_cross_entropy(
         )
     b, t = targets.shape
     return criterion(logits.reshape(b * t, -1), targets.reshape(-1), shape=(b, t), units=units)
+
+
+def per_token_targets(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    shift: bool,
+    shift_labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits and the targets they predict, position by position.
+
+    Args:
+        logits: ``(B, T, V)``.
+        labels: ``(B, T)``.
+        shift: A causal LM: position ``t`` predicts label ``t + 1``.
+        shift_labels: Pre-shifted ``(B, T)`` targets, used as they are.
+
+    Returns:
+        ``(logits, targets)``: ``(logits, shift_labels)``; with ``shift``,
+        ``(logits[:, :-1], labels[:, 1:])``; else ``(logits, labels)``.
+    """
+    if shift_labels is not None:
+        return logits, shift_labels
+    if shift:
+        return logits[:, :-1], labels[:, 1:]
+    return logits, labels
