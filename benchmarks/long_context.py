@@ -543,6 +543,9 @@ class LMMethod:
                 sketch_dim=int(cfg["k"]),
                 sketch_generator=gen,
                 bookkeeping=name == "rc_bookkeeping",
+                # The batch-independence check runs once per run, before the first step, and
+                # not on meta (no values): off, so that the CPU and meta steps measure the same.
+                check_batch_independence=False,
                 **dp,
             )
             if units is not None:

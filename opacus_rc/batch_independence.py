@@ -225,23 +225,22 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def per_record_inputs(model: nn.Module, *, batch_dim: int = 0) -> Iterator[None]:
+def per_record_inputs(model: nn.Module) -> Iterator[None]:
     """Refuse a trainable module whose input has no per-record axis, in a forward of one record.
 
     Inside, a forward of a *single* record must give every module with trainable parameters
-    of its own a first tensor input of size 1 along ``batch_dim``: a module whose input is
-    shared by the batch (Opacus #841: T5's ``relative_attention_bias`` takes ``(T, T)``
-    bucket ids, GPT-2's ``wpe`` position ids ``[1, T]`` broadcast) has no per-sample gradient,
-    and when its leading size happens to equal the batch (``T = B``) its rows would pass for
-    records and be clipped as such.
+    of its own a first tensor input with an axis of size 1 (the record's: the batch axis in the
+    model's layout, another axis in a module that works in ``(T, B, ...)``). A module whose
+    input has none is shared by the batch (Opacus #841: T5's ``relative_attention_bias`` takes
+    ``(T, T)`` bucket ids) and has no per-sample gradient; when its leading size happens to
+    equal the batch (``T = B``) its rows would pass for records and be clipped as such.
 
     Args:
         model: The model whose one-record forwards run inside.
-        batch_dim: The batch axis of the modules' inputs.
 
     Raises:
-        BatchIndependenceError: On exit, naming the first module whose input's batch axis is
-            not 1 (the module's leading size and type).
+        BatchIndependenceError: On exit, naming the first module whose input has no axis of
+            size 1 (with the input's shape and the module's type).
     """
     found: list[str] = []
 
@@ -250,7 +249,10 @@ def per_record_inputs(model: nn.Module, *, batch_dim: int = 0) -> Iterator[None]
             first = next(
                 (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None
             )
-            if first is not None and first.dim() > batch_dim and first.shape[batch_dim] != 1:
+            # No axis of size 1 at all: no axis can be the record's. (An input laid out
+            # (T, B, ...) inside a batch-first model, as attention internals are, has B = 1
+            # on another axis and is not refused.)
+            if first is not None and first.dim() > 0 and 1 not in tuple(first.shape):
                 found.append(f"{name} ({type(module).__name__}, input {tuple(first.shape)})")
 
         return pre
@@ -267,8 +269,8 @@ def per_record_inputs(model: nn.Module, *, batch_dim: int = 0) -> Iterator[None]
             handle.remove()
     if found:
         raise batch_independence_error(
-            f"the trainable module {found[0]} received, for a single record, an input whose "
-            f"batch axis is not 1: its input is shared by the batch (a bias over positions, "
+            f"the trainable module {found[0]} received, for a single record, an input with no "
+            f"batch axis of size 1: its input is shared by the batch (a bias over positions, "
             "position ids broadcast as [1, T]; Opacus #841), so it has no per-record gradient "
             "to clip. Freeze it (requires_grad=False), or give it a per-record input "
             "(e.g. position_ids.expand(B, -1))"
@@ -467,7 +469,7 @@ class BatchIndependenceCheck:
                 one_kwargs = {
                     k: _one_record(v, i, batch_size, batch_dim, keep) for k, v in kwargs.items()
                 }
-                with per_record_inputs(model, batch_dim=batch_dim):
+                with per_record_inputs(model):
                     out = model(*one_args, **one_kwargs)
                 alone = first_tensor(out, batch_size=1, batch_dim=batch_dim)
                 inside = full.select(batch_dim, i)
