@@ -364,8 +364,8 @@ class BatchIndependenceCheck:
     the model's first tensor output (a Hugging Face output's ``logits``).
 
     Under FSDP (sharded modules gather their parameters with collectives, which ranks with
-    different batches would not reach alike) the check does not run, nor on the meta device
-    (no values to compare); the docs say so.
+    different batches would not reach alike) the check does not run and says so in a
+    ``UserWarning``; on the meta device (no values, nothing released) it does not run.
 
     Args:
         model: The model the user calls (pre-hook target).
@@ -405,10 +405,21 @@ class BatchIndependenceCheck:
             return  # no batch-shaped input, or an empty batch: check the next forward
         inner = _unwrap_data_parallel(module)
         values = (*args, *kwargs.values())
-        if _is_fsdp(inner) or any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
-            # FSDP: see the class docstring. The meta device (FLOPs and memory counted
-            # without values) has no outputs to compare.
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+            self.remove()  # the meta device (FLOPs and memory counted): no values, no release
+            return
+        if _is_fsdp(inner):
+            # See the class docstring: said, not skipped silently.
             self.remove()
+            warnings.warn(
+                "the batch-independence check does not run under FSDP (its extra forwards "
+                "would gather sharded parameters on some ranks only): make sure each record's "
+                "loss depends on that record alone (position ids from the attention mask, no "
+                "target predicted from padding, no batch statistic), and pass "
+                "check_batch_independence=False to silence this",
+                UserWarning,
+                stacklevel=2,
+            )
             return
         mask = _padding_mask(kwargs, size, self.batch_first)
         padded = mask is not None and size > 1 and bool((mask == 0).any())

@@ -178,7 +178,7 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
             # The rate the accountant records: Opacus' 1 / len(loader), where len is
             # int(1 / q), one step short of 1 / q for some q (q = 1/93: 92 steps, 1/92
             # recorded). Searched at the sampling rate q, the run would pass the target.
-            sample_rate=schedule.accounted_rate,
+            sample_rate=schedule.sizes.accounted_rate,
             steps=planned,
             sketch_spec=spec,
             accountant=engine.accountant,

@@ -70,21 +70,6 @@ class TrainerSchedule:
     rate_loader: DataLoader
     sizes: PublicSizes
 
-    @property
-    def sample_rate(self) -> float:
-        """``q``, the rate every record is sampled at (Opacus' ``1 / len(loader)``)."""
-        return self.sizes.sample_rate
-
-    @property
-    def accounted_rate(self) -> float:
-        """The rate the accountant records, ``1 / steps`` (at least ``q``)."""
-        return self.sizes.accounted_rate
-
-    @property
-    def steps(self) -> int:
-        """Logical batches per epoch, ``int(1 / q)``."""
-        return self.sizes.steps_per_epoch
-
 
 def trainer_schedule(
     n: int, *, expected_batch_size: int, dataset_size: int | None = None, world_size: int = 1
@@ -287,8 +272,8 @@ def example_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> Logic
     if trainer._poisson_sampler is None:
         trainer._poisson_sampler = PoissonLogicalBatchSampler(
             num_samples=n,
-            sample_rate=schedule.sample_rate,
-            steps=schedule.steps,
+            sample_rate=schedule.sizes.sample_rate,
+            steps=schedule.sizes.steps_per_epoch,
             seed=trainer._sampler_seed,
             rank=trainer._rank,
             world_size=trainer._world_size,
@@ -350,8 +335,8 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
     if trainer._poisson_sampler is None:
         trainer._poisson_sampler = UnitLogicalBatchSampler(
             members=members,
-            sample_rate=schedule.sample_rate,
-            steps=schedule.steps,
+            sample_rate=schedule.sizes.sample_rate,
+            steps=schedule.sizes.steps_per_epoch,
             seed=trainer._sampler_seed,
             rank=trainer._rank,  # DDP: each sampled unit on rank u % world_size
             world_size=trainer._world_size,

@@ -429,3 +429,14 @@ def test_trainer_position_ids_0_to_t_with_left_padding_are_refused(tmp_path: Pat
     with pytest.raises(BatchIndependenceError, match="left padding with learned"):
         tr.train()
     assert len(tr.privacy_engine.accountant) == 0
+
+
+def test_engine_check_under_fsdp_says_it_did_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FSDP the check cannot run its extra forwards (collectives on some ranks only); it
+    says so in a warning instead of being skipped silently (the FSDP test is our own
+    _is_fsdp, forced here: a one-process model without a process group)."""
+    import opacus_rc.batch_independence as bi
+
+    monkeypatch.setattr(bi, "_is_fsdp", lambda model: True)
+    with pytest.warns(UserWarning, match="does not run under FSDP"):
+        engine_step(th.tiny_gpt2_exact(), _padded("right"), positions="arange")

@@ -301,7 +301,7 @@ def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) ->
     total = sum(gather_objects(shares[0]))
     return {
         "sample_rate": q,
-        "steps_per_epoch": trainer_schedule(n, expected_batch_size=TRAINER_E).steps,
+        "steps_per_epoch": trainer_schedule(n, expected_batch_size=TRAINER_E).sizes.steps_per_epoch,
         "accounted_steps": steps,
         "divisor_rank": divisor_rank,
         "divisor_global": divisor,

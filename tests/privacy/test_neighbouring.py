@@ -186,8 +186,8 @@ def test_a_public_size_fixes_the_rate_across_a_batch_boundary() -> None:
     from opacus_rc.integrations.train_data import trainer_schedule
 
     private = [trainer_schedule(n, expected_batch_size=4) for n in (13, 12)]
-    assert [s.sample_rate for s in private] == [1 / 4, 1 / 3]
+    assert [s.sizes.sample_rate for s in private] == [1 / 4, 1 / 3]
     public = [trainer_schedule(n, expected_batch_size=4, dataset_size=13) for n in (13, 12)]
-    assert [(s.sample_rate, s.steps) for s in public] == [(1 / 4, 4), (1 / 4, 4)]
+    assert [(s.sizes.sample_rate, s.sizes.steps_per_epoch) for s in public] == [(1 / 4, 4)] * 2
     engine = [public_sizes(DataLoader(range(n), batch_size=4), dataset_size=13) for n in (13, 12)]
     assert engine[0] == engine[1] and engine[0].sample_rate == 1 / 4
