@@ -15,7 +15,7 @@ the order of one call; each step is a module of :mod:`opacus_rc.engine`:
    :class:`~opacus_rc.mechanism.Mechanism` is built (``engine.mechanism``);
 3. Opacus' ``make_private``, whose build steps for randomized clipping are the seams of
    :class:`~opacus_rc.engine.seams.RandomizedClippingSeams` (the grad-sample module, the
-   Poisson loader, the optimizer of :mod:`opacus_rc.optimizers.registry`, the DP loss);
+   Poisson loader, the randomized-clipping optimizer, the DP loss);
 4. the post-processing attached to the DP optimizer (:mod:`opacus_rc.engine.post_processing`:
    the denoiser, the LoRA guard).
 
@@ -210,7 +210,7 @@ class PrivacyEngine(RandomizedClippingSeams):
                 passing one warns and marks the sketch not secret. Randomized only.
             denoise: Name of a post-processing denoiser applied to the noisy gradient at every
                 step, after noise and scaling and before the optimizer step
-                (:mod:`opacus_rc.denoising.registry`; ``"spectral"``: spectral denoising of
+                (:data:`opacus_rc.denoising.DENOISERS`; ``"spectral"``: spectral denoising of
                 every 2-D gradient, docs/denoising.md#denoising). ``None`` (default): no denoising.
                 Works with every ``clipping`` and ``grad_sample_mode`` of a single process; never
                 changes the accountant (post-processing,

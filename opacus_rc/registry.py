@@ -1,21 +1,21 @@
 """A named registry: the one helper behind the package's extension points.
 
-Each extension point (sketch estimators, envelopes, threat models, SVD back ends, denoisers) is
-a :class:`Registry` filled by a decorator, not an ``if``/``elif`` chain
-(docs/architecture.md#architecture-extending). A registry is a ``dict`` from name to object, in
-registration order, so ``tuple(registry)``, ``registry[name]`` and ``name in registry`` behave
-as before; :meth:`Registry.register` refuses bad and duplicate names, and :meth:`Registry.get`
-refuses an unknown name with an error that lists the known ones.
+Registries are kept where users extend the package: the per-layer tables of
+:mod:`opacus_rc.grad_sample` (samplers, clipped sums, checks and input adapters of a layer type)
+and the envelope laws of :mod:`opacus_rc.accountants.analysis.envelopes`
+(docs/architecture.md#architecture-extending); the accountant is Opacus' own registry. Fixed
+tables (noise placements, SVD back ends, estimators, threat models, the denoiser) are plain
+code. A registry is a ``dict`` from name to object, in registration order, so
+``tuple(registry)``, ``registry[name]`` and ``name in registry`` behave as for a dict;
+:meth:`Registry.register` refuses bad and duplicate names, and :meth:`Registry.get` refuses an
+unknown name with an error that lists the known ones.
 
-:class:`TypeRegistry` is the same helper keyed by module types (the per-layer samplers,
-clipped sums, checks and input adapters of :mod:`opacus_rc.grad_sample`): one registration may
-name several types, and an unregistered type is the ordinary answer (the caller falls back,
-e.g. to Opacus' exact samplers), so its :meth:`TypeRegistry.get` returns ``None`` as
-``dict.get`` does. Lookup is by exact type, never along the MRO, as Opacus looks up its grad
-samplers: a subclass may change ``forward``, and a sampler that is right for the base class is
-then wrong for it, so a subclass is registered explicitly or takes the fallback. Other keys
-(e.g. the ``(clipping, distributed)`` pairs of :data:`opacus_rc.optimizers.OPTIMIZERS`) are a
-subclass that overrides :meth:`Registry.check_key` and :meth:`Registry.key_text`.
+:class:`TypeRegistry` is the same helper keyed by module types: one registration may name
+several types, and an unregistered type is the ordinary answer (the caller falls back, e.g. to
+Opacus' exact samplers), so its :meth:`TypeRegistry.get` returns ``None`` as ``dict.get`` does.
+Lookup is by exact type, never along the MRO, as Opacus looks up its grad samplers: a subclass
+may change ``forward``, and a sampler that is right for the base class is then wrong for it, so
+a subclass is registered explicitly or takes the fallback.
 
 Example:
     >>> laws = Registry("law", option="law")

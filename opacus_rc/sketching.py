@@ -25,9 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from opacus_rc.registry import Registry
 from opacus_rc.sketch_spec import SketchSpec
-from opacus_rc.validation import validate_sketch_dim
+from opacus_rc.validation import validate_choice, validate_sketch_dim
 
 __all__ = [
     "ESTIMATORS",
@@ -400,12 +399,11 @@ def hutchpp_sqnorm(
         return head + tail
 
 
-#: Registry of sketched squared-norm estimators, by the name used in :class:`SketchSpec`.
-ESTIMATORS: Registry[Callable[..., torch.Tensor]] = Registry(
-    "sketch estimator", option="sketch estimator"
-)
-ESTIMATORS.register("hutchinson", hutchinson_sqnorm)
-ESTIMATORS.register("hutch++", hutchpp_sqnorm)
+#: Sketched squared-norm estimators, by the name used in :class:`SketchSpec`.
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "hutchinson": hutchinson_sqnorm,
+    "hutch++": hutchpp_sqnorm,
+}
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor]:
@@ -418,6 +416,7 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
         The estimator function.
 
     Raises:
-        ValueError: If ``name`` is not registered; the message lists the allowed names.
+        ValueError: If ``name`` is not a key of :data:`ESTIMATORS`; the message lists them.
     """
-    return ESTIMATORS.get(name)
+    validate_choice("sketch", name, tuple(ESTIMATORS))
+    return ESTIMATORS[name]

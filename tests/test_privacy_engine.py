@@ -208,7 +208,7 @@ BAD_INPUTS = [
     (
         {"sketch": "gauss"},
         ValueError,
-        r"unknown sketch estimator 'gauss'; allowed: 'hutchinson', 'hutch\+\+'",
+        r"sketch must be one of \('hutchinson', 'hutch\+\+'\), got 'gauss'",
     ),
     ({"sketch_dim": 0}, ValueError, "sketch_dim must be >= 1, got 0"),
     ({"sketch_dim": 2.5}, TypeError, "sketch_dim must be an int"),

@@ -276,7 +276,7 @@ BAD = [
     pytest.param(
         {"denoise": "wiener"},
         ValueError,
-        r"^unknown denoise 'wiener'; allowed: 'spectral'$",
+        r"^denoise must be one of \('spectral',\), got 'wiener'$",
         id="name",
     ),
     pytest.param(

@@ -1,10 +1,18 @@
-"""The one registry helper (opacus_rc.registry): name-keyed, type-keyed and pair-keyed tables."""
+"""The one registry helper (opacus_rc.registry) where users extend, and the plain tables that
+replaced the fixed registries."""
 
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
+from opacus_rc.accountants.analysis.envelopes import ENVELOPE_LAWS
+from opacus_rc.accountants.analysis.threat_models import (
+    THREAT_MODEL_CLASSES,
+    THREAT_MODELS,
+    HiddenLossModel,
+    RevealedLossModel,
+)
 from opacus_rc.grad_sample import (
     CLIPPED_SUM_FUNCTIONS,
     FORWARD_INPUT_ADAPTERS,
@@ -12,14 +20,7 @@ from opacus_rc.grad_sample import (
     SKETCHED_NORM_SAMPLERS,
     register_module_check,
 )
-from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
-from opacus_rc.grad_sample.routing import OPACUS_SAMPLER_LIMITS
-from opacus_rc.optimizers import (
-    OPTIMIZERS,
-    RandomizedClipOptimizer,
-    get_optimizer_class,
-    register_optimizer,
-)
+from opacus_rc.grad_sample.routing import opacus_sampler_limit
 from opacus_rc.registry import Registry, TypeRegistry, qualified_name
 
 
@@ -73,18 +74,48 @@ def test_name_registry_messages_are_unchanged() -> None:
         laws.register("", _fn)
 
 
-def test_every_grad_sample_table_is_the_type_registry() -> None:
+def test_only_the_extension_points_are_registries() -> None:
+    """Layers (four per-type tables) and envelopes are registries; fixed tables are plain."""
     for table in (
         SKETCHED_NORM_SAMPLERS,
         CLIPPED_SUM_FUNCTIONS,
         MODULE_CHECKS,
         FORWARD_INPUT_ADAPTERS,
-        STASH_GRAD_SAMPLERS,
-        OPACUS_SAMPLER_LIMITS,
     ):
         assert isinstance(table, TypeRegistry), table
-    assert set(OPACUS_SAMPLER_LIMITS) == {nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm}
-    assert set(STASH_GRAD_SAMPLERS) == {nn.Linear}
+    assert isinstance(ENVELOPE_LAWS, Registry)
+    assert type(THREAT_MODEL_CLASSES) is dict
+    assert {"hidden": HiddenLossModel, "revealed": RevealedLossModel} == THREAT_MODEL_CLASSES
+    assert THREAT_MODELS == ("hidden", "revealed")
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (nn.Conv1d(2, 2, 3), None),
+        (nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
+        (nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular"), "padding_mode='circular'"),
+        (nn.LayerNorm(4), None),
+        (nn.LayerNorm(4, bias=False), "bias=False"),
+        (nn.LayerNorm(4, elementwise_affine=False), None),
+        (nn.Linear(2, 2), None),
+    ],
+)
+def test_opacus_sampler_limits_are_a_plain_function(module: nn.Module, reason: str | None) -> None:
+    got = opacus_sampler_limit(module)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
+
+
+def test_a_subclass_takes_no_limit_of_its_base() -> None:
+    """Exact type, as Opacus looks up its samplers: a subclass has no Opacus sampler either."""
+
+    class MyConv(nn.Conv1d):
+        pass
+
+    assert opacus_sampler_limit(MyConv(2, 2, 3, padding=1, padding_mode="reflect")) is None
 
 
 def test_register_module_check_through_the_helper() -> None:
@@ -98,25 +129,3 @@ def test_register_module_check_through_the_helper() -> None:
             register_module_check(Mine)(_fn)
     finally:
         MODULE_CHECKS.pop(Mine, None)
-
-
-def test_optimizer_registry_keys_and_errors() -> None:
-    assert get_optimizer_class("randomized", distributed=0) is RandomizedClipOptimizer  # type: ignore[arg-type]
-    assert OPTIMIZERS[("randomized", False)] is RandomizedClipOptimizer
-    # Re-registering the registered class is a no-op; another class needs force=True.
-    register_optimizer("randomized", distributed=False)(RandomizedClipOptimizer)
-    with pytest.raises(
-        ValueError,
-        match=r"duplicate registration for DP optimizer \(clipping='randomized', "
-        r"distributed=False\) \(already registered\); pass force=True",
-    ):
-        register_optimizer("randomized", distributed=False)(type("Other", (), {}))
-    with pytest.raises(
-        ValueError,
-        match=r"^unknown DP optimizer \(clipping='ghost', distributed=False\); allowed: "
-        r"\(clipping='randomized', distributed=False\)",
-    ):
-        get_optimizer_class("ghost", distributed=False)
-    with pytest.raises(TypeError, match="registered for \\(clipping: str"):
-        register_optimizer("", distributed=False)
-    assert OPTIMIZERS[("randomized", False)] is RandomizedClipOptimizer

@@ -15,8 +15,8 @@ norm (``docs/denoising.md#denoising``). One concept per module:
 * :mod:`~opacus_rc.denoising.records`: the records and reports of what it did;
 * :mod:`~opacus_rc.denoising.gradients`: denoising a list of gradients in place;
 * :mod:`~opacus_rc.denoising.opacus_adapter`: what reads an Opacus DP optimizer (the noise level,
-  the refusal of distributed optimizers) and :class:`SpectralDenoiser`, its step hook;
-* :mod:`~opacus_rc.denoising.registry`: the names ``make_private(denoise=...)`` resolves.
+  the refusal of distributed optimizers), :class:`SpectralDenoiser`, its step hook, and
+  :func:`make_denoiser`, which builds it for ``make_private(denoise=...)``.
 """
 
 from opacus_rc.denoising.denoiser import (
@@ -27,32 +27,29 @@ from opacus_rc.denoising.denoiser import (
     denoise_matrix,
     optimal_shrinkage,
 )
-from opacus_rc.denoising.opacus_adapter import SpectralDenoiser, noise_std_from_optimizer
-from opacus_rc.denoising.options import DenoiseOptions
-from opacus_rc.denoising.registry import (
-    DenoiserFactory,
-    denoiser_names,
+from opacus_rc.denoising.opacus_adapter import (
+    DENOISERS,
+    SpectralDenoiser,
     make_denoiser,
-    register_denoiser,
+    noise_std_from_optimizer,
 )
+from opacus_rc.denoising.options import DenoiseOptions
 from opacus_rc.denoising.shrinkage import frobenius_shrinker, shrink_singular_values
 from opacus_rc.denoising.svd import SVD_METHODS
 
 __all__ = [
     "DEFAULT_KAPPA",
     "DEFAULT_MIN_DIM",
+    "DENOISERS",
     "SVD_METHODS",
     "DenoiseOptions",
     "DenoiseRecord",
     "DenoiseReport",
-    "DenoiserFactory",
     "SpectralDenoiser",
     "denoise_matrix",
-    "denoiser_names",
     "frobenius_shrinker",
     "make_denoiser",
     "noise_std_from_optimizer",
     "optimal_shrinkage",
-    "register_denoiser",
     "shrink_singular_values",
 ]

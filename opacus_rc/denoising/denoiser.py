@@ -160,8 +160,8 @@ def denoise_matrix(
         TypeError: if ``matrix`` is not a floating-point tensor.
         ValueError: if ``matrix`` has fewer than 2 dimensions or non-finite entries;
             ``noise_std`` is negative or non-finite; ``kappa < 1`` (the bulk edge, see
-            :data:`DEFAULT_KAPPA`); ``svd`` is not a registered back end; ``rank < 1``;
-            ``oversampling < 0``; ``tol`` not in ``(0, 1)``; ``max_iterations < 0``.
+            :data:`DEFAULT_KAPPA`); ``svd`` is not in :data:`~opacus_rc.denoising.SVD_METHODS`;
+            ``rank < 1``; ``oversampling < 0``; ``tol`` not in ``(0, 1)``; ``max_iterations < 0``.
     """
     _check_matrix(matrix)
     sigma = _check_noise_std(noise_std)

@@ -27,7 +27,6 @@ from opacus_rc.denoising.denoiser import DEFAULT_KAPPA, DEFAULT_MIN_DIM
 from opacus_rc.denoising.gradients import _classify, _denoise_gradients_
 from opacus_rc.denoising.options import DenoiseOptions
 from opacus_rc.denoising.records import DenoiseReport, _PendingReport
-from opacus_rc.denoising.registry import register_denoiser
 from opacus_rc.denoising.shrinkage import _check_noise_std
 from opacus_rc.denoising.svd import (
     DEFAULT_MAX_ITERATIONS,
@@ -35,8 +34,9 @@ from opacus_rc.denoising.svd import (
     DEFAULT_RANK,
     DEFAULT_TOL,
 )
+from opacus_rc.validation import validate_choice
 
-__all__ = ["SpectralDenoiser", "noise_std_from_optimizer"]
+__all__ = ["DENOISERS", "SpectralDenoiser", "make_denoiser", "noise_std_from_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ class SpectralDenoiser:
             ``True`` (docs/denoising.md#denoising-algorithm).
         min_dim: Smallest ``min(m, n)`` that is denoised. Default
             :data:`~opacus_rc.denoising.DEFAULT_MIN_DIM`.
-        svd: ``"exact"`` (default), ``"randomized"`` or another name registered in
-            :data:`~opacus_rc.denoising.svd.SVD_BACKENDS`; see
+        svd: ``"exact"`` (default) or ``"randomized"``
+            (:data:`~opacus_rc.denoising.SVD_METHODS`); see
             :func:`~opacus_rc.denoising.denoise_matrix`.
         rank: Starting rank of the randomized SVD. Default
             :data:`~opacus_rc.denoising.svd.DEFAULT_RANK`.
@@ -299,8 +299,30 @@ class SpectralDenoiser:
         self._skips_logged = True
 
 
-@register_denoiser("spectral")
-def _spectral_factory(*, kappa: float | None = None, **options: Any) -> SpectralDenoiser:
-    """``"spectral"``: :class:`SpectralDenoiser` (default kappa
-    :data:`~opacus_rc.denoising.DEFAULT_KAPPA`)."""
+#: The values of ``make_private(denoise=...)``: ``"spectral"`` (:class:`SpectralDenoiser`).
+DENOISERS = ("spectral",)
+
+
+def make_denoiser(name: str, *, kappa: float | None = None, **options: Any) -> SpectralDenoiser:
+    """Build the denoiser ``make_private(denoise=name)`` attaches.
+
+    Example:
+        >>> make_denoiser("spectral", kappa=1.2)
+        SpectralDenoiser(kappa=1.2, norm_correction=True, min_dim=2, svd='exact')
+
+    Args:
+        name: One of :data:`DENOISERS`.
+        kappa: Threshold factor, or ``None`` for :data:`~opacus_rc.denoising.DEFAULT_KAPPA`.
+        **options: Further keyword arguments of :class:`SpectralDenoiser` (e.g. ``svd``,
+            ``min_dim``, ``norm_correction``).
+
+    Returns:
+        The denoiser, a callable ``denoiser(optimizer) -> None``.
+
+    Raises:
+        ValueError: If ``name`` is not one of :data:`DENOISERS` (the message lists them), or a
+            value is refused (e.g. ``kappa < 1``).
+        TypeError: If an option name or type is refused.
+    """
+    validate_choice("denoise", name, DENOISERS)
     return SpectralDenoiser(kappa=DEFAULT_KAPPA if kappa is None else kappa, **options)

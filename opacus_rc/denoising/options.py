@@ -54,7 +54,7 @@ class DenoiseOptions:
             (docs/denoising.md#denoising-algorithm).
         min_dim: Smallest ``min(m, n)`` that is denoised (>= 1). Default
             :data:`DEFAULT_MIN_DIM`.
-        svd: A name registered in :data:`~opacus_rc.denoising.svd.SVD_BACKENDS`
+        svd: A name in :data:`~opacus_rc.denoising.SVD_METHODS`
             (``"exact"`` or ``"randomized"``).
         rank: Starting rank of the randomized SVD (>= 1).
         oversampling: Extra sketch columns of the randomized SVD (>= 0).

@@ -3,8 +3,7 @@ r"""SVD back ends of the spectral denoiser: exact and randomized, resolved by na
 The denoiser (:mod:`opacus_rc.denoising.denoiser`) needs, for a batch of noisy matrices, every
 singular triplet whose value lies above the noise bulk edge :math:`\sigma_e(\sqrt m + \sqrt n)`:
 only those survive the Frobenius-optimal shrinker (docs/denoising.md#denoising-algorithm). A back
-end is resolved from the ``svd=`` option through :data:`SVD_BACKENDS` (:func:`register_svd_backend`)
-and has the signature::
+end is resolved from the ``svd=`` option through :data:`SVD_BACKENDS` and has the signature::
 
     backend(M, *, edge, rank, oversampling, tol, max_iterations, generator)
         -> (U, S, Vh, svd_rank)
@@ -24,13 +23,11 @@ Built in: ``"exact"`` (``torch.linalg.svd``) and ``"randomized"`` (Halko, Martin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from opacus_rc.registry import Registry
 from opacus_rc.validation import validate_choice
 
 __all__ = [
@@ -41,13 +38,12 @@ __all__ = [
     "SVD_BACKENDS",
     "SVD_METHODS",
     "SvdBackend",
-    "register_svd_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The built-in values of the ``svd`` argument, in the order they are documented. The accepted
-#: values are the keys of :data:`SVD_BACKENDS` (these two unless more are registered).
+#: The values of the ``svd`` argument, in the order they are documented (the keys of
+#: :data:`SVD_BACKENDS`).
 SVD_METHODS = ("exact", "randomized")
 
 #: Default starting rank of the randomized SVD. Not from a paper: the rank doubles until the
@@ -91,41 +87,8 @@ class SvdBackend(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor, int]: ...
 
 
-#: ``svd=`` name -> back end, in registration order (the built-ins first, as in
-#: :data:`SVD_METHODS`).
-SVD_BACKENDS: Registry[SvdBackend] = Registry("SVD back end", option="svd")
-
-_B = TypeVar("_B", bound=Callable[..., tuple[Tensor, Tensor, Tensor, int]])
-
-
-def register_svd_backend(name: str, *, force: bool = False) -> Callable[[_B], _B]:
-    """Decorator registering an SVD back end for ``svd=name``.
-
-    Example::
-
-        @register_svd_backend("lowrank")
-        def lowrank_svd(M, *, edge, rank, oversampling, tol, max_iterations, generator):
-            ...
-
-    Args:
-        name: The value users pass as ``svd`` (to :func:`~opacus_rc.denoising.denoise_matrix`,
-            :class:`~opacus_rc.denoising.SpectralDenoiser` or ``denoise_options``); a non-empty
-            string.
-        force: Replace an existing registration instead of raising.
-
-    Returns:
-        The decorator; it returns the back end unchanged.
-
-    Raises:
-        TypeError: If ``name`` is not a non-empty string, or (when decorating) the back end is
-            not callable.
-        ValueError: (when decorating) if ``name`` is already registered and ``force`` is False.
-    """
-    return SVD_BACKENDS.register(name, force=force)
-
-
 def _check_svd(svd: str) -> str:
-    validate_choice("svd", svd, SVD_BACKENDS.available())
+    validate_choice("svd", svd, SVD_METHODS)
     return svd
 
 
@@ -136,7 +99,6 @@ def _check_tol(tol: float) -> float:
     return value
 
 
-@register_svd_backend("exact")
 def _exact_svd(
     M: Tensor,
     *,
@@ -152,7 +114,6 @@ def _exact_svd(
     return U, S, Vh, M.shape[-2]
 
 
-@register_svd_backend("randomized")
 def _randomized_svd(
     M: Tensor,
     *,
@@ -236,3 +197,7 @@ def _randomized_svd(
             break
         r *= 2
     return _exact_svd(M)
+
+
+#: ``svd=`` name -> back end (the order of :data:`SVD_METHODS`).
+SVD_BACKENDS: dict[str, SvdBackend] = {"exact": _exact_svd, "randomized": _randomized_svd}

@@ -60,7 +60,7 @@ def prepare_post_processing(
     Args:
         module: The user's model (or Opacus' wrapper of it).
         grad_sample_mode: The call's ``grad_sample_mode`` (an ``"fsdp"`` mode is distributed).
-        denoise: The denoiser's registered name, or None.
+        denoise: The denoiser's name (:data:`~opacus_rc.denoising.DENOISERS`), or None.
         denoise_kappa: Its threshold factor, or None for its default.
         denoise_options: Its further keyword arguments, or None.
         check_lora_update: Whether to build a :class:`~opacus_rc.lora.LoRAUpdateGuard`.
@@ -81,7 +81,7 @@ def prepare_post_processing(
         if denoise_kappa is not None or denoise_options is not None:
             raise ValueError(
                 "denoise_kappa and denoise_options only apply with a denoiser; pass "
-                "denoise='spectral' (or another registered name)"
+                "denoise='spectral'"
             )
     else:
         if isinstance(

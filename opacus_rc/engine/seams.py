@@ -12,10 +12,9 @@ Opacus' ``make_private`` is a template that calls four build steps; the adapter
 * ``prepare_data_loader_seam`` is Opacus' (Poisson sampling), at the public rate of
   :func:`~opacus_rc.engine.schedule.public_sizes`, except that a distributed model gets
   :class:`~opacus_rc.data_loader.DistributedDPDataLoader`, which keeps empty per-rank batches;
-* ``prepare_optimizer_seam`` builds the optimizer registered for ``("randomized",
-  distributed)`` in :mod:`opacus_rc.optimizers.registry`
-  (:class:`~opacus_rc.optimizers.RandomizedClipOptimizer` or its DDP or FSDP2 variant), dividing
-  by the public expected batch size;
+* ``prepare_optimizer_seam`` builds :class:`~opacus_rc.optimizers.RandomizedClipOptimizer`, or
+  its DDP or FSDP2 variant for a distributed or sharded model, dividing by the public expected
+  batch size;
 * ``prepare_criterion_seam`` builds :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`.
 
 For any other ``clipping`` each seam is Opacus' own step (except the public rate and divisor).
@@ -47,8 +46,12 @@ from opacus_rc.grad_sample.fsdp import (
 )
 from opacus_rc.grad_sample.grad_sample_module import check_training_mode
 from opacus_rc.mechanism import Mechanism
-from opacus_rc.optimizers import DPLossRandomizedClipping
-from opacus_rc.optimizers.registry import get_optimizer_class
+from opacus_rc.optimizers import (
+    DistributedRandomizedClipOptimizer,
+    DPLossRandomizedClipping,
+    FSDPRandomizedClipOptimizer,
+    RandomizedClipOptimizer,
+)
 from opacus_rc.units.data_loader import UnitDataLoader
 from opacus_rc.units.distributed import prepare_unit_data_loader
 from opacus_rc.units.record import UnitBatchRecord
@@ -259,9 +262,12 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
-        optimizer_class = get_optimizer_class(
-            clipping, distributed="fsdp" if sharded else distributed
-        )
+        if sharded:
+            optimizer_class: type[RandomizedClipOptimizer] = FSDPRandomizedClipOptimizer
+        elif distributed:
+            optimizer_class = DistributedRandomizedClipOptimizer
+        else:
+            optimizer_class = RandomizedClipOptimizer
         return optimizer_class(
             optimizer,
             grad_sample_module=build.module,

@@ -56,7 +56,6 @@ from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
 from opacus_rc.grad_sample.step import StepState
-from opacus_rc.registry import TypeRegistry
 from opacus_rc.sketching import autocast_off
 
 __all__ = [
@@ -71,11 +70,10 @@ __all__ = [
 #: may stash instead of the layer's input and output gradient (see the module docstring). Only
 #: types whose function gives exactly autograd's per-sample gradient belong here (Opacus'
 #: ``nn.Embedding`` sampler counts the ``padding_idx`` row, so ``nn.Embedding`` is not listed).
-#: Lookup is by exact type; add a type with ``STASH_GRAD_SAMPLERS.register(MyLayer, fn)``.
-STASH_GRAD_SAMPLERS: TypeRegistry[Callable[..., dict[nn.Parameter, torch.Tensor]]] = TypeRegistry(
-    "stashable grad sampler", base=nn.Module, base_name="nn.Module"
-)
-STASH_GRAD_SAMPLERS.register(nn.Linear, compute_linear_grad_sample)
+#: Lookup is by exact type.
+STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torch.Tensor]]] = {
+    nn.Linear: compute_linear_grad_sample
+}
 
 #: Routes whose clipped sum may come from a per-sample-gradient stash in a checkpointed step.
 _MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)

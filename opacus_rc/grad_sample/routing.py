@@ -17,7 +17,7 @@ accounted for). The paths:
 * ``functorch``: exact per-sample gradients by ``torch.func`` for a leaf module without a
   sampler (:class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`, every input passed),
   and for a module whose Opacus sampler is not faithful for its configuration
-  (:data:`OPACUS_SAMPLER_LIMITS`: ``nn.Conv*`` with ``padding_mode`` other than ``"zeros"``,
+  (:func:`opacus_sampler_limit`: ``nn.Conv*`` with ``padding_mode`` other than ``"zeros"``,
   which Opacus pads with zeros; ``nn.LayerNorm(bias=False)``, on which it raises);
 * ``tied``: one of the two modules of a :class:`TiedGroup` (an ``nn.Embedding`` whose weight
   is also an ``nn.Linear``'s weight: an input embedding tied to a language-model head). The
@@ -38,24 +38,23 @@ module's sketch spec.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from torch import nn
 
-from opacus_rc.registry import TypeRegistry
 from opacus_rc.sketching import SketchSpec
 
 __all__ = [
-    "OPACUS_SAMPLER_LIMITS",
     "NormPath",
     "NormRoute",
     "TiedGroup",
     "UnsupportedModuleError",
     "bookkeeping_blockers",
     "find_tied_groups",
+    "opacus_sampler_limit",
     "refuse_unsupported",
     "resolve_norm_routes",
 ]
@@ -64,31 +63,32 @@ __all__ = [
 _RNN_CONTAINERS = (DPRNN, DPLSTM, DPGRU)
 
 
-def _conv_padding_mode(layer: nn.Module) -> str | None:
-    mode = getattr(layer, "padding_mode", "zeros")
-    if mode == "zeros":
-        return None
-    return (
-        f"Opacus' convolution sampler pads the input with zeros, not with "
-        f"padding_mode={mode!r} (its per-sample gradients would be wrong)"
-    )
+def opacus_sampler_limit(module: nn.Module) -> str | None:
+    """Why Opacus' grad sampler of ``module``'s type is not faithful for its configuration.
 
+    Found by the oracle sweep (tests/reliability/test_round3_grad_samplers.py): ``nn.Conv1d``,
+    ``nn.Conv2d`` and ``nn.Conv3d`` with ``padding_mode`` other than ``"zeros"`` (Opacus pads
+    with zeros), ``nn.LayerNorm`` with a weight and no bias (Opacus reads
+    ``layer.bias.requires_grad``). Such a module takes the functorch path, whose per-sample
+    gradients replay the module's own forward. By exact type, as Opacus looks up its samplers.
 
-def _layer_norm_without_bias(layer: nn.Module) -> str | None:
-    if getattr(layer, "weight", None) is not None and getattr(layer, "bias", 0) is None:
+    Args:
+        module: Any module.
+
+    Returns:
+        The reason, or ``None`` if Opacus' sampler (if any) is faithful for ``module``.
+    """
+    t = type(module)
+    mode = getattr(module, "padding_mode", "zeros")
+    if t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and mode != "zeros":
+        return (
+            f"Opacus' convolution sampler pads the input with zeros, not with "
+            f"padding_mode={mode!r} (its per-sample gradients would be wrong)"
+        )
+    no_bias = getattr(module, "weight", None) is not None and getattr(module, "bias", 0) is None
+    if t is nn.LayerNorm and no_bias:
         return "Opacus' LayerNorm sampler reads layer.bias.requires_grad, and bias=False"
     return None
-
-
-#: Exact module type -> ``fn(module) -> reason or None``: a configuration for which Opacus'
-#: grad sampler of that type is not faithful (found by the oracle sweep,
-#: tests/reliability/test_round3_grad_samplers.py). Such a module takes the functorch path,
-#: whose per-sample gradients replay the module's own forward.
-OPACUS_SAMPLER_LIMITS: TypeRegistry[Callable[[nn.Module], str | None]] = TypeRegistry(
-    "sampler limit", base=nn.Module, base_name="nn.Module"
-)
-OPACUS_SAMPLER_LIMITS.register_types(nn.Conv1d, nn.Conv2d, nn.Conv3d)(_conv_padding_mode)
-OPACUS_SAMPLER_LIMITS.register(nn.LayerNorm, _layer_norm_without_bias)
 
 
 class UnsupportedModuleError(NotImplementedError):
@@ -122,7 +122,7 @@ class NormRoute:
         path: The :class:`NormPath`.
         has_clipped_sum: Whether a book-keeping clipped-sum function exists for this path.
         reason: Why the module is refused (``path`` is ``REFUSED``), or why a module with an
-            Opacus grad sampler takes the functorch path instead (:data:`OPACUS_SAMPLER_LIMITS`),
+            Opacus grad sampler takes the functorch path instead (:func:`opacus_sampler_limit`),
             else ``None``.
         tied_with: The name of the other module of its :class:`TiedGroup` (``path`` is
             ``TIED``), else ``None``.
@@ -259,10 +259,8 @@ def _resolve_path(
         return NormPath.EXACT if t in exact_types else NormPath.SKETCHED
     if t in norm_samplers:
         return NormPath.GHOST
-    if t in grad_samplers and not force_functorch:
-        limit = OPACUS_SAMPLER_LIMITS.get(t)
-        if limit is None or limit(module) is None:
-            return NormPath.GRAD_SAMPLER
+    if t in grad_samplers and not force_functorch and opacus_sampler_limit(module) is None:
+        return NormPath.GRAD_SAMPLER
     return NormPath.FUNCTORCH
 
 
@@ -333,8 +331,7 @@ def resolve_norm_routes(
             norm_samplers=norm_samplers,
             force_functorch=force_functorch,
         )
-        limit = OPACUS_SAMPLER_LIMITS.get(t)
-        reason = limit(module) if limit is not None and path is NormPath.FUNCTORCH else None
+        reason = opacus_sampler_limit(module) if path is NormPath.FUNCTORCH else None
         if path is NormPath.FUNCTORCH:
             below = _subtree_trainable(module)
             if below:

@@ -7,10 +7,8 @@ from opacus_rc.optimizers.dp_loss import DPLossRandomizedClipping, DPTensorRando
 from opacus_rc.optimizers.fsdp_randomized_clip_optimizer import FSDPRandomizedClipOptimizer
 from opacus_rc.optimizers.post_processing import PostProcessingHandle, attach_post_processing_hook
 from opacus_rc.optimizers.randomized_clip_optimizer import RandomizedClipOptimizer
-from opacus_rc.optimizers.registry import OPTIMIZERS, get_optimizer_class, register_optimizer
 
 __all__ = [
-    "OPTIMIZERS",
     "DPLossRandomizedClipping",
     "DPTensorRandomizedClipping",
     "DistributedRandomizedClipOptimizer",
@@ -18,6 +16,4 @@ __all__ = [
     "PostProcessingHandle",
     "RandomizedClipOptimizer",
     "attach_post_processing_hook",
-    "get_optimizer_class",
-    "register_optimizer",
 ]

@@ -38,12 +38,10 @@ from opacus_rc.optimizers.randomized_clip_optimizer import (
     FROM_MECHANISM,
     RandomizedClipOptimizer,
 )
-from opacus_rc.optimizers.registry import register_optimizer
 
 __all__ = ["DistributedRandomizedClipOptimizer"]
 
 
-@register_optimizer("randomized", distributed=True)
 class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
     """:class:`RandomizedClipOptimizer` for data-parallel training (noise on rank 0 only).
 

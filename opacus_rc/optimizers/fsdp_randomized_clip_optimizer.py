@@ -33,12 +33,10 @@ from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
 )
-from opacus_rc.optimizers.registry import register_optimizer
 
 __all__ = ["FSDPRandomizedClipOptimizer"]
 
 
-@register_optimizer("randomized", distributed="fsdp")
 class FSDPRandomizedClipOptimizer(
     DistributedRandomizedClipOptimizer, FSDPOptimizerFastGradientClipping
 ):

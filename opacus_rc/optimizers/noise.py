@@ -4,8 +4,8 @@ Every randomized-clipping optimizer (:class:`~opacus_rc.optimizers.RandomizedCli
 its DDP and FSDP2 variants) adds its noise by calling :func:`add_gaussian_noise` from its
 ``add_noise`` and nowhere else; the draw itself is Opacus' (``generate_noise`` of
 :mod:`opacus_rc._compat.opacus`, which also provides secure mode). What differs between the
-topologies is only *who draws* and *how a draw meets a sharded gradient*, and that is a
-:class:`NoisePlacement`, looked up by name in :data:`NOISE_PLACEMENTS`:
+topologies is only *who draws* and *how a draw meets a sharded gradient*, and that is the
+optimizer's ``noise_placement``, one of :data:`NOISE_PLACEMENTS`:
 
 * ``"single_process"``: the process draws ``N(0, std^2)`` of each parameter's shape and adds it
   to that parameter's clipped sum (Opacus' ``DPOptimizer.add_noise``);
@@ -28,69 +28,19 @@ sums raises Opacus' ``ValueError``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
 from opacus_rc._compat.opacus import check_processed_flag, generate_noise, mark_as_processed
-from opacus_rc.registry import Registry
+from opacus_rc.validation import validate_choice
 
-__all__ = ["NOISE_PLACEMENTS", "NoisePlacement", "add_gaussian_noise"]
-
-
-@dataclass(frozen=True)
-class NoisePlacement:
-    """Who draws the step's noise and how a draw is added to a (possibly sharded) clipped sum.
-
-    Attributes:
-        name: The key in :data:`NOISE_PLACEMENTS`.
-        draws: ``draws(rank) -> bool``: whether the process of this rank draws noise (a rank
-            that does not passes its clipped sum on unchanged, to be summed over ranks).
-        context: A context manager factory entered around the whole draw (FSDP2:
-            ``implicit_replication``, so that a plain tensor of the global shape adds to a
-            sharded DTensor as a replicated one).
-        description: One line for error messages and docs.
-
-    Calling a placement with a rank is :attr:`draws` (registries hold callables).
-    """
-
-    name: str
-    draws: Callable[[int], bool]
-    context: Callable[[], contextlib.AbstractContextManager]
-    description: str
-
-    def __call__(self, rank: int) -> bool:
-        """Whether the process of ``rank`` draws noise (:attr:`draws`)."""
-        return self.draws(rank)
+__all__ = ["NOISE_PLACEMENTS", "add_gaussian_noise"]
 
 
-#: ``name -> NoisePlacement``: every way the randomized-clipping optimizers place their noise.
-NOISE_PLACEMENTS: Registry[NoisePlacement] = Registry("noise placement", option="noise_placement")
-
-for _placement in (
-    NoisePlacement(
-        name="single_process",
-        draws=lambda rank: True,
-        context=contextlib.nullcontext,
-        description="one process draws N(0, std^2) for every parameter",
-    ),
-    NoisePlacement(
-        name="ddp_rank0",
-        draws=lambda rank: rank == 0,
-        context=contextlib.nullcontext,
-        description="rank 0 draws; the other ranks' clipped sums are summed with it",
-    ),
-    NoisePlacement(
-        name="fsdp2_shard",
-        draws=lambda rank: True,
-        context=implicit_replication,
-        description="every rank draws the global shape and adds it to its own shard",
-    ),
-):
-    NOISE_PLACEMENTS.register(_placement.name, _placement)
-del _placement
+#: Every way the randomized-clipping optimizers place their noise (see the module docstring).
+NOISE_PLACEMENTS = ("single_process", "ddp_rank0", "fsdp2_shard")
 
 
 def add_gaussian_noise(
@@ -107,7 +57,8 @@ def add_gaussian_noise(
 
     The Gaussian mechanism of one DP-SGD step (Abadi et al. 2016, Algorithm 1, line "Add
     noise"), with ``std = sigma * C`` in the units of the gradient. Where the draw happens is
-    the placement's (:data:`NOISE_PLACEMENTS`); the draw is Opacus'
+    the placement's (:data:`NOISE_PLACEMENTS`: rank 0 alone under ``"ddp_rank0"``, every process
+    otherwise; under ``"fsdp2_shard"`` inside ``implicit_replication``); the draw is Opacus'
     (:func:`opacus_rc._compat.opacus.generate_noise`: zeros for ``std == 0``; with
     ``secure_mode`` the construction of Holohan and Braghin 2021, arXiv:2107.10138, Section
     5.1). Parameters are processed in order, one draw each from ``generator``.
@@ -118,7 +69,7 @@ def add_gaussian_noise(
         summed_grads: For each parameter, its clipped gradient sum (of ``p``'s shape, or a
             sharded DTensor under FSDP2); not modified, and marked processed.
         std: Noise standard deviation ``sigma * C`` (>= 0).
-        placement: A key of :data:`NOISE_PLACEMENTS`.
+        placement: One of :data:`NOISE_PLACEMENTS`.
         generator: The noise generator (never the sketch generator); ``None``: torch's default.
         secure_mode: Opacus' secure noise generation.
         rank: This process's rank (0 in one process).
@@ -131,9 +82,10 @@ def add_gaussian_noise(
         raise ValueError(
             f"{len(params)} parameters but {len(summed_grads)} clipped sums: one per parameter"
         )
-    where = NOISE_PLACEMENTS.get(placement)
-    draws = where.draws(rank)
-    with where.context():
+    validate_choice("noise_placement", placement, NOISE_PLACEMENTS)
+    draws = placement != "ddp_rank0" or rank == 0
+    context = implicit_replication if placement == "fsdp2_shard" else contextlib.nullcontext
+    with context():
         for p, summed in zip(params, summed_grads):
             check_processed_flag(summed)
             if draws:

@@ -47,7 +47,6 @@ from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
-from opacus_rc.optimizers.registry import register_optimizer
 from opacus_rc.sketching import SketchSpec
 
 __all__ = ["RandomizedClipOptimizer"]
@@ -56,7 +55,6 @@ __all__ = ["RandomizedClipOptimizer"]
 FROM_MECHANISM: Any = object()
 
 
-@register_optimizer("randomized", distributed=False)
 class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
     """``DPOptimizerFastGradientClipping`` tied to a randomized-clipping grad-sample module.
 

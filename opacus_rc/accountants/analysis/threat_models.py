@@ -25,7 +25,7 @@ implements :class:`PrivacyLossModel`: exact values of ``A``, ``B``, their surviv
 (computed directly, not as ``1 - cdf``) and their first two ``z``-derivatives
 (:class:`LossValues`), at any ``z`` and at the knots of a table grid that resolves them. The
 laws satisfy ``dB = L dA`` (a PRV identity, used as a test). Models are looked up by name in
-:data:`THREAT_MODEL_CLASSES`, filled by :func:`register_threat_model`.
+:data:`THREAT_MODEL_CLASSES`.
 
 Pure numpy/scipy; no Opacus import.
 """
@@ -33,7 +33,6 @@ Pure numpy/scipy; no Opacus import.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,7 +40,6 @@ import numpy as np
 from scipy import optimize, special
 
 from opacus_rc.accountants.analysis.envelope import EnvelopeQuadrature
-from opacus_rc.registry import Registry
 
 __all__ = [
     "THREAT_MODELS",
@@ -51,7 +49,6 @@ __all__ = [
     "PrivacyLossModel",
     "RevealedLossModel",
     "is_sorted",
-    "register_threat_model",
     "u_of_z",
     "z_of_u",
 ]
@@ -160,21 +157,6 @@ class PrivacyLossModel(Protocol):
         ...
 
 
-#: Threat model name -> its :class:`PrivacyLossModel` class (:func:`register_threat_model`).
-THREAT_MODEL_CLASSES: Registry[type[PrivacyLossModel]] = Registry(
-    "threat model", option="threat_model"
-)
-
-
-def register_threat_model(name: str) -> Callable[[type], type]:
-    """Class decorator: make a :class:`PrivacyLossModel` available as ``threat_model=name``.
-
-    Raises:
-        ValueError: if ``name`` is already registered.
-    """
-    return THREAT_MODEL_CLASSES.register(name)
-
-
 def _split_phi(y: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(sum_j v_j Phi(y_ij), sum_j v_j Phi(-y_ij))`` over rows, both to full relative precision.
 
@@ -193,7 +175,6 @@ def _split_phi(y: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cdf, sf
 
 
-@register_threat_model("hidden")
 class HiddenLossModel:
     """Hidden threat model (docs/privacy/prv.md#prv-hidden), parameterised by ``x`` (the 1-D
     output)."""
@@ -316,7 +297,6 @@ class HiddenLossModel:
         return np.linspace(x_lo, x_hi, max(n, 8))
 
 
-@register_threat_model("revealed")
 class RevealedLossModel:
     """Revealed threat model (docs/privacy/prv.md#prv-revealed), parameterised by the per-``S``
     log-likelihood ``z``."""
@@ -394,5 +374,11 @@ class RevealedLossModel:
         return grid
 
 
-#: Threat models (docs/privacy/threat_models.md#threat-models), in registration order.
+#: Threat model name -> its :class:`PrivacyLossModel` class.
+THREAT_MODEL_CLASSES: dict[str, type[PrivacyLossModel]] = {
+    "hidden": HiddenLossModel,
+    "revealed": RevealedLossModel,
+}
+
+#: Threat models (docs/privacy/threat_models.md#threat-models).
 THREAT_MODELS = tuple(THREAT_MODEL_CLASSES)
