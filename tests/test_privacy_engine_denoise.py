@@ -370,7 +370,7 @@ def test_make_private_with_epsilon_validates_before_the_noise_search(
 
     monkeypatch.setattr(accountants, "get_noise_multiplier", no_search)
     model = SmallTransformer()
-    with pytest.raises(ValueError, match="unknown denoise 'svd'"):
+    with pytest.raises(ValueError, match=r"denoise must be one of \('spectral',\), got 'svd'"):
         PrivacyEngine().make_private_with_epsilon(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -9,9 +9,10 @@ exceeds every value the analysis certifies: sigma is too small), or
 limits where the fine one is not): a sigma with ``lower > target`` is too small, one with
 ``upper <= target`` large enough. A numerical limit there is retried at a coarser ``eps_error``
 (up to a quarter of the target) and never counted as "too small". The answer is then found at
-the template accountant's ``eps_error`` by safeguarded secant steps on ``log epsilon`` versus
-``log sigma``; the returned sigma is one whose epsilon, computed exactly as the template
-accountant computes it, is at most the target and within ``epsilon_tolerance`` of it.
+the template accountant's ``eps_error`` by ``scipy.optimize.brentq`` (Brent's method, as
+dp_accounting's noise search uses) on ``log epsilon`` versus ``log sigma``; the returned sigma
+is one whose epsilon, computed exactly as the template accountant computes it, is at most the
+target and within ``epsilon_tolerance`` of it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
+
+from scipy import optimize
 
 from opacus_rc.accountants.analysis.epsilon import MIN_NOISE_MULTIPLIER
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError, NumericalLimitError
@@ -218,46 +221,62 @@ def get_noise_multiplier(
         hi = up_until_enough(sigma * 1.25)
     if lo is None:
         return _certify(bounds, hi, fine, target)[0]
-    # ---- refine at the template's eps_error: Illinois regula falsi on
-    # f(x) = log eps(e^x) - log(aim), x = log sigma; hi points have eps <= target
-    aim = target - 0.5 * epsilon_tolerance
+    # ---- refine at the template's eps_error: scipy's Brent root finder (as dp_accounting's
+    # noise search) on f(x) = log eps(e^x) - log(aim), x = log sigma, aim the middle of the
+    # accepted band; it stops at the first sigma whose epsilon is in the band
     hi, e_hi = _certify(bounds, hi, fine, target)
+    if target - e_hi <= epsilon_tolerance:
+        return hi
+    aim = target - 0.5 * epsilon_tolerance
     x_lo, x_hi = math.log(lo), math.log(hi)
-    # lo's coarse lower bound under-states its epsilon: a safe secant end to start from
-    lower_lo = coarse(lo).lower
-    f_lo = math.log(lower_lo) - math.log(aim) if math.isfinite(lower_lo) else math.inf
-    f_hi = math.log(e_hi) - math.log(aim) if e_hi > 0.0 else -math.inf
-    kept = None
-    for _ in range(100):
-        if target - e_hi <= epsilon_tolerance or x_hi - x_lo <= 1e-6:
-            return math.exp(x_hi)
-        width = x_hi - x_lo
-        if math.isfinite(f_lo) and math.isfinite(f_hi):
-            x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo)
-            x = min(max(x, x_lo + 1e-3 * width), x_hi - 1e-3 * width)
-        else:
-            x = 0.5 * (x_lo + x_hi)
+    # lo's coarse lower bound under-states its epsilon: a safe end value that costs no fine run
+    known = {x_lo: _log_ratio(coarse(lo).lower, aim), x_hi: _log_ratio(e_hi, aim)}
+    feasible = [hi]  # sigmas whose epsilon at the template's eps_error is at most the target
+
+    def f(x: float) -> float:
+        if x in known:
+            return known[x]
+        sigma = math.exp(x)
         try:
-            e = bounds(math.exp(x), fine).upper
+            e = bounds(sigma, fine).upper
         except NumericalLimitError:
             # no fine answer here: decide with the coarse bounds, never by assumption
-            b = coarse(math.exp(x))
-            if b.lower > target:
-                x_lo, f_lo, kept = x, math.inf, "lo"
-                continue
+            if coarse(sigma).lower > target:
+                return _LOG_RATIO_CAP
             raise
-        f = math.log(e) - math.log(aim) if 0.0 < e < math.inf else (math.inf if e > 0 else -1e300)
-        if e > target:
-            x_lo, f_lo = x, f
-            if kept == "lo":
-                f_hi *= 0.5  # Illinois: the hi end was kept twice
-            kept = "lo"
-        else:
-            x_hi, e_hi, f_hi = x, e, f
-            if kept == "hi":
-                f_lo *= 0.5
-            kept = "hi"
-    return math.exp(x_hi)
+        if e <= target:
+            feasible.append(sigma)
+            if target - e <= epsilon_tolerance:
+                raise _FoundError(sigma)
+        return _log_ratio(e, aim)
+
+    try:
+        optimize.brentq(f, x_lo, x_hi, xtol=1e-6, maxiter=100, disp=False)
+    except _FoundError as found:
+        return found.sigma
+    return min(feasible)  # the bracket closed (relative width 1e-6) before the band was hit
+
+
+#: Stand-in for ``log(epsilon / aim)`` where epsilon is infinite (out of range) or only known
+#: to exceed the target: a finite value keeps Brent's interpolation defined.
+_LOG_RATIO_CAP = 50.0
+
+
+def _log_ratio(epsilon: float, aim: float) -> float:
+    """``log(epsilon / aim)``, clamped to ``[-cap, cap]`` (epsilon may be 0 or infinite)."""
+    if epsilon <= 0.0:
+        return -_LOG_RATIO_CAP
+    if not math.isfinite(epsilon):
+        return _LOG_RATIO_CAP
+    return max(-_LOG_RATIO_CAP, min(_LOG_RATIO_CAP, math.log(epsilon / aim)))
+
+
+class _FoundError(Exception):
+    """Raised inside the root finder at the first sigma whose epsilon is in the accepted band."""
+
+    def __init__(self, sigma: float) -> None:
+        super().__init__(sigma)
+        self.sigma = sigma
 
 
 def _certify(bounds, sigma: float, fine: float, target: float) -> tuple[float, float]:

@@ -252,7 +252,11 @@ def test_eval_mode_rejected(assert_no_hooks: Callable) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"sketch": "gauss"}, ValueError, "unknown sketch estimator 'gauss'"),
+        (
+            {"sketch": "gauss"},
+            ValueError,
+            r"sketch must be one of \('hutchinson', 'hutch\+\+'\), got 'gauss'",
+        ),
         ({"sketch_dim": 0}, ValueError, "sketch_dim must be >= 1"),
         (
             {"sketch_head_dim": 4},
