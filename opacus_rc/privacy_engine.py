@@ -5,7 +5,8 @@
 the order of one call; each step is a module of :mod:`opacus_rc.engine`:
 
 1. the call's options, one record (:mod:`opacus_rc.engine.options`), validated as a whole before
-   any hook is attached (:mod:`opacus_rc.engine.request`: the data loader, the public sizes of
+   any hook is attached and completed with what is derived from them
+   (:mod:`opacus_rc.engine.request`: the data loader, the public sizes of
    :mod:`opacus_rc.engine.schedule`, the post-processing, and for ``clipping="randomized"`` the
    one :class:`~opacus_rc.config.RandomizedClippingConfig` that configures the module and the
    optimizer);
@@ -49,8 +50,8 @@ from opacus_rc.config import validate_noise_multiplier
 from opacus_rc.engine.noise import check_zero_noise, search_noise_multiplier
 from opacus_rc.engine.options import MakePrivateOptions
 from opacus_rc.engine.post_processing import attach_post_processing
-from opacus_rc.engine.request import Request, build_request
-from opacus_rc.engine.seams import RandomizedBuild, RandomizedClippingSeams
+from opacus_rc.engine.request import validate_options
+from opacus_rc.engine.seams import RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.mechanism import Mechanism
@@ -327,10 +328,10 @@ class PrivacyEngine(RandomizedClippingSeams):
             check_batch_independence=check_batch_independence,
             kwargs=kwargs,
         )
-        request = build_request(  # called here: its warnings' stacklevel is the caller's line
-            options, accountant=self.accountant, secure_mode=self.secure_mode, dataset=self.dataset
+        options = validate_options(  # called here: its warnings' stacklevel is the caller's line
+            options, accountant=self.accountant, secure_mode=self.secure_mode
         )
-        return self._make_private(request, noise_multiplier=noise_multiplier)
+        return self._make_private(options, noise_multiplier=noise_multiplier)
 
     def make_private_with_epsilon(
         self,
@@ -416,70 +417,72 @@ class PrivacyEngine(RandomizedClippingSeams):
             check_batch_independence=check_batch_independence,
             kwargs=kwargs,
         )
-        request = build_request(  # called here: its warnings' stacklevel is the caller's line
-            options, accountant=self.accountant, secure_mode=self.secure_mode, dataset=self.dataset
+        options = validate_options(  # called here: its warnings' stacklevel is the caller's line
+            options, accountant=self.accountant, secure_mode=self.secure_mode
         )
         noise_multiplier = search_noise_multiplier(
             self.accountant,
-            request,
+            options,
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             epochs=epochs,
         )
-        return self._make_private(request, noise_multiplier=noise_multiplier)
+        return self._make_private(options, noise_multiplier=noise_multiplier)
 
     # ------------------------------------------------------------------------------------------
-    # The call, on its validated request
+    # The call, on its validated options
     # ------------------------------------------------------------------------------------------
 
-    def _make_private(self, request: Request, *, noise_multiplier: Any) -> tuple[Any, ...]:
-        """Opacus' ``make_private`` on a validated request; undo everything if it raises."""
-        if request.config is not None:
+    def _make_private(
+        self, options: MakePrivateOptions, *, noise_multiplier: Any
+    ) -> tuple[Any, ...]:
+        """Opacus' ``make_private`` on validated options; undo everything if it raises."""
+        config = options.config
+        if config is not None:
             noise_multiplier = validate_noise_multiplier(noise_multiplier)
-        check_zero_noise(self.accountant, request, noise_multiplier)
-        module = request.opacus_options["module"]
+        check_zero_noise(self.accountant, options, noise_multiplier)
+        module = options.module
         had_hooks = hasattr(module, "autograd_grad_sample_hooks")
         previous_dataset = self.dataset
-        build = None if request.config is None else RandomizedBuild(request.config)
-        # The run's mechanism, built once from the validated request and the noise multiplier:
+        # The run's mechanism, built once from the validated options and the noise multiplier:
         # the seams sample at its rate, the optimizer divides, noises and accounts from it.
         mechanism = Mechanism(
-            sizes=request.sizes,
-            max_grad_norm=request.opacus_options["max_grad_norm"]
-            if build is None
-            else build.config.max_grad_norm,
+            sizes=options.sizes,
+            max_grad_norm=options.max_grad_norm if config is None else config.max_grad_norm,
             noise_multiplier=noise_multiplier,
-            sketch_spec=None if build is None else build.config.sketch_spec,
+            sketch_spec=None if config is None else config.sketch_spec,
         )
-        self._build = build
-        self._mechanism = mechanism
+        # For the seams, during Opacus' template only (it passes them neither option).
+        self._config, self._grad_sample_module, self._mechanism = config, None, mechanism
         try:
             with warnings.catch_warnings():
                 # The module warns about a passed sketch generator, and the accountant would
                 # log it again at the first step; one warning below says both, at the caller.
                 warnings.filterwarnings("ignore", message=_GENERATOR_WARNING_PREFIX)
                 out = super().make_private(
-                    noise_multiplier=noise_multiplier, **request.opacus_options, **request.kwargs
+                    noise_multiplier=noise_multiplier,
+                    **options.opacus_options(),
+                    **options.kwargs,
                 )
+            grad_sample_module = self._grad_sample_module
         except BaseException:
-            if build is not None and build.module is not None:
-                build.module.cleanup()
+            if self._grad_sample_module is not None:
+                self._grad_sample_module.cleanup()
             if not had_hooks:
                 strip_grad_sample_hooks(module)
             self.dataset = previous_dataset
             raise
         finally:
-            self._build = None
-            self._mechanism = None
+            self._config, self._grad_sample_module, self._mechanism = None, None, None
         self.mechanism = mechanism
-        if isinstance(request.opacus_options["data_loader"], UnitDataLoader):
+        if isinstance(options.data_loader, UnitDataLoader):
             # Opacus' template accounts at 1 / len(loader), the loader's ``steps``; the units
             # are drawn at its sample rate, the mechanism's accounted rate: the accountant
             # records that.
             out[1].attach_step_hook(
                 self.accountant.get_optimizer_hook_fn(sample_rate=mechanism.accounted_rate)
             )
-        if build is not None and build.config.sketch_generator is not None:
+        if config is not None and config.sketch_generator is not None:
             warnings.warn(
                 f"{_GENERATOR_WARNING_PREFIX}: the 'hidden' privacy guarantee of randomized "
                 "clipping holds only if its seed stays secret, so the sketch spec has "
@@ -492,18 +495,23 @@ class PrivacyEngine(RandomizedClippingSeams):
             mark = getattr(self.accountant, "mark_revealed_warning_given", None)
             if callable(mark):
                 mark()
-        if build is not None:
+        if config is not None:
             logger.info(
                 "randomized clipping: %s, sample_rate=%.6g, bookkeeping=%s",
-                build.config.sketch_spec,
+                config.sketch_spec,
                 mechanism.accounted_rate,
-                build.module.bookkeeping,
+                grad_sample_module.bookkeeping,
             )
-        if request.check_batch_independence and callable(getattr(out[0], "disable_hooks", None)):
+        if options.check_batch_independence and callable(getattr(out[0], "disable_hooks", None)):
             # At the first training forward; its handle goes with the hooks (cleanup()).
-            check = BatchIndependenceCheck(
-                module, hooks=out[0], batch_first=request.opacus_options["batch_first"]
-            )
+            check = BatchIndependenceCheck(module, hooks=out[0], batch_first=options.batch_first)
             out[0].autograd_grad_sample_hooks.append(check.handle)
             out[0].batch_independence_check = check
-        return attach_post_processing(self, out, request.post, module=module)
+        return attach_post_processing(
+            self,
+            out,
+            denoiser=options.denoiser,
+            lora_guard=options.lora_guard,
+            module=module,
+            dataset=previous_dataset,
+        )

@@ -488,15 +488,18 @@ def test_make_private_with_epsilon_takes_every_option_of_make_private() -> None:
 
 def test_options_record_has_every_shared_option() -> None:
     """The one record both methods build (opacus_rc.engine.options) has exactly the options
-    their signatures share, ``**kwargs`` as its ``kwargs`` field: an option added to the
-    signatures but not to the record (or the reverse) fails here, not silently at a call."""
-    from dataclasses import fields
+    their signatures share, ``**kwargs`` as its ``kwargs`` field, beside the fields validation
+    derives (with defaults): an option added to the signatures but not to the record (or the
+    reverse) fails here, not silently at a call."""
+    from dataclasses import MISSING, fields
 
-    from opacus_rc.engine.options import OPACUS_OPTIONS, MakePrivateOptions
+    from opacus_rc.engine.options import DERIVED_FIELDS, OPACUS_OPTIONS, MakePrivateOptions
 
     plain = inspect.signature(pe.PrivacyEngine.make_private).parameters
     shared = set(plain) - {"self", "noise_multiplier"}
-    assert {f.name for f in fields(MakePrivateOptions)} == shared
+    required = {f.name for f in fields(MakePrivateOptions) if f.default is MISSING}
+    assert required == shared
+    assert {f.name for f in fields(MakePrivateOptions)} == shared | set(DERIVED_FIELDS)
     assert len(shared) == 25
     assert set(OPACUS_OPTIONS) < shared
     assert "noise_multiplier" not in OPACUS_OPTIONS

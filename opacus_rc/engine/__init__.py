@@ -4,9 +4,10 @@
 call; the steps are here:
 
 * :mod:`~opacus_rc.engine.options`: the options the two ``make_private*`` methods share, as one
-  typed record;
+  typed record, with the fields derived from them;
 * :mod:`~opacus_rc.engine.request`: the record validated as a whole before any hook (the data
-  loader check, the randomized-clipping configuration);
+  loader check) and completed (the public sizes, the randomized-clipping configuration, the
+  post-processing);
 * :mod:`~opacus_rc.engine.schedule`: the sampling rate, the divisor and the accounted schedule,
   from public inputs;
 * :mod:`~opacus_rc.engine.noise`: the check of a given noise multiplier and the search for a

@@ -4,7 +4,7 @@
   an epsilon for) is refused before any hook is attached, never at a later step; a run without
   noise warns that it is not private.
 * :func:`search_noise_multiplier`: ``make_private_with_epsilon``'s search, at the schedule the
-  run will have (the request's :class:`~opacus_rc.mechanism.PublicSizes`, from
+  run will have (the validated options' :class:`~opacus_rc.mechanism.PublicSizes`, from
   :func:`~opacus_rc.engine.schedule.public_sizes`, which the run's mechanism holds), with this
   engine's accountant (and, for randomized clipping, the module's exact sketch spec).
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_multiplier
 
-from opacus_rc.engine.request import Request
+from opacus_rc.engine.options import MakePrivateOptions
 from opacus_rc.sampling_schedule import steps_for_epochs
 
 __all__ = ["check_zero_noise", "search_noise_multiplier"]
@@ -29,7 +29,7 @@ __all__ = ["check_zero_noise", "search_noise_multiplier"]
 _PROBE_DELTA = 1e-5
 
 
-def check_zero_noise(accountant: Any, request: Request, noise_multiplier: Any) -> None:
+def check_zero_noise(accountant: Any, options: MakePrivateOptions, noise_multiplier: Any) -> None:
     """``noise_multiplier=0``: refuse it unless the accountant records it; then warn once.
 
     A noise multiplier in ``(0, 0.01)`` with the RC accountant is refused too: the
@@ -67,12 +67,12 @@ def check_zero_noise(accountant: Any, request: Request, noise_multiplier: Any) -
     if sigma != 0.0:
         return
     mechanism = accountant.mechanism()
-    sample_rate = request.sizes.sample_rate
+    sample_rate = options.sizes.sample_rate
     probe = copy.deepcopy(accountant)
     probe.history = []
     step = SimpleNamespace(noise_multiplier=0.0, accumulated_iterations=1)
-    if request.config is not None:
-        step.sketch_spec = request.config.sketch_spec
+    if options.config is not None:
+        step.sketch_spec = options.config.sketch_spec
     with warnings.catch_warnings():  # the probe's own warnings are not the user's concern
         warnings.simplefilter("ignore")
         try:
@@ -104,7 +104,7 @@ def check_zero_noise(accountant: Any, request: Request, noise_multiplier: Any) -
 
 def search_noise_multiplier(
     accountant: Any,
-    request: Request,
+    options: MakePrivateOptions,
     *,
     target_epsilon: float,
     target_delta: float,
@@ -112,13 +112,13 @@ def search_noise_multiplier(
 ) -> float:
     """The noise multiplier reaching ``(target_epsilon, target_delta)`` after ``epochs``.
 
-    Searched at the schedule the run will have (``request.sizes``: ``accounted_rate`` and
+    Searched at the schedule the run will have (``options.sizes``: ``accounted_rate`` and
     ``steps_per_epoch``, the values the run's :class:`~opacus_rc.mechanism.Mechanism` will
     hold), not at ``q`` and ``int(epochs / q)``: for some ``q`` an epoch is one step short
     of ``1 / q`` and the accountant records the larger rate ``1 / int(1 / q)``
     (``q = 1/93``: 92 steps at ``1/92``), which would end the run above the target.
     """
-    sample_rate, per_epoch = request.sizes.accounted_rate, request.sizes.steps_per_epoch
+    sample_rate, per_epoch = options.sizes.accounted_rate, options.sizes.steps_per_epoch
     schedule: dict[str, Any] = {"epochs": epochs, "steps": None}
     if isinstance(epochs, (int, float)) and 0 < epochs < math.inf:
         schedule = {"epochs": None, "steps": steps_for_epochs(epochs, per_epoch)}
@@ -130,7 +130,7 @@ def search_noise_multiplier(
             UserWarning,
             stacklevel=3,
         )
-    if request.config is None:
+    if options.config is None:
         # Opacus' make_private_with_epsilon, including where it sends **kwargs.
         return opacus_get_noise_multiplier(
             target_epsilon=target_epsilon,
@@ -138,7 +138,7 @@ def search_noise_multiplier(
             sample_rate=sample_rate,
             **schedule,
             accountant=accountant.mechanism(),
-            **request.kwargs,
+            **options.kwargs,
         )
     # Looked up at call time (the package is imported lazily, see ``PrivacyEngine.__init__``).
     accountants = importlib.import_module("opacus_rc.accountants")
@@ -147,7 +147,7 @@ def search_noise_multiplier(
         target_delta=target_delta,
         sample_rate=sample_rate,
         **schedule,
-        sketch_spec=request.config.sketch_spec,
+        sketch_spec=options.config.sketch_spec,
         accountant=accountant,
         epsilon_tolerance=0.01,
     )

@@ -2,7 +2,7 @@
 
 One concept in two halves, so that nothing is attached before every option is valid:
 :func:`prepare_post_processing` validates the options and builds the objects when the call's
-request is built (before any hook), and :func:`attach_post_processing` attaches them to the DP
+options are validated (before any hook), and :func:`attach_post_processing` attaches them to the DP
 optimizer that Opacus' ``make_private`` returned, undoing everything if that fails. The hook
 point they attach to is :func:`opacus_rc.optimizers.post_processing.attach_post_processing_hook`
 (docs/denoising.md#denoising-post-processing: post-processing never changes the accountant).
@@ -11,7 +11,6 @@ point they attach to is :func:`opacus_rc.optimizers.post_processing.attach_post_
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
@@ -25,24 +24,9 @@ from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.optimizers.post_processing import attach_post_processing_hook
 
-__all__ = ["PostProcessing", "attach_post_processing", "prepare_post_processing"]
+__all__ = ["attach_post_processing", "prepare_post_processing"]
 
 logger = logging.getLogger("opacus_rc.privacy_engine")
-
-
-@dataclass(frozen=True)
-class PostProcessing:
-    """What ``make_private`` attaches after building the DP optimizer (validated up front).
-
-    Attributes:
-        denoiser: The ``denoise=`` post-processing hook, or None.
-        lora_guard: The ``check_lora_update=True`` guard, or None.
-        dataset: ``engine.dataset`` before ``make_private``, restored if attaching fails.
-    """
-
-    denoiser: Any
-    lora_guard: LoRAUpdateGuard | None
-    dataset: Any
 
 
 def prepare_post_processing(
@@ -53,8 +37,7 @@ def prepare_post_processing(
     denoise_kappa: float | None,
     denoise_options: dict[str, Any] | None,
     check_lora_update: bool,
-    dataset: Any,
-) -> PostProcessing:
+) -> tuple[Any, LoRAUpdateGuard | None]:
     """Validate the denoiser and LoRA-guard options and build them; attach nothing.
 
     Args:
@@ -64,10 +47,9 @@ def prepare_post_processing(
         denoise_kappa: Its threshold factor, or None for its default.
         denoise_options: Its further keyword arguments, or None.
         check_lora_update: Whether to build a :class:`~opacus_rc.lora.LoRAUpdateGuard`.
-        dataset: The engine's ``dataset`` now, restored if attaching fails.
 
     Returns:
-        The objects to attach.
+        ``(denoiser, lora_guard)``, each None where not asked for.
 
     Raises:
         ValueError: Denoiser options without ``denoise``; ``kappa`` inside
@@ -104,11 +86,17 @@ def prepare_post_processing(
         guard = LoRAUpdateGuard(
             module.module if isinstance(module, AbstractGradSampleModule) else module
         )
-    return PostProcessing(denoiser=denoiser, lora_guard=guard, dataset=dataset)
+    return denoiser, guard
 
 
 def attach_post_processing(
-    engine: Any, out: tuple[Any, ...], post: PostProcessing, *, module: nn.Module
+    engine: Any,
+    out: tuple[Any, ...],
+    *,
+    denoiser: Any,
+    lora_guard: LoRAUpdateGuard | None,
+    module: nn.Module,
+    dataset: Any,
 ) -> tuple[Any, ...]:
     """Attach the denoiser and the LoRA guard to ``out``'s optimizer; undo all on failure.
 
@@ -119,33 +107,35 @@ def attach_post_processing(
     Args:
         engine: The :class:`~opacus_rc.PrivacyEngine` whose ``make_private`` returned ``out``.
         out: ``make_private``'s return value (the optimizer second).
-        post: What :func:`prepare_post_processing` built.
+        denoiser: The denoiser :func:`prepare_post_processing` built, or None.
+        lora_guard: The LoRA guard it built, or None.
         module: The user's model.
+        dataset: ``engine.dataset`` before ``make_private``, restored if attaching fails.
 
     Returns:
         ``out``.
     """
     engine.denoiser = None
     engine.lora_update_guard = None
-    if post.denoiser is None and post.lora_guard is None:
+    if denoiser is None and lora_guard is None:
         return out
     optimizer = out[1]
     try:
-        if post.denoiser is not None:
-            check = getattr(post.denoiser, "check_optimizer", None)
+        if denoiser is not None:
+            check = getattr(denoiser, "check_optimizer", None)
             if check is not None:
                 check(optimizer)
-            attach_post_processing_hook(optimizer, post.denoiser)
-        if post.lora_guard is not None:
-            post.lora_guard.attach(optimizer)
+            attach_post_processing_hook(optimizer, denoiser)
+        if lora_guard is not None:
+            lora_guard.attach(optimizer)
     except BaseException:
         cleanup = getattr(out[0], "cleanup", None)
         if callable(cleanup):
             cleanup()
         strip_grad_sample_hooks(module)
-        engine.dataset = post.dataset
+        engine.dataset = dataset
         raise
-    engine.denoiser = post.denoiser
-    engine.lora_update_guard = post.lora_guard
-    logger.info("post-processing: denoiser=%r, lora guard=%s", post.denoiser, post.lora_guard)
+    engine.denoiser = denoiser
+    engine.lora_update_guard = lora_guard
+    logger.info("post-processing: denoiser=%r, lora guard=%s", denoiser, lora_guard)
     return out

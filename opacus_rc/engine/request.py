@@ -1,20 +1,21 @@
-"""One ``make_private`` call's request: its options validated as a whole, before any hook.
+"""One ``make_private`` call's options validated as a whole, before any hook.
 
 * :func:`check_data_loader`: the loader Poisson sampling (and the accountant) can use: a
   map-style dataset of known size; a sampler Poisson sampling replaces is warned about.
-* :func:`build_request`: every option of a :class:`~opacus_rc.engine.options.MakePrivateOptions`
-  checked (Opacus' own clipping or randomized clipping), the public sizes computed
-  (:func:`~opacus_rc.engine.schedule.public_sizes`), the post-processing built
+* :func:`validate_options`: every option of a
+  :class:`~opacus_rc.engine.options.MakePrivateOptions` checked (Opacus' own clipping or
+  randomized clipping), and the same record returned with what is derived from the options:
+  the public sizes (:func:`~opacus_rc.engine.schedule.public_sizes`), the post-processing
   (:func:`~opacus_rc.engine.post_processing.prepare_post_processing`) and, for randomized
   clipping, the one :class:`~opacus_rc.config.RandomizedClippingConfig` that configures the
-  module and the optimizer. Nothing is attached: a request that raises leaves the model as it
+  module and the optimizer. Nothing is attached: a call that raises leaves the model as it
   was.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,11 +39,11 @@ from torch.utils.data import (
 
 from opacus_rc.config import DEFAULT_SKETCH, DEFAULT_SKETCH_DIM, RandomizedClippingConfig
 from opacus_rc.engine.options import MakePrivateOptions
-from opacus_rc.engine.post_processing import PostProcessing, prepare_post_processing
-from opacus_rc.engine.schedule import PublicSizes, public_sizes
+from opacus_rc.engine.post_processing import prepare_post_processing
+from opacus_rc.engine.schedule import public_sizes
 from opacus_rc.units.data_loader import UnitDataLoader
 
-__all__ = ["Request", "build_request", "check_data_loader"]
+__all__ = ["check_data_loader", "check_per_rank_loader", "validate_options"]
 
 #: ``poisson_sampling=False``: the accountant still assumes Poisson sampling at rate
 #: ``1 / len(data_loader)``, which fixed or shuffled batches do not give (Chua et al., "How
@@ -59,34 +60,6 @@ _ACCOUNTANT_ERROR = (
     "use accountant='rc'"
 )
 _RANDOMIZED_GRAD_SAMPLE_MODES = ("hooks", "ghost")
-
-
-@dataclass(frozen=True)
-class Request:
-    """The validated options of one ``make_private`` or ``make_private_with_epsilon`` call.
-
-    Attributes:
-        opacus_options: Keyword arguments of ``opacus.PrivacyEngine.make_private`` except
-            ``noise_multiplier`` (the criterion defaulted). For randomized clipping,
-            ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and returns
-            four values; the module itself is built by the engine's ``prepare_model_seam``
-            (:class:`~opacus_rc.engine.seams.RandomizedClippingSeams`).
-        kwargs: Further keyword arguments for Opacus (always empty for randomized clipping).
-        config: The randomized-clipping configuration, or None for Opacus' own clipping.
-        post: The post-processing to attach.
-        sizes: The sampling rate, accounted rate, steps per epoch and divisor, from public
-            inputs (:func:`~opacus_rc.engine.schedule.public_sizes`): the schedule of the run's
-            :class:`~opacus_rc.mechanism.Mechanism`, and of the noise search.
-        check_batch_independence: Whether the check of batch independence is attached
-            (:class:`~opacus_rc.batch_independence.BatchIndependenceCheck`).
-    """
-
-    opacus_options: dict[str, Any]
-    kwargs: dict[str, Any]
-    config: RandomizedClippingConfig | None
-    post: PostProcessing
-    sizes: PublicSizes
-    check_batch_independence: bool = True
 
 
 #: Samplers that draw every record uniformly: Opacus' Poisson sampler replaces them without a
@@ -203,25 +176,27 @@ def _data_parallel_world_size(module: Any) -> int:
     return 1
 
 
-def build_request(
-    options: MakePrivateOptions, *, accountant: Any, secure_mode: bool, dataset: Any
-) -> Request:
-    """Validate one call's options (attaching nothing) and build its configuration.
+def validate_options(
+    options: MakePrivateOptions, *, accountant: Any, secure_mode: bool
+) -> MakePrivateOptions:
+    """Validate one call's options (attaching nothing) and derive what the call builds from.
 
     Args:
-        options: The call's options.
+        options: The call's options, as the caller passed them.
         accountant: The engine's accountant (randomized clipping needs one whose class has
             ``supports_randomized_clipping``).
         secure_mode: The engine's secure mode (it enters the configuration).
-        dataset: The engine's ``dataset`` now (restored if attaching post-processing fails).
 
     Returns:
-        The validated request.
+        A copy of ``options`` with ``criterion`` defaulted to ``nn.CrossEntropyLoss()`` and the
+        derived fields set (:data:`~opacus_rc.engine.options.DERIVED_FIELDS`). For randomized
+        clipping, ``grad_sample_mode`` is ``"ghost"``: Opacus then builds the criterion and
+        returns four values; the module itself is built by the engine's
+        ``prepare_model_seam`` (:class:`~opacus_rc.engine.seams.RandomizedClippingSeams`).
 
     Raises:
         ValueError, TypeError, NotImplementedError: As ``PrivacyEngine.make_private``.
     """
-    opacus_options = options.opacus_options()
     check = options.check_batch_independence
     if not isinstance(check, bool):
         raise TypeError(
@@ -248,17 +223,15 @@ def build_request(
         world_size=world_size,
         poisson_sampling=poisson_sampling,
     )
-    post = prepare_post_processing(
+    denoiser, lora_guard = prepare_post_processing(
         module=module,
         grad_sample_mode=options.grad_sample_mode,
         denoise=options.denoise,
         denoise_kappa=options.denoise_kappa,
         denoise_options=options.denoise_options,
         check_lora_update=options.check_lora_update,
-        dataset=dataset,
     )
-    if opacus_options["criterion"] is None:
-        opacus_options["criterion"] = nn.CrossEntropyLoss()
+    criterion = nn.CrossEntropyLoss() if options.criterion is None else options.criterion
     if not poisson_sampling and not isinstance(data_loader, (DPDataLoader, UnitDataLoader)):
         # An Opacus DPDataLoader (ours included) already draws Poisson batches; Opacus then
         # accounts at rate 1 / len(loader) = 1 / floor(1 / q) >= q, which is conservative.
@@ -280,7 +253,14 @@ def build_request(
             raise ValueError(
                 f"bookkeeping only applies to clipping='randomized' (got clipping={clipping!r})"
             )
-        return Request(opacus_options, dict(options.kwargs), None, post, sizes, check)
+        return replace(
+            options,
+            criterion=criterion,
+            kwargs=dict(options.kwargs),
+            sizes=sizes,
+            denoiser=denoiser,
+            lora_guard=lora_guard,
+        )
 
     if options.kwargs:
         raise TypeError(
@@ -299,7 +279,7 @@ def build_request(
         loss_reduction=options.loss_reduction,
         bookkeeping=options.bookkeeping,
     )
-    criterion_reduction = getattr(opacus_options["criterion"], "reduction", None)
+    criterion_reduction = getattr(criterion, "reduction", None)
     if criterion_reduction is not None and criterion_reduction != config.loss_reduction:
         raise ValueError(
             f"the criterion has reduction={criterion_reduction!r} but "
@@ -312,5 +292,13 @@ def build_request(
             f"be one of {_RANDOMIZED_GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
         )
     # Opacus builds the DP criterion (and returns four values) only for "ghost" modes.
-    opacus_options["grad_sample_mode"] = "ghost"
-    return Request(opacus_options, {}, config, post, sizes, check)
+    return replace(
+        options,
+        criterion=criterion,
+        grad_sample_mode="ghost",
+        kwargs={},
+        config=config,
+        sizes=sizes,
+        denoiser=denoiser,
+        lora_guard=lora_guard,
+    )

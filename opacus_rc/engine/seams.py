@@ -22,7 +22,6 @@ For any other ``clipping`` each seam is Opacus' own step (except the public rate
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,38 +55,23 @@ from opacus_rc.units.data_loader import UnitDataLoader
 from opacus_rc.units.distributed import prepare_unit_data_loader
 from opacus_rc.units.record import UnitBatchRecord
 
-__all__ = ["RandomizedBuild", "RandomizedClippingSeams"]
-
-
-@dataclass
-class RandomizedBuild:
-    """State shared by the ``prepare_*_seam`` methods during one randomized ``make_private``.
-
-    Opacus' ``make_private`` passes ``_prepare_model`` neither ``clipping`` nor ``**kwargs`` (its
-    call passes ``batch_first``, ``max_grad_norm``, ``loss_reduction`` and ``grad_sample_mode``),
-    so the configuration reaches the seams through this object, set on the engine for the
-    duration of the call only.
-
-    Attributes:
-        config: The configuration of this call.
-        module: The grad-sample module once ``prepare_model_seam`` has built it.
-    """
-
-    config: RandomizedClippingConfig
-    module: Any = None
+__all__ = ["RandomizedClippingSeams"]
 
 
 class RandomizedClippingSeams(PrivacyEngineSeams):
     """Opacus' build steps for randomized clipping and the public sizes (see the module docstring).
 
-    The base of :class:`~opacus_rc.PrivacyEngine`, whose ``make_private`` sets ``_build`` (a
-    randomized call) and ``_mechanism`` (every call: the run's
+    The base of :class:`~opacus_rc.PrivacyEngine`, whose ``make_private`` sets ``_config`` (a
+    randomized call: its configuration) and ``_mechanism`` (every call: the run's
     :class:`~opacus_rc.mechanism.Mechanism`, whose rate the loader samples at and whose
     divisor, noise and events the optimizer uses) for the duration of Opacus' template; with
-    both None each seam is Opacus' own.
+    both None each seam is Opacus' own. Opacus' ``make_private`` passes ``_prepare_model``
+    neither ``clipping`` nor ``**kwargs``, hence these attributes. ``prepare_model_seam`` sets
+    ``_grad_sample_module`` to the module it builds, which the later seams use.
     """
 
-    _build: RandomizedBuild | None = None
+    _config: RandomizedClippingConfig | None = None
+    _grad_sample_module: Any = None
     _mechanism: Mechanism | None = None
 
     def prepare_model_seam(
@@ -101,8 +85,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         wrap_model: bool = True,
     ) -> Any:
         """Opacus' seam; for randomized clipping, the module built from the configuration."""
-        build = self._build
-        if build is None:
+        config = self._config
+        if config is None:
             return super().prepare_model_seam(
                 module,
                 batch_first=batch_first,
@@ -127,8 +111,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
                 if wrap_model
                 else GradSampleHooksRandomizedClipping
             )
-        build.module = module_class(module, config=build.config)
-        return build.module
+        self._grad_sample_module = module_class(module, config=config)
+        return self._grad_sample_module
 
     def prepare_data_loader_seam(
         self,
@@ -150,8 +134,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         :class:`DistributedDPDataLoader` yields it as a noise-only step. A
         :class:`~opacus_rc.units.UnitDataLoader` (unit-level DP) is used as it is.
         """
-        build = self._build
-        if build is not None and build.module is not None:
+        grad_sample_module = self._grad_sample_module
+        if self._config is not None and grad_sample_module is not None:
             # What the criterion's units= / unit_split= are checked against (units/record.py):
             # the unit loader records each batch it yields; a per-sequence loader refuses them.
             record = UnitBatchRecord(
@@ -159,7 +143,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
                 where="criterion(..., units=batch['units']) with the units the UnitDataLoader "
                 "yielded, and unit_split= under UnitBatchMemoryManager(split_units=True)",
             )
-            build.module.unit_batch_record = record
+            grad_sample_module.unit_batch_record = record
             if isinstance(data_loader, UnitDataLoader):
                 data_loader.unit_record = record
         if isinstance(data_loader, UnitDataLoader):
@@ -167,7 +151,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
                 data_loader,
                 engine=self,
                 distributed=distributed,
-                randomized=self._build is not None,
+                randomized=self._config is not None,
             )
         mechanism = self._mechanism
         own_rate = (
@@ -175,7 +159,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             and mechanism is not None
             and mechanism.sample_rate != 1 / len(data_loader)
         )
-        own_distributed = self._build is not None and distributed and poisson_sampling
+        own_distributed = self._config is not None and distributed and poisson_sampling
         if not (own_rate or own_distributed):
             loader = super().prepare_data_loader_seam(
                 data_loader,
@@ -196,7 +180,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             loader = poisson_loader(
                 DistributedDPDataLoader if own_distributed else DPDataLoader,
                 data_loader,
-                # Set with _build for every make_private call: the run's rate.
+                # Set for every make_private call: the run's rate.
                 sample_rate=mechanism.sample_rate,
                 distributed=distributed,
                 generator=self.secure_rng,
@@ -204,7 +188,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
                 rand_on_empty=rand_on_empty,
             )
         if (
-            self._build is not None
+            self._config is not None
             and rand_on_empty
             and isinstance(loader, DPDataLoader)
             and not isinstance(loader, DistributedDPDataLoader)
@@ -233,7 +217,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         grad_sample_mode: str = "hooks",
         **kwargs: Any,
     ) -> DPOptimizer:
-        """Opacus' seam; for randomized clipping, the registry's optimizer for the module.
+        """Opacus' seam; for randomized clipping, the randomized-clipping optimizer.
 
         Opacus passes ``int(len(dataset) * q)`` as ``expected_batch_size``: a function of the
         private number of records. The divisor used is the run's mechanism's
@@ -245,8 +229,8 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         mechanism = self._mechanism
         if mechanism is not None:
             expected_batch_size = mechanism.divisor
-        build = self._build
-        if build is None:
+        config = self._config
+        if config is None:
             return super().prepare_optimizer_seam(
                 optimizer=optimizer,
                 noise_multiplier=noise_multiplier,
@@ -261,7 +245,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        sharded = isinstance(wrapped_module_if_built(build.module), FSDPModule)
+        sharded = isinstance(wrapped_module_if_built(self._grad_sample_module), FSDPModule)
         if sharded:
             optimizer_class: type[RandomizedClipOptimizer] = FSDPRandomizedClipOptimizer
         elif distributed:
@@ -270,10 +254,10 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
             optimizer_class = RandomizedClipOptimizer
         return optimizer_class(
             optimizer,
-            grad_sample_module=build.module,
+            grad_sample_module=self._grad_sample_module,
             mechanism=mechanism,
             generator=self.secure_rng if self.secure_mode else noise_generator,
-            secure_mode=build.config.secure_mode,
+            secure_mode=config.secure_mode,
         )
 
     def prepare_criterion_seam(
@@ -286,7 +270,7 @@ class RandomizedClippingSeams(PrivacyEngineSeams):
         **kwargs: Any,
     ) -> Any:
         """Opacus' seam; for randomized clipping, :class:`DPLossRandomizedClipping`."""
-        if self._build is None:
+        if self._config is None:
             return super().prepare_criterion_seam(
                 module=module,
                 optimizer=optimizer,
