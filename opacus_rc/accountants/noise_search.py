@@ -228,55 +228,42 @@ def get_noise_multiplier(
     if target - e_hi <= epsilon_tolerance:
         return hi
     aim = target - 0.5 * epsilon_tolerance
+
+    def log_ratio(e: float) -> float:
+        """``log(e / aim)``, finite for ``e`` in ``[0, inf]`` (Brent needs finite values)."""
+        return math.log(min(max(e, 1e-300), 1e300) / aim)
+
     x_lo, x_hi = math.log(lo), math.log(hi)
     # lo's coarse lower bound under-states its epsilon: a safe end value that costs no fine run
-    known = {x_lo: _log_ratio(coarse(lo).lower, aim), x_hi: _log_ratio(e_hi, aim)}
+    ends = {x_lo: log_ratio(coarse(lo).lower), x_hi: log_ratio(e_hi)}
     feasible = [hi]  # sigmas whose epsilon at the template's eps_error is at most the target
 
     def f(x: float) -> float:
-        if x in known:
-            return known[x]
+        if x in ends:
+            return ends[x]
         sigma = math.exp(x)
         try:
             e = bounds(sigma, fine).upper
         except NumericalLimitError:
             # no fine answer here: decide with the coarse bounds, never by assumption
             if coarse(sigma).lower > target:
-                return _LOG_RATIO_CAP
+                return log_ratio(math.inf)
             raise
         if e <= target:
             feasible.append(sigma)
             if target - e <= epsilon_tolerance:
                 raise _FoundError(sigma)
-        return _log_ratio(e, aim)
+        return log_ratio(e)
 
     try:
         optimize.brentq(f, x_lo, x_hi, xtol=1e-6, maxiter=100, disp=False)
     except _FoundError as found:
-        return found.sigma
+        return found.args[0]
     return min(feasible)  # the bracket closed (relative width 1e-6) before the band was hit
-
-
-#: Stand-in for ``log(epsilon / aim)`` where epsilon is infinite (out of range) or only known
-#: to exceed the target: a finite value keeps Brent's interpolation defined.
-_LOG_RATIO_CAP = 50.0
-
-
-def _log_ratio(epsilon: float, aim: float) -> float:
-    """``log(epsilon / aim)``, clamped to ``[-cap, cap]`` (epsilon may be 0 or infinite)."""
-    if epsilon <= 0.0:
-        return -_LOG_RATIO_CAP
-    if not math.isfinite(epsilon):
-        return _LOG_RATIO_CAP
-    return max(-_LOG_RATIO_CAP, min(_LOG_RATIO_CAP, math.log(epsilon / aim)))
 
 
 class _FoundError(Exception):
     """Raised inside the root finder at the first sigma whose epsilon is in the accepted band."""
-
-    def __init__(self, sigma: float) -> None:
-        super().__init__(sigma)
-        self.sigma = sigma
 
 
 def _certify(bounds, sigma: float, fine: float, target: float) -> tuple[float, float]:
