@@ -9,11 +9,14 @@ import pytest
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.optimizers import DPOptimizerFastGradientClipping
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
+from torch.utils.data import DataLoader
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.optimizers import RandomizedClipOptimizer
+from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
+from tests import private_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -258,3 +261,143 @@ def test_noise_only_step_of_an_empty_batch_is_noised_and_accounted() -> None:
         opt.noise_only_step()  # the batch was not empty: its clipped gradients are kept
     opt.step()
     assert calls == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("mistake", ["plain_loss", "second_step"])
+def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
+    """A plain ``nn.CrossEntropyLoss()(...).backward()`` (an Opacus user's habit; the hooks run
+    but nobody applies the clip factors) or a second ``step()`` after one backward would noise
+    gradients that are unclipped or already released: step() must refuse before accumulating,
+    noising or accounting. A noise-only step on zero gradients (empty Poisson batch) stays
+    allowed. With a tiny C the unclipped gradient is ~1e4 x C, so a silent step would move the
+    parameters by far more than the clipped one could."""
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP()
+    engine, module, opt, crit, _ = private_mlp.private(model, noise_multiplier=0.0)
+    x, y = private_mlp.batch()
+    if mistake == "plain_loss":
+        (nn.CrossEntropyLoss()(module(x), y) * 1000).backward()
+    else:
+        crit(module(x), y).backward()
+        opt.step()
+        assert len(engine.accountant) == 1
+    steps, theta = len(engine.accountant), private_mlp.params(model)
+    with pytest.raises(RuntimeError, match="but no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    assert torch.equal(private_mlp.params(model), theta)
+    opt.zero_grad()
+    # The step protocol has no noise-only step without a private backward (issue 12): zero
+    # gradients set by hand are refused too; an empty Poisson batch goes through backward.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    opt.zero_grad()
+    crit(module(x[:0]), y[:0]).backward()  # empty batch: a noise-only step
+    opt.step()
+    assert len(engine.accountant) == steps + 1
+    opt.zero_grad()
+    crit(module(x), y).backward()
+    opt.step()
+    assert len(engine.accountant) == steps + 2
+
+
+def test_nan_gradient_reaching_the_optimizer_is_refused() -> None:
+    """Last line of defence: a NaN/inf in a clipped gradient (however it got there) makes
+    step() raise before noise is added or the step is accounted."""
+    model = private_mlp.SeqMLP()
+    engine, module, opt, crit, _ = private_mlp.private(model)
+    crit(module(private_mlp.batch()[0]), private_mlp.batch()[1]).backward()
+    model.lin1.weight.grad[0, 0] = float("inf")
+    theta = private_mlp.params(model)
+    with pytest.raises(FloatingPointError, match="contain NaN or inf; no step is taken"):
+        opt.step()
+    assert len(engine.accountant) == 0 and torch.equal(private_mlp.params(model), theta)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_batch_memory_manager_equals_logical_batches(fake_engine: Any, seq: bool) -> None:
+    """Poisson logical batches split into physical batches of <= 2 by BatchMemoryManager:
+
+    * one accountant step per logical batch, at the logical sample rate (PR 707, #683);
+    * clip factors are decided per sample inside each physical batch, so the update equals
+      one step per whole logical batch. seq=False: rank-2 inputs, exact norms, clipping
+      active (C = 1, inputs scaled by 3), exact comparison. seq=True: sketched norms with
+      C = 1e6 (every factor 1), which checks the accumulation of physical batches (the
+      ``summed_grad`` aliasing of PR 707) on the sketched path.
+    """
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP() if seq else private_mlp.FlatMLP()
+    start = copy.deepcopy(model)
+    C = 1e6 if seq else 1.0
+    module, opt, crit, loader = fake_engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(private_mlp.dataset(24, seq=seq), batch_size=6),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        clipping="randomized",
+        sketch_dim=4,
+    )
+    logical: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as bmm:
+        for x, y in bmm:
+            assert len(x) <= 2
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            logical[-1].append((x, y))
+            if not opt._is_last_step_skipped:
+                logical.append([])
+    logical.pop()
+    history = fake_engine.accountant.history
+    assert sum(n for _, _, n in history) == len(logical) == len(loader) == 4
+    assert {q for _, q, _ in history} == {1 / len(loader)}
+    assert any(len(chunks) > 1 for chunks in logical)
+
+    gsm = GradSampleModuleRandomizedClipping(start, max_grad_norm=C, sketch_dim=4)
+    ref_opt = RandomizedClipOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.5),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        expected_batch_size=opt.expected_batch_size,
+    )
+    ref_crit = DPLossRandomizedClipping(gsm, ref_opt, nn.CrossEntropyLoss())
+    clipped = 0
+    for chunks in logical:
+        x = torch.cat([c[0] for c in chunks])
+        y = torch.cat([c[1] for c in chunks])
+        ref_crit(gsm(x), y).backward()
+        clipped += int((gsm.per_sample_gradient_norms > C).sum())
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if not seq:
+        assert clipped >= 5  # the clip factors matter
+    torch.testing.assert_close(
+        private_mlp.params(model), private_mlp.params(start), rtol=1e-5, atol=1e-6
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# frozen parameters and exact-fallback logging
+# --------------------------------------------------------------------------------------------
+
+
+def test_frozen_parameters_get_no_noise_and_no_update() -> None:
+    """A frozen base layer with a trainable adapter (LoRA-like): the frozen weights are neither
+    noised nor updated; trainable ones are (no-probe check: test_frozen_weight_draws_no_probes)."""
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP()
+    model.lin1.requires_grad_(False)
+    frozen = model.lin1.weight.detach().clone()
+    engine, module, opt, crit, _ = private_mlp.private(model)
+    assert all(p.requires_grad for p in opt.params) and len(opt.params) == 2
+    x, y = private_mlp.batch()
+    trainable = model.lin2.weight.detach().clone()
+    crit(module(x), y).backward()
+    opt.step()
+    assert torch.equal(model.lin1.weight, frozen) and model.lin1.weight.grad is None
+    assert not torch.equal(model.lin2.weight, trainable)
