@@ -13,10 +13,13 @@ import pytest
 import torch
 from opacus.accountants import RDPAccountant
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import (
+    DataLoader,
+)
 
 from opacus_rc.privacy_engine import PrivacyEngine
 from tests import private_mlp
+from tests.engine import private_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -271,3 +274,31 @@ def test_make_private_with_epsilon_accepts_rand_on_empty() -> None:
     crit(module(x), y).backward()
     opt.step()
     assert len(engine.accountant) == 1 and opt.noise_multiplier > 0
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+@pytest.mark.parametrize("clipping", ["randomized", "flat"])
+def test_a_noise_multiplier_below_the_accountants_range_is_refused_at_make_private(
+    clipping: str,
+) -> None:
+    """A new user's report: noise_multiplier = 0.005 with the RC accountant trained, then
+    ``get_epsilon`` raised after the run (the accountant records it but computes no epsilon
+    below 0.01). Now refused at make_private, before any hook, naming the range; 0.01 is
+    accepted."""
+    engine = PrivacyEngine()  # the RC accountant, for both clippings
+    model = private_loaders.MLP()
+    with pytest.raises(ValueError, match=r"noise_multiplier=0.005 .* must be >= 0.01 \(or 0"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+            noise_multiplier=0.005,
+            max_grad_norm=private_loaders.C,
+            clipping=clipping,
+        )
+    assert not hasattr(model, "autograd_grad_sample_hooks")
+    private_loaders.private(
+        DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+        clipping=clipping,
+        noise_multiplier=0.01,
+    )

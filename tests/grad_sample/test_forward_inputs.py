@@ -12,9 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import (
+    DataLoader,
+    TensorDataset,
+)
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop
+from opacus_rc.privacy_engine import PrivacyEngine
+from tests.engine import private_loaders
 
 
 class Scaled(nn.Module):
@@ -99,3 +105,52 @@ def test_no_early_stop_is_entered_once_and_left_after_a_failed_forward() -> None
     assert no_stop._contexts == []
     for h in handles:
         h.remove()
+
+
+# ----------------------------------------------------------------------------------------------
+# Item 10: an empty Poisson batch on a Hugging Face model
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+def test_empty_poisson_batch_on_an_hf_model_says_what_to_do() -> None:
+    """Issue 20 item 10: an empty Poisson batch crashed inside the model (``cannot reshape
+    tensor of 0 elements``). Now the error says it was an empty batch and names
+    ``optimizer.noise_only_step()`` and ``rand_on_empty=True``; the original error is its
+    cause, nothing recorded is left behind, and the noise-only step is then noised and
+    accounted."""
+    model = tiny_llama()
+    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0))
+    engine = PrivacyEngine()
+    module, optimizer, _, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids, ids), batch_size=2),
+        noise_multiplier=private_loaders.SIGMA,
+        max_grad_norm=private_loaders.C,
+        clipping="randomized",
+        sketch_dim=4,
+    )
+    empty = ids[:0]
+    with pytest.raises(RuntimeError, match="empty batch") as info:
+        module(input_ids=empty, attention_mask=torch.ones_like(empty))
+    message = str(info.value)
+    assert "optimizer.noise_only_step()" in message and "rand_on_empty=True" in message
+    assert info.value.__cause__ is not None
+    optimizer.noise_only_step()
+    assert len(engine.accountant.history) == 1

@@ -12,11 +12,15 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import (
+    DataLoader,
+)
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
+from opacus_rc.privacy_engine import PrivacyEngine
 from tests import private_mlp
+from tests.engine import private_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -401,3 +405,59 @@ def test_frozen_parameters_get_no_noise_and_no_update() -> None:
     opt.step()
     assert torch.equal(model.lin1.weight, frozen) and model.lin1.weight.grad is None
     assert not torch.equal(model.lin2.weight, trainable)
+
+
+# ----------------------------------------------------------------------------------------------
+# Item 3: a parameter outside the model in the optimizer
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+@pytest.mark.parametrize("bookkeeping", [True, False, "always"])
+def test_parameter_outside_the_model_is_refused(bookkeeping: bool | str) -> None:
+    """Issue 20 item 3: a learnable temperature added with ``add_param_group`` after
+    make_private. With book-keeping its gradient was silently dropped and the step accounted;
+    with two passes it was refused (``StepProtocolError ... ['<unnamed>']``). Now both refuse
+    at ``add_param_group``, naming the group and position; a group slipped into
+    ``param_groups`` directly is refused at ``step()``, before anything is noised or
+    accounted."""
+    engine, (module, optimizer, criterion, _) = private_loaders.private(
+        DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+        bookkeeping=bookkeeping,
+    )
+    temperature = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] \(shape \(\)\)"):
+        optimizer.add_param_group({"params": [temperature]})
+    assert len(optimizer.param_groups) == 1
+
+    optimizer.original_optimizer.param_groups.append(
+        {**optimizer.param_groups[0], "params": [temperature]}
+    )
+    x, y = private_loaders.dataset(private_loaders.B, seed=1).tensors
+    before = [p.detach().clone() for p in module.parameters()]
+    criterion(module(x) / temperature, y).backward()
+    with pytest.raises(RuntimeError, match="not parameters of the private model"):
+        optimizer.step()
+    assert engine.accountant.history == []
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+def test_parameter_of_the_model_in_a_new_group_is_accepted() -> None:
+    """A group of the model's own parameters (e.g. another learning rate) is not refused."""
+    model = private_loaders.MLP()
+    engine = PrivacyEngine()
+    module, optimizer, criterion, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.lin1.parameters(), lr=1.0),
+        data_loader=DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+        noise_multiplier=private_loaders.SIGMA,
+        max_grad_norm=private_loaders.C,
+        clipping="randomized",
+        sketch_dim=8,
+    )
+    optimizer.add_param_group({"params": list(model.lin2.parameters()), "lr": 0.1})
+    x, y = private_loaders.dataset(private_loaders.B, seed=1).tensors
+    criterion(module(x), y).backward()
+    optimizer.step()
+    assert len(engine.accountant.history) == 1
