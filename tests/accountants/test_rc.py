@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from opacus.accountants import PRVAccountant
@@ -437,3 +438,73 @@ def test_out_of_range_configurations_raise() -> None:
     acc.history = [(0.5, Q, 1000)]
     with pytest.raises(EpsilonOutOfRangeError):
         acc.get_epsilon(DELTA)
+
+
+def one_step_epsilon(sigma: float, q: float, delta: float) -> float:
+    """float64 epsilon of one Poisson-subsampled Gaussian step (add/remove, sensitivity 1):
+    the smallest eps with ``max(H_eps(P||Q), H_eps(Q||P)) <= delta``, ``P = (1-q) N(0, s^2) +
+    q N(1, s^2)``, ``Q = N(0, s^2)``, the hockey-stick divergences by quadrature (Balle et
+    al., "Privacy amplification by subsampling", NeurIPS 2018, Thm. 8 reduces the mechanism
+    to this pair)."""
+    from scipy import integrate, optimize, stats
+
+    def divergence(eps: float) -> float:
+        def density(x: float) -> tuple[float, float]:
+            p = (1 - q) * stats.norm.pdf(x, 0, sigma) + q * stats.norm.pdf(x, 1, sigma)
+            return p, stats.norm.pdf(x, 0, sigma)
+
+        def part(swap: bool) -> float:
+            def f(x: float) -> float:
+                p, r = density(x)
+                a, b = (r, p) if swap else (p, r)
+                return max(0.0, a - float(np.exp(eps)) * b)
+
+            return integrate.quad(f, -40 * sigma, 40 * sigma + 1, points=[0.5], limit=500)[0]
+
+        return max(part(False), part(True))
+
+    if divergence(0.0) <= delta:
+        return 0.0
+    return optimize.brentq(lambda e: divergence(e) - delta, 0.0, 50.0, xtol=1e-10)
+
+
+@pytest.mark.parametrize("sigma, q", [(50.0, 1e-3), (1.0, 0.01), (0.8, 0.05)])
+def test_epsilon_of_one_step_is_never_negative_and_brackets_the_exact_value(
+    sigma: float, q: float
+) -> None:
+    """meta-pytorch/opacus PR 844 (2026-08, issue 585): Opacus' RDP and PRV accountants return
+    a negative epsilon for tiny budgets (and GDP fails). The RC accountant's epsilon is an
+    upper bound within its eps_error (0.01) of the exact float64 value, hence >= 0; for
+    sigma = 50, q = 1e-3 the exact epsilon is 0 (the total variation is below delta)."""
+    from opacus_rc.accountants import RCAccountant
+
+    exact = one_step_epsilon(sigma, q, 1e-5)
+    accountant = RCAccountant()
+    accountant.step(noise_multiplier=sigma, sample_rate=q)
+    eps = accountant.get_epsilon(delta=1e-5)
+    assert eps >= 0.0
+    assert exact - 1e-6 <= eps <= exact + 2 * accountant.eps_error
+
+
+def test_large_epsilon_composition_where_prv_accountant_fails() -> None:
+    """microsoft/prv_accountant#42 (2025-07): q = 0.2, sigma = 1, 10 steps with
+    delta_error = 1e-10 raises prv_accountant's "Discrete mean differs from continuous mean
+    significantly" (reproduced with prv-accountant 0.2.0 here). The RC accountant gives a
+    finite epsilon equal to Opacus' PRV accountant (an independent implementation, default
+    errors) within the two eps_errors, below Opacus' RDP bound; the sketched (k = 32) epsilon
+    is larger than the exact one."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    from opacus_rc.accountants import RCAccountant
+
+    history = [(1.0, 0.2, 10)]
+    exact = RCAccountant()
+    exact.history = list(history)
+    eps = exact.get_epsilon(delta=1e-5, delta_error=1e-10)
+    prv, rdp = PRVAccountant(), RDPAccountant()
+    prv.history, rdp.history = list(history), list(history)
+    assert abs(eps - prv.get_epsilon(delta=1e-5)) <= 2 * exact.eps_error
+    assert eps <= rdp.get_epsilon(delta=1e-5)
+    sketched = RCAccountant(sketch_dim=32)
+    sketched.history = list(history)
+    assert sketched.get_epsilon(delta=1e-5, delta_error=1e-10) > eps

@@ -18,6 +18,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from opacus_rc.privacy_engine import PrivacyEngine
+from tests import flat_mlp
 from tests.engine import private_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore:Secure RNG turned off")
@@ -125,3 +127,50 @@ def test_iterable_dataset_is_refused_with_the_reason(clipping: str, poisson_samp
 def test_dataset_without_len_is_refused() -> None:
     with pytest.raises(ValueError, match="has no len\\(\\).*known size"):
         private_loaders.private(DataLoader(NoLen(), batch_size=private_loaders.B))
+
+
+def test_poisson_sampling_false_warns_that_the_epsilon_does_not_hold() -> None:
+    """meta-pytorch/opacus PR 745 (2025-03): with ``poisson_sampling=False`` Opacus keeps the
+    user's loader (fixed or shuffled batches) and still accounts Poisson steps at rate
+    1/len(loader), silently; so did opacus_rc (4 steps at q = 0.25 here). The steps are still
+    accounted the same way, but ``make_private`` now warns, at the caller's line, that the
+    reported epsilon is not a valid guarantee for such batches."""
+    model = flat_mlp.FlatMLP()
+    with pytest.warns(UserWarning, match="poisson_sampling=False.*not a valid guarantee") as rec:
+        engine, module, opt, crit, loader = flat_mlp.private(model, poisson_sampling=False)
+    assert [w.filename for w in rec if "poisson_sampling" in str(w.message)] == [flat_mlp.__file__]
+    flat_mlp.train_all(module, opt, crit, loader)
+    assert engine.accountant.history[0][:3] == (1.0, 0.25, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        flat_mlp.private(flat_mlp.FlatMLP())  # the default (Poisson) does not warn
+
+
+def test_poisson_sampling_false_with_a_poisson_loader_does_not_warn() -> None:
+    """A loader that is already Opacus' ``DPDataLoader`` (Poisson batches; the generative
+    tutorial shares one seeded loader between its methods) with ``poisson_sampling=False``
+    is a valid Poisson run: no warning (the second new-user test saw the warning on every
+    tutorial run). Opacus accounts it at rate 1 / len(loader) = 1 / floor(1 / q), here exactly
+    q = 0.25."""
+    from opacus.data_loader import DPDataLoader
+
+    loader = DPDataLoader.from_data_loader(DataLoader(flat_mlp.data(), batch_size=flat_mlp.B))
+    model = flat_mlp.FlatMLP()
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        module, opt, crit, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=flat_mlp.C,
+            clipping="randomized",
+            sketch_dim=8,
+            poisson_sampling=False,
+            dataset_size=16,  # public: the divisor of a loader without batch_size (issue 30)
+        )
+    flat_mlp.train_all(module, opt, crit, loader)
+    assert engine.accountant.history[0][:2] == (1.0, 0.25)

@@ -24,7 +24,7 @@ from opacus_rc.grad_sample import (
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.privacy_engine import PrivacyEngine
 from opacus_rc.sketching import SketchSpec, hutchinson_sqnorm
-from tests import private_mlp
+from tests import flat_mlp, private_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -711,4 +711,84 @@ def test_private_backward_does_not_warn_about_output_hooks() -> None:
         crit(module(x), y).backward()
         opt.step()
     assert not [w for w in caught if "Full backward hook is firing" in str(w.message)]
+    assert len(engine.accountant) == 1
+
+
+class GRUNet(nn.Module):
+    """Opacus' DPGRU with a Linear head on the last step (meta-pytorch/opacus#639)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from opacus.layers import DPGRU
+
+        self.rnn = DPGRU(flat_mlp.D, flat_mlp.H, batch_first=True)
+        self.fc = nn.Linear(flat_mlp.H, flat_mlp.CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.fc(out[:, -1])
+
+
+def test_to_standard_module_leaves_a_clean_model_that_can_be_made_private_again() -> None:
+    """meta-pytorch/opacus PR 754 (2025-05): ``to_standard_module`` after ghost clipping left
+    attributes behind. After training with randomized clipping, ``to_standard_module()``
+    gives the original class with no hook and no per-sample attribute; a plain backward gives
+    autograd's gradient (float64 check), and the model can be made private again."""
+    torch.manual_seed(0)
+    model = flat_mlp.FlatMLP()
+    engine, module, opt, crit, loader = flat_mlp.private(model)
+    flat_mlp.train_all(module, opt, crit, loader)
+    plain = module.to_standard_module()
+    assert type(plain) is flat_mlp.FlatMLP
+    for sub in plain.modules():
+        assert not (sub._forward_hooks or sub._backward_hooks or sub._forward_pre_hooks)
+        assert not sub._backward_pre_hooks
+        assert not getattr(sub, "activations", None) and not hasattr(sub, "max_batch_len")
+    for p in plain.parameters():
+        for attr in ("grad_sample", "_current_grad_sample", "_forward_counter"):
+            assert getattr(p, attr, None) in (None, 0), attr
+    x, y = flat_mlp.batch()
+    plain.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(plain(x), y).backward()
+    ref = flat_mlp.FlatMLP().double()
+    ref.load_state_dict({k: v.double() for k, v in plain.state_dict().items()})
+    nn.functional.cross_entropy(ref(x.double()), y).backward()
+    for p, r in zip(plain.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.double(), r.grad, rtol=1e-5, atol=1e-7)
+    plain.zero_grad(set_to_none=True)
+    engine2, module2, opt2, crit2, _ = flat_mlp.private(plain)
+    crit2(module2(x), y).backward()
+    opt2.step()
+    assert len(engine2.accountant) == 1
+
+
+def test_dpgru_with_a_linear_head_matches_the_per_sample_oracle() -> None:
+    """meta-pytorch/opacus#639 (2024-08 comment): a Linear layer on top of Opacus' DPGRU gave
+    "Per sample gradient is not initialized. Not updated in backward pass?". Here the GRU's
+    RNNLinear cells take Opacus' exact grad sampler and the head's rank-2 input is exact too,
+    so the per-sample norms and the clipped gradient equal a float64 oracle (one autograd
+    call per sample) to 1e-5."""
+    torch.manual_seed(0)
+    model = GRUNet()
+    ref = GRUNet().double()
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    engine, module, opt, crit, _ = flat_mlp.private(model, seq=True)
+    x, y = flat_mlp.batch(seq=True)
+    crit(module(x), y).backward()
+    norms = module.get_norm_sample()
+    grads = [p.grad.double().clone() for p in model.parameters()]
+    expected_norms, expected = [], [torch.zeros_like(p) for p in ref.parameters()]
+    for i in range(flat_mlp.B):
+        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+        g = torch.autograd.grad(loss, list(ref.parameters()))
+        n = float(torch.sqrt(sum((t**2).sum() for t in g)))
+        expected_norms.append(n)
+        for e, t in zip(expected, g, strict=True):
+            e += min(1.0, flat_mlp.C / n) * t
+    torch.testing.assert_close(
+        norms, torch.tensor(expected_norms, dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    for got, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, e, rtol=1e-5, atol=1e-7)
+    opt.step()
     assert len(engine.accountant) == 1

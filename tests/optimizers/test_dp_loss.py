@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tests import private_mlp
+from tests import flat_mlp, private_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -111,3 +112,79 @@ def test_criterion_without_ignore_index_warns_once() -> None:
         hits = [w for w in caught if "has no ignore_index attribute" in str(w.message)]
         assert len(hits) == (1 if warns else 0)
         module.discard_recorded()
+
+
+def clipped_sum_oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """float64 ``sum_i min(1, C/||g_i||) g_i`` of ``model``'s per-sample cross-entropy
+    gradients, by one autograd call per sample: ``p.grad`` after the private backward (the
+    optimizer divides by the expected batch size at ``step()``)."""
+    ref = flat_mlp.FlatMLP().double()
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for i in range(len(x)):
+        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+        grads = torch.autograd.grad(loss, list(ref.parameters()))
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        factor = min(1.0, flat_mlp.C / float(norm))
+        for t, g in zip(total, grads, strict=True):
+            t += factor * g
+    return total
+
+
+@pytest.mark.parametrize(
+    "kwargs, advice",
+    [
+        ({"retain_graph": True}, r"retain_graph=True.*unclipped.*\(loss \+ other\)"),
+        ({"gradient": torch.tensor(2.0)}, r"scale the loss instead"),
+        ({"create_graph": True}, r"create_graph=True"),
+        ({"inputs": []}, r"freeze"),
+    ],
+    ids=["retain_graph", "gradient", "create_graph", "inputs"],
+)
+def test_backward_arguments_it_cannot_honour_are_refused_clearly(
+    kwargs: dict[str, Any], advice: str
+) -> None:
+    """``loss.backward(retain_graph=True)`` used to raise a bare ``TypeError: backward() got an
+    unexpected keyword argument 'retain_graph'`` (as Opacus' ``DPTensorFastGradientClipping``,
+    whose ``backward()`` takes no argument). Honouring it is unsafe: measured on this model, a
+    plain backward through the kept graph added its unclipped gradient to ``lin2``'s clipped
+    one before any hook could object, and the two-pass step released it. So it, and the other
+    ``Tensor.backward`` arguments that cannot be honoured, get a ``TypeError`` that says what to
+    do, and a refused step (nothing noised or accounted); after ``zero_grad()`` training
+    continues. ``retain_graph=False`` is accepted and gives the float64 oracle's gradient."""
+    engine, module, opt, crit, _ = flat_mlp.private(flat_mlp.FlatMLP())
+    x, y = flat_mlp.batch()
+    with pytest.raises(TypeError, match=advice):
+        crit(module(x), y).backward(**kwargs)
+    assert all(p.grad is None for p in module.parameters())
+    with pytest.raises(RuntimeError, match="nothing is accounted"):
+        opt.step()
+    assert len(engine.accountant) == 0
+    opt.zero_grad()
+    expected = clipped_sum_oracle(module._module, x, y)
+    crit(module(x), y).backward(retain_graph=False)
+    for p, e in zip(module.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-5, atol=1e-7)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+def test_per_token_loss_of_shape_b_t_without_shape_says_what_to_pass() -> None:
+    """A criterion that returns per-token losses of shape (B, T) (``nn.CrossEntropyLoss`` on
+    logits laid out (B, V, T)) without ``shape=`` used to give PyTorch's bare "grad can be
+    implicitly created only for scalar outputs". It now says to flatten and pass
+    ``shape=logits.shape``; doing so works and is accounted."""
+    model = flat_mlp.FlatMLP()
+    engine, module, opt, crit, _ = flat_mlp.private(model, seq=True)
+    x, _ = flat_mlp.batch(seq=True)
+    tokens = torch.randint(
+        0, flat_mlp.CLASSES, (flat_mlp.B, flat_mlp.T), generator=torch.Generator().manual_seed(2)
+    )
+    logits = module(x)  # (B, T, CLASSES)
+    with pytest.raises(ValueError, match=r"shape \(4, 4\).*shape=logits.shape"):
+        crit(logits.transpose(1, 2), tokens).backward()
+    opt.zero_grad()
+    logits = module(x)
+    crit(logits.reshape(-1, flat_mlp.CLASSES), tokens.reshape(-1), shape=logits.shape).backward()
+    opt.step()
+    assert len(engine.accountant) == 1
