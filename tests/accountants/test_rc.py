@@ -24,6 +24,7 @@ from opacus_rc.accountants import (
     register,
 )
 from opacus_rc.sketching import SketchSpec
+from tests import float64_oracle
 
 
 def _reference():  # tests/reference/theory_tables.py, loaded by path (pytest uses importlib mode)
@@ -508,3 +509,33 @@ def test_large_epsilon_composition_where_prv_accountant_fails() -> None:
     sketched = RCAccountant(sketch_dim=32)
     sketched.history = list(history)
     assert sketched.get_epsilon(delta=1e-5, delta_error=1e-10) > eps
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#834 (2026-07): len(accountant) returned the number of history entries
+# (distinct (sigma, q) pairs), 1 after 100 steps, instead of the number of steps.
+# --------------------------------------------------------------------------------------------
+
+
+def test_len_of_the_accountant_counts_steps_not_history_entries() -> None:
+    """The RC accountant's history is compressed as in Opacus (one entry per run of equal
+    steps), but ``len`` sums the counts: 100 equal steps give 1 entry and len 100; a change of
+    q opens a second entry. Through the engine, three equal optimizer steps give len 3 (the
+    trainer integration compares len(accountant) with the planned number of steps)."""
+    from opacus_rc.accountants import RCAccountant
+
+    accountant = RCAccountant()
+    for _ in range(100):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.01)
+    assert (len(accountant.history), len(accountant)) == (1, 100)
+    for _ in range(7):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.02)
+    assert (len(accountant.history), len(accountant)) == (2, 107)
+    torch.manual_seed(0)
+    engine, module, opt, crit = float64_oracle.private(float64_oracle.MLP())
+    x, y = float64_oracle.batch()
+    for _ in range(3):
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert (len(engine.accountant.history), len(engine.accountant)) == (1, 3)

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations, parametrize
 from torch.utils.data import DataLoader, TensorDataset
 
+from opacus_rc.grad_sample.routing import UnsupportedModuleError
 from opacus_rc.privacy_engine import PrivacyEngine
-from tests import private_mlp
+from tests import float64_oracle, private_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -301,3 +303,247 @@ def test_inplace_ops_on_hooked_outputs_get_a_clear_error(factory: Any, advice: s
     with pytest.raises(RuntimeError, match=advice):
         crit(module(x), y).backward()
     assert len(engine.accountant) == 0
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# pytorch/pytorch#117925 (2024-01): module hooks do not run when ``module.forward(x)`` is called
+# instead of ``module(x)``.
+# --------------------------------------------------------------------------------------------
+
+
+class ForwardCalledDirectly(float64_oracle.MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2.forward(torch.tanh(self.lin1(x)))
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#673 (2024-09): GradSampleModuleFastGradientClipping silently ignored the
+# strict and force_functorch arguments (the user wanted strict=False for BatchNorm).
+# --------------------------------------------------------------------------------------------
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(float64_oracle.D, float64_oracle.H)
+        self.bn = nn.BatchNorm1d(float64_oracle.H)
+        self.out = nn.Linear(float64_oracle.H, float64_oracle.K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.lin(x)))
+
+
+# --------------------------------------------------------------------------------------------
+# PEFT's DoRA (huggingface/peft PR 1474, 2024-02; use_dora=True in LoraConfig): the magnitude
+# layer forms ||W + s B A|| by running lora_A and lora_B on an identity matrix, inside every
+# forward. No DP tracker report was found; the case is PEFT's own implementation, met by any
+# user who switches LoRA to DoRA.
+# --------------------------------------------------------------------------------------------
+
+
+def test_peft_dora_is_refused_at_make_private_and_plain_lora_trains() -> None:
+    """Before: make_private accepted a DoRA model, and the first forward failed with
+    "module 'base_model.model.lin1.lora_A.default' (Linear) ran more than once before a
+    backward pass (a module reused within one forward, or a training-mode forward that was
+    never backpropagated)", which does not say that DoRA is the cause. Now make_private raises
+    UnsupportedModuleError naming the DoRA layer and the way out, leaving no hook behind; the
+    same model with plain LoRA takes an accounted step whose clipped gradient of the adapters
+    equals the float64 oracle."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    dora = peft.get_peft_model(
+        float64_oracle.MLP(), peft.LoraConfig(r=2, target_modules=["lin1"], use_dora=True)
+    )
+    hooks = hook_count(dora)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"DoRA.*'base_model.model.lin1'.*use_dora=False"
+    ):
+        float64_oracle.private(dora)
+    assert hook_count(dora) == hooks
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(float64_oracle.MLP(), peft.LoraConfig(r=2, target_modules=["lin1"]))
+    with torch.no_grad():  # B = 0 at peft's initialisation: make both factors matter
+        lora.base_model.model.lin1.lora_B.default.weight.normal_()
+    # float64 oracle on a copy of the adapted model made before any hook, one sample at a time
+    ref = copy.deepcopy(lora.base_model.model).double()
+    x, y = float64_oracle.batch()
+    ref_named = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    expected = {n: torch.zeros_like(p) for n, p in ref_named.items()}
+    for i in range(float64_oracle.B):
+        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+        grads = torch.autograd.grad(loss, list(ref_named.values()))
+        factor = min(1.0, float64_oracle.C / float(torch.sqrt(sum((g**2).sum() for g in grads))))
+        for n, g in zip(ref_named, grads, strict=True):
+            expected[n] += factor * g
+    engine, module, opt, crit = float64_oracle.private(lora, lr=0.0)
+    named = {n: p for n, p in lora.base_model.model.named_parameters() if p.requires_grad}
+    assert set(named) == set(expected)
+    crit(module(x), y).backward()
+    for n, p in named.items():  # float32 step against float64: a few ulps of the gradients
+        torch.testing.assert_close(p.grad.double(), expected[n], rtol=1e-4, atol=1e-6)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["book-keeping", "two-passes"])
+def test_submodule_forward_called_directly_is_named_in_the_error(bookkeeping: bool) -> None:
+    """``self.lin2.forward(h)`` skips lin2's hooks, so its parameters get a gradient that no
+    per-sample norm covers. Before: refused, but the error named only ``F.linear(h,
+    model.fc.weight)`` as the cause. Now it also names ``model.fc.forward(h)`` and says to call
+    the module itself; nothing is noised or accounted, and after ``zero_grad()`` the step of
+    the corrected model equals the float64 oracle."""
+    torch.manual_seed(0)
+    model = ForwardCalledDirectly()
+    engine, module, opt, crit = float64_oracle.private(model, lr=0.0, bookkeeping=bookkeeping)
+    x, y = float64_oracle.batch()
+    with pytest.raises(RuntimeError, match=r"'lin2.weight'.*model\.fc\.forward\(h\).*hooks"):
+        crit(module(x), y).backward()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert len(engine.accountant) == 0
+    opt.zero_grad()
+    model.forward = float64_oracle.MLP.forward.__get__(model)  # the corrected forward: self.lin2(h)
+    expected, _ = (
+        float64_oracle.clipped_sum_oracle(  # the oracle's copy has no hooks: .forward() is exact
+            model,
+            x,
+            lambda ref, i: nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1]),
+        )
+    )
+    crit(module(x), y).backward()
+    float64_oracle.assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#687 (2024-11): "can I set some model parameter's requires_grad false after
+# make_private" (the maintainers: an error with ghost clipping, untested otherwise).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["book-keeping", "two-passes"])
+def test_parameter_frozen_after_make_private(bookkeeping: bool) -> None:
+    """Freezing ``lin1.weight`` after make_private (gradual unfreezing run backwards): the step
+    works, the frozen weight gets no gradient, no noise and no update, and the other
+    parameters' clipped gradient equals the float64 oracle whose per-sample norm covers the
+    still-trainable parameters only (so clipping is not looser than the accounted C)."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    engine, module, opt, crit = float64_oracle.private(model, lr=0.0, bookkeeping=bookkeeping)
+    x, y = float64_oracle.batch()
+    model.lin1.weight.requires_grad_(False)
+    frozen = model.lin1.weight.detach().clone()
+    expected, _ = float64_oracle.clipped_sum_oracle(model, x, float64_oracle.ce_of_sample(x, y))
+    assert "lin1.weight" not in expected
+    crit(module(x), y).backward()
+    assert model.lin1.weight.grad is None
+    float64_oracle.assert_grads_equal(model, expected)
+    opt.param_groups[0]["lr"] = 0.5
+    opt.step()
+    assert torch.equal(model.lin1.weight, frozen)
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# huggingface/peft#3409 (2026-07, from meta-pytorch/opacus#820): parameters materialised or
+# replaced after a hook-registering library wrapped the model; the optimizer keeps the stale
+# ones and the adapters never move (max |delta| = 0) while epsilon grows.
+# --------------------------------------------------------------------------------------------
+
+
+def test_parameters_replaced_after_make_private_are_refused() -> None:
+    """``model.load_state_dict(sd, assign=True)`` after make_private replaces every parameter
+    object (the optimizer holds the old ones). The private backward raises naming them,
+    nothing is accounted; a load without ``assign`` (copied in place) trains normally and
+    moves every parameter."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    engine, module, opt, crit = float64_oracle.private(model)
+    x, y = float64_oracle.batch()
+    state = {k: v.clone() + 0.1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(RuntimeError, match=r"replaced or tied after the model was made private"):
+        crit(module(x), y).backward()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert len(engine.accountant) == 0
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    engine, module, opt, crit = float64_oracle.private(model)
+    model.load_state_dict(state)  # in place: the optimizer's parameters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    crit(module(x), y).backward()
+    opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert len(engine.accountant) == 1
+
+
+@pytest.mark.parametrize("option", ["strict", "force_functorch"])
+def test_strict_and_force_functorch_are_refused_by_name_not_ignored(option: str) -> None:
+    """Passing ``strict=False`` or ``force_functorch=True`` to make_private with randomized
+    clipping raises a TypeError naming the option (never accepted and ignored), before any hook
+    is attached; BatchNorm (which mixes the samples of a batch) stays refused with the default
+    options."""
+    model = float64_oracle.NormMLP()
+    hooks = hook_count(model)
+    value = option == "force_functorch"
+    with pytest.raises(TypeError, match=rf"unexpected keyword arguments.*'{option}'"):
+        float64_oracle.private(model, **{option: value})
+    assert hook_count(model) == hooks
+    with pytest.raises(Exception, match=r"BatchNorm"):
+        float64_oracle.private(WithBatchNorm())
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#646 (2024-04): "Spectral normalization in Opacus": a model with
+# spectral_norm (ParametrizedConv2d) was refused as an unsupported layer.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "parametrization, bias",
+    [
+        (parametrizations.weight_norm, False),
+        (parametrizations.weight_norm, True),
+        (parametrizations.spectral_norm, True),
+        (parametrizations.orthogonal, False),
+    ],
+    ids=["weight_norm-no-bias", "weight_norm", "spectral_norm", "orthogonal"],
+)
+def test_parametrized_weights_are_refused_naming_the_parametrization(
+    parametrization: Any, bias: bool
+) -> None:
+    """``torch.nn.utils.parametrizations.weight_norm(nn.Linear(D, H, bias=False))``: before,
+    make_private routed ``lin1.parametrizations.weight`` to functorch and the first backward
+    failed with a bare ``IndexError: list index out of range``; with a bias the layer was
+    refused for owning ``bias`` "directly" (advice: move it into a leaf module), and
+    spectral_norm/orthogonal for the ParametrizationList's buffers; none named the
+    parametrization. Now make_private raises UnsupportedModuleError naming ``lin1.weight`` and
+    ``remove_parametrizations``, leaving no hook; after removing it the model's step equals
+    the float64 oracle."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    model.lin1 = parametrization(nn.Linear(float64_oracle.D, float64_oracle.H, bias=bias))
+    hooks = hook_count(model)
+    with pytest.raises(
+        UnsupportedModuleError,
+        match=r"parametrized tensors.*'lin1.weight'.*remove_parametrizations",
+    ):
+        float64_oracle.private(model)
+    assert hook_count(model) == hooks
+    parametrize.remove_parametrizations(model.lin1, "weight")
+    x, y = float64_oracle.batch()
+    expected, _ = float64_oracle.clipped_sum_oracle(model, x, float64_oracle.ce_of_sample(x, y))
+    engine, module, opt, crit = float64_oracle.private(model, lr=0.0)
+    crit(module(x), y).backward()
+    float64_oracle.assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1

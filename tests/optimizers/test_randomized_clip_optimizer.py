@@ -19,7 +19,7 @@ from torch.utils.data import (
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.privacy_engine import PrivacyEngine
-from tests import private_mlp
+from tests import float64_oracle, private_mlp
 from tests.engine import private_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
@@ -461,3 +461,67 @@ def test_parameter_of_the_model_in_a_new_group_is_accepted() -> None:
     criterion(module(x), y).backward()
     optimizer.step()
     assert len(engine.accountant.history) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus PR 664 (2024-08): the privacy engine did not pass max_grad_norm to fast
+# gradient clipping, so every run clipped at the default.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1.5, 50.0])
+def test_max_grad_norm_is_the_clipping_bound_used(max_grad_norm: float) -> None:
+    """For C = 0.05 (every sample clipped), 1.5 (some) and 50 (none), the module, the optimizer
+    and the clipped gradient all use the C given to make_private: ``p.grad`` equals the float64
+    oracle ``sum_i min(1, C/||g_i||) g_i``."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    engine, module, opt, crit = float64_oracle.private(model, lr=0.0, max_grad_norm=max_grad_norm)
+    assert opt.max_grad_norm == max_grad_norm
+    x, y = float64_oracle.batch()
+    expected, norms = float64_oracle.clipped_sum_oracle(
+        model, x, float64_oracle.ce_of_sample(x, y), c=max_grad_norm
+    )
+    clipped = sum(n > max_grad_norm for n in norms)
+    assert clipped == {0.05: float64_oracle.B, 50.0: 0}.get(max_grad_norm, clipped)
+    crit(module(x), y).backward()
+    float64_oracle.assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# huggingface/peft PR 3382 (2026-07): an optimizer wrapper whose step(closure) let the closure
+# recompute the gradients after the wrapper had changed them (there: the preconditioning was
+# silently dropped; for DP the noise and clipping would be, as in meta-pytorch/opacus PR 330).
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_with_a_closure_clips_and_noises_the_closures_gradient() -> None:
+    """``opt.step(closure)``, the closure running zero_grad, forward and the DP backward (as
+    PyTorch Lightning's automatic optimization does): one accounted step whose update is
+    ``-lr * clipped_sum / B`` with the float64 oracle's clipped sum (sigma = 0), the same as
+    without a closure."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    lr = 0.5
+    engine, module, opt, crit = float64_oracle.private(model, lr=lr)
+    x, y = float64_oracle.batch()
+    expected, _ = float64_oracle.clipped_sum_oracle(model, x, float64_oracle.ce_of_sample(x, y))
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+    def closure() -> Any:
+        opt.zero_grad()
+        loss = crit(module(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.detach().double(),
+            before[n] - lr * expected[n] / float64_oracle.B,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert len(engine.accountant) == 1
