@@ -98,7 +98,7 @@ stage="tests"
 SMOKE=(
     tests/compat
     tests/test_cli.py
-    "tests/reliability/test_round3_engine.py::test_target_epsilon_holds_when_an_epoch_is_one_step_short"
+    "tests/engine/test_schedule.py::test_target_epsilon_holds_when_an_epoch_is_one_step_short"
     "tests/test_privacy_engine.py::test_the_readme_quotes_what_each_omitted_switch_step_gives"
     tests/units/test_units_doc_example.py
     tests/integrations/test_readme_trainer.py

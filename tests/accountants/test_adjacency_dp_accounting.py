@@ -24,7 +24,7 @@ def _epsilon(relation: object) -> float:
 def test_dp_accounting_replace_one_is_the_exact_pair() -> None:
     """q = 0.01, sigma = 1, T = 1000, delta = 1e-5, exact clipping: the page's exact
     replace-one epsilon 2.84 (an independent lattice composition,
-    test_edges_round3.py) is dp_accounting's REPLACE_ONE figure; add/remove is 1.83-1.84, and
+    test_rc.py) is dp_accounting's REPLACE_ONE figure; add/remove is 1.83-1.84, and
     RCAccountant's replace-one conversion (valid, not tight: 3.55) is above the exact one."""
     relation = dp_accounting.NeighboringRelation
     replace_one = _epsilon(relation.REPLACE_ONE)

@@ -8,8 +8,10 @@ import math
 import pytest
 from scipy import optimize, special
 
+from opacus_rc.accountants import RCAccountant
 from opacus_rc.accountants.analysis.epsilon import EpsilonReport, Segment, compute_epsilon
 from opacus_rc.accountants.analysis.errors import EpsilonOutOfRangeError
+from tests.accountants import lattice_oracle
 
 
 def test_gaussian_mechanism_closed_form_both_directions() -> None:
@@ -77,3 +79,48 @@ def test_bad_segments_and_deltas() -> None:
     for delta in (0.0, 1.0, 2.0, -1e-5):
         with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
             compute_epsilon([Segment(1.0, 0.01, 10)], delta=delta)
+
+
+# ----------------------------------------------------------------------------- item 1
+def test_a_large_epsilon_is_computed_not_an_overflow() -> None:
+    """Issue 24, item 1: sigma = 0.1, q = 0.5, 100 steps, delta = 1e-5 raised a bare
+    ``OverflowError: math range error`` (``math.exp(eps - reference)`` in the solver, epsilon
+    being more than 700 nats above the tilted mean). The solver now never forms a factor
+    above 1. The remove direction dominates; the lattice oracle at mesh 0.004 brackets the
+    truth in [3541.31, 3541.71] (its width, 100 steps x 0.004, is the oracle's own error):
+    the bracket (lower, upper) of the accountant must meet it, upper must be above the oracle's
+    lower bound and at most its upper one plus the accountant's eps_error 0.01 either side.
+    The add direction's loss is at most log(1 / (1 - q)) per step, so its epsilon is at most
+    100 log 2 = 69.31."""
+    acc = RCAccountant()
+    acc.history = [(0.1, 0.5, 100)]
+    rep = acc.get_epsilon_report(1e-5)
+    kw = {"lo": math.log1p(-0.5), "hi": 250.0, "mesh": 0.004, "steps": 100, "delta": 1e-5}
+    below = lattice_oracle.lattice_epsilon(lattice_oracle.remove_cdf(0.5, 0.1), side="down", **kw)
+    above = lattice_oracle.lattice_epsilon(lattice_oracle.remove_cdf(0.5, 0.1), side="up", **kw)
+    assert 3541.2 < below < above < below + 0.41
+    lower, estimate, upper = rep.remove
+    assert below <= upper <= above + 0.02 and lower <= above
+    assert lower <= estimate <= upper and upper - lower < 0.2
+    assert rep.upper == upper and rep.add[2] <= 100 * math.log(2.0) + 0.011
+
+
+def test_all_mass_at_infinity_is_out_of_range_not_a_math_error() -> None:
+    """sigma = 0.02, q = 1, one step: every step's loss lies above the largest cap (200), so
+    its mass at infinity is 1; ``math.log1p(-1)`` raised ``ValueError: math domain error``.
+    Now the privacy answer, which says which epsilon (direction, delta) is not certified."""
+    with pytest.raises(EpsilonOutOfRangeError, match=r"remove direction .*delta=1e-05"):
+        compute_epsilon([Segment(0.02, 1.0, 1)], delta=1e-5)
+
+
+def test_out_of_range_error_says_which_epsilon() -> None:
+    """Issue 24, item 4: EpsilonOutOfRangeError said "epsilon exceeds every value this
+    accountant certifies at this delta" without saying which. Now it names the direction,
+    the number of steps, the delta and the cap of the per-step loss (k = 1, sigma = 0.5,
+    q = 0.01, 1000 steps: the revealing tail of the envelope exceeds delta)."""
+    with pytest.raises(EpsilonOutOfRangeError) as info:
+        compute_epsilon([Segment(0.5, 0.01, 1000, 1)], delta=1e-5)
+    msg = str(info.value)
+    assert msg.startswith("remove direction (docs/privacy/adjacency.md), 1000 steps: epsilon")
+    assert "at delta=1e-05 is not finite for this analysis" in msg
+    assert "per step at most 200 nats" in msg and "Increase noise_multiplier" in msg

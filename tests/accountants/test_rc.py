@@ -6,9 +6,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from opacus.accountants import PRVAccountant
@@ -18,11 +21,17 @@ from opacus.accountants.utils import get_noise_multiplier as opacus_get_noise_mu
 
 from opacus_rc.accountants import (
     EpsilonOutOfRangeError,
+    NumericalLimitError,
     RCAccountant,
     get_noise_multiplier,
     register,
 )
+from opacus_rc.accountants.analysis import blocks, discrete
+from opacus_rc.accountants.analysis.epsilon import choose_eta
+from opacus_rc.accountants.analysis.prv import RandomizedClippingPRV, choose_t_cap
 from opacus_rc.sketching import SketchSpec
+from tests import float64_oracle
+from tests.accountants import lattice_oracle
 
 
 def _reference():  # tests/reference/theory_tables.py, loaded by path (pytest uses importlib mode)
@@ -437,3 +446,332 @@ def test_out_of_range_configurations_raise() -> None:
     acc.history = [(0.5, Q, 1000)]
     with pytest.raises(EpsilonOutOfRangeError):
         acc.get_epsilon(DELTA)
+
+
+def one_step_epsilon(sigma: float, q: float, delta: float) -> float:
+    """float64 epsilon of one Poisson-subsampled Gaussian step (add/remove, sensitivity 1):
+    the smallest eps with ``max(H_eps(P||Q), H_eps(Q||P)) <= delta``, ``P = (1-q) N(0, s^2) +
+    q N(1, s^2)``, ``Q = N(0, s^2)``, the hockey-stick divergences by quadrature (Balle et
+    al., "Privacy amplification by subsampling", NeurIPS 2018, Thm. 8 reduces the mechanism
+    to this pair)."""
+    from scipy import integrate, optimize, stats
+
+    def divergence(eps: float) -> float:
+        def density(x: float) -> tuple[float, float]:
+            p = (1 - q) * stats.norm.pdf(x, 0, sigma) + q * stats.norm.pdf(x, 1, sigma)
+            return p, stats.norm.pdf(x, 0, sigma)
+
+        def part(swap: bool) -> float:
+            def f(x: float) -> float:
+                p, r = density(x)
+                a, b = (r, p) if swap else (p, r)
+                return max(0.0, a - float(np.exp(eps)) * b)
+
+            return integrate.quad(f, -40 * sigma, 40 * sigma + 1, points=[0.5], limit=500)[0]
+
+        return max(part(False), part(True))
+
+    if divergence(0.0) <= delta:
+        return 0.0
+    return optimize.brentq(lambda e: divergence(e) - delta, 0.0, 50.0, xtol=1e-10)
+
+
+@pytest.mark.parametrize("sigma, q", [(50.0, 1e-3), (1.0, 0.01), (0.8, 0.05)])
+def test_epsilon_of_one_step_is_never_negative_and_brackets_the_exact_value(
+    sigma: float, q: float
+) -> None:
+    """meta-pytorch/opacus PR 844 (2026-08, issue 585): Opacus' RDP and PRV accountants return
+    a negative epsilon for tiny budgets (and GDP fails). The RC accountant's epsilon is an
+    upper bound within its eps_error (0.01) of the exact float64 value, hence >= 0; for
+    sigma = 50, q = 1e-3 the exact epsilon is 0 (the total variation is below delta)."""
+    from opacus_rc.accountants import RCAccountant
+
+    exact = one_step_epsilon(sigma, q, 1e-5)
+    accountant = RCAccountant()
+    accountant.step(noise_multiplier=sigma, sample_rate=q)
+    eps = accountant.get_epsilon(delta=1e-5)
+    assert eps >= 0.0
+    assert exact - 1e-6 <= eps <= exact + 2 * accountant.eps_error
+
+
+def test_large_epsilon_composition_where_prv_accountant_fails() -> None:
+    """microsoft/prv_accountant#42 (2025-07): q = 0.2, sigma = 1, 10 steps with
+    delta_error = 1e-10 raises prv_accountant's "Discrete mean differs from continuous mean
+    significantly" (reproduced with prv-accountant 0.2.0 here). The RC accountant gives a
+    finite epsilon equal to Opacus' PRV accountant (an independent implementation, default
+    errors) within the two eps_errors, below Opacus' RDP bound; the sketched (k = 32) epsilon
+    is larger than the exact one."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    from opacus_rc.accountants import RCAccountant
+
+    history = [(1.0, 0.2, 10)]
+    exact = RCAccountant()
+    exact.history = list(history)
+    eps = exact.get_epsilon(delta=1e-5, delta_error=1e-10)
+    prv, rdp = PRVAccountant(), RDPAccountant()
+    prv.history, rdp.history = list(history), list(history)
+    assert abs(eps - prv.get_epsilon(delta=1e-5)) <= 2 * exact.eps_error
+    assert eps <= rdp.get_epsilon(delta=1e-5)
+    sketched = RCAccountant(sketch_dim=32)
+    sketched.history = list(history)
+    assert sketched.get_epsilon(delta=1e-5, delta_error=1e-10) > eps
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus#834 (2026-07): len(accountant) returned the number of history entries
+# (distinct (sigma, q) pairs), 1 after 100 steps, instead of the number of steps.
+# --------------------------------------------------------------------------------------------
+
+
+def test_len_of_the_accountant_counts_steps_not_history_entries() -> None:
+    """The RC accountant's history is compressed as in Opacus (one entry per run of equal
+    steps), but ``len`` sums the counts: 100 equal steps give 1 entry and len 100; a change of
+    q opens a second entry. Through the engine, three equal optimizer steps give len 3 (the
+    trainer integration compares len(accountant) with the planned number of steps)."""
+    from opacus_rc.accountants import RCAccountant
+
+    accountant = RCAccountant()
+    for _ in range(100):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.01)
+    assert (len(accountant.history), len(accountant)) == (1, 100)
+    for _ in range(7):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.02)
+    assert (len(accountant.history), len(accountant)) == (2, 107)
+    torch.manual_seed(0)
+    engine, module, opt, crit = float64_oracle.private(float64_oracle.MLP())
+    x, y = float64_oracle.batch()
+    for _ in range(3):
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert (len(engine.accountant.history), len(engine.accountant)) == (1, 3)
+
+
+# ----------------------------------------------------------------------------- item 3
+def _follow_the_advice(acc: RCAccountant, delta: float) -> tuple[str, float, float]:
+    """``(message, advised eps_error, epsilon)``: get_epsilon refuses at the accountant's
+    eps_error; the eps_error its message names is used once."""
+    with pytest.raises(NumericalLimitError) as info:
+        acc.get_epsilon(delta)
+    msg = str(info.value)
+    found = re.search(r"use eps_error=([0-9.]+) \(or larger\)", msg)
+    assert found, msg
+    advised = float(found.group(1))
+    return msg, advised, acc.get_epsilon(delta, eps_error=advised)
+
+
+# ----------------------------------------------------------------------------- item 2
+def _planned_fft_fraction(sigma: float, q: float, steps: int, k: int | None) -> float:
+    """The largest FFT the composition's plan needs, as a fraction of the limit (max over both
+    directions), at the default eps_error 0.01 and delta = 1e-5: what compose_prvs checks
+    before composing (it refuses above 1), computed from the same pieces."""
+    delta = 1e-5
+    beta = delta / 1000
+    eta = choose_eta(steps=steps, delta=delta)
+    worst = 0.0
+    for direction in ("remove", "add"):
+        prv = RandomizedClippingPRV(
+            noise_multiplier=sigma, sample_rate=q, sketch_dim=k, direction=direction, eta=eta
+        )
+        prv = prv.with_cap(choose_t_cap(prv, steps=steps, delta=delta))
+        tail = min(discrete.STEP_TAIL, 1e-4 * beta / steps)
+        span = discrete.upper_end(prv, tail)[0] - discrete.lower_end(prv, tail)
+        mgf = discrete.discretise(prv, span / 2**15, 0.0, 0, 1, tail)[1]
+        _, points = blocks.choose_plan([steps], [span], [mgf], 0.01, math.log(1 / beta), 0.0)
+        worst = max(worst, points / discrete.MAX_FFT_POINTS)
+    return worst
+
+
+# ----------------------------------------------------------------------------- issue 20, item 9
+def test_steps_without_noise_are_recorded_at_infinite_epsilon() -> None:
+    """Issue 20, item 9: RCAccountant.step refused noise_multiplier = 0 (``must be a finite
+    number > 0``), so a sigma = 0 debugging run with randomized clipping had no accountant.
+    Now it is recorded with its sketch, with one UserWarning (not one per step); epsilon is
+    infinite from then on, as Opacus reports it, also after steps with noise. The lower bound
+    is infinite exactly when delta < P(the record is sampled at least once without noise) =
+    1 - (1 - q)^n, and 0 (trivially valid) otherwise."""
+    spec = SketchSpec(estimator="hutchinson", sketch_dim=32)
+    acc = RCAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=spec)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            acc.step(noise_multiplier=0.0, sample_rate=0.01, sketch_spec=spec)
+    assert [str(w.message) for w in record] == [
+        "RCAccountant recorded a step without noise (noise_multiplier=0): the run is not "
+        "differentially private, and get_epsilon() is inf from now on"
+    ]
+    assert len(acc) == 4 and acc.history[-1][:3] == (0.0, 0.01, 3)
+    assert acc.ledger[-1][0].sketch_dim == 32
+    assert acc.get_epsilon(1e-5) == math.inf
+    p0 = 1.0 - 0.99**3  # 0.0297
+    assert acc.get_epsilon_report(0.9 * p0).remove == (math.inf, math.inf, math.inf)
+    assert acc.get_epsilon_report(1.1 * p0).add == (0.0, math.inf, math.inf)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0"):
+            acc.step(noise_multiplier=bad, sample_rate=0.01)
+
+
+def test_history_with_infinite_steps_names_the_entry() -> None:
+    """A history entry with steps = inf (OverflowError before) is a ValueError naming it."""
+    acc = RCAccountant()
+    acc.history = [(1.0, 0.01, math.inf)]
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 0, got inf in \(1.0"):
+        acc.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps", "k"),
+    [(1.0, 0.01, 1000, 8), (1.0, 0.01, 10_000, 8), (0.8, 0.05, 10_000, None)],
+)
+def test_the_advice_of_a_numerical_limit_works_when_followed(
+    monkeypatch: pytest.MonkeyPatch, sigma: float, q: float, steps: int, k: int | None
+) -> None:
+    """Issue 24, item 3: the advice "increase eps_error (about 2.5 times)" rounded the factor
+    down (2.54 -> "2.5") and then refused again. The message now names an eps_error (the
+    factor times a margin, rounded up); followed once, it gives an epsilon. On small inputs
+    with the FFT limit lowered to 2^18 points (the same code path as the full limit): randomized
+    clipping with a heavy tail (k = 8) and exact clipping."""
+    monkeypatch.setattr(discrete, "MAX_FFT_POINTS", 2**18)
+    acc = RCAccountant(sketch_dim=k)
+    acc.history = [(sigma, q, steps)]
+    msg, advised, eps = _follow_the_advice(acc, 1e-5)
+    assert advised > acc.eps_error and math.isfinite(eps) and eps > 0.0
+    assert "about" not in msg.split(";")[-1]  # no rounded-down factor any more
+
+
+@pytest.mark.slow
+def test_the_advice_at_k8_and_1e5_steps_works_when_followed() -> None:
+    """Issue 24, item 3, the reported case at the real FFT limit: k = 8, sigma = 1, q = 0.01,
+    10^5 steps, delta = 1e-5 advised "about 2.5 times" (0.025 refused again, "about 1 times").
+    Now it advises eps_error = 0.03, which succeeds (about 70 s on one core)."""
+    acc = RCAccountant(sketch_dim=8)
+    acc.history = [(1.0, 0.01, 10**5)]
+    _, advised, eps = _follow_the_advice(acc, 1e-5)
+    assert advised == 0.03 and 88.9 < eps < 89.1
+
+
+@pytest.mark.parametrize("k", [None, 32])
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"),
+    [
+        (0.8, 0.1, 10**6),
+        (0.8, 0.001, 10**6),
+        (1.0, 0.05, 10**6),
+        (1.0, 0.01, 10**7),
+        (1.0, 0.001, 10**7),
+        (2.0, 0.01, 10**7),
+    ],
+)
+def test_the_documented_horizons_fit_the_limit(
+    sigma: float, q: float, steps: int, k: int | None
+) -> None:
+    """Issue 24, item 2: RCAccountant promised composition "to at least 10^7 steps" at the
+    default eps_error, but q = 0.05, sigma = 0.8, 10^7 steps is refused (its plan needs 1.8
+    times the FFT limit, and 10^7 steps of q = 0.01, sigma = 0.8 took 80 s). The promise is
+    now what holds, and its corners are checked here: 10^6 steps for sigma >= 0.8 and
+    1e-3 <= q <= 0.1, 10^7 steps for sigma >= 1 and 1e-3 <= q <= 0.01, exact clipping and
+    k = 32 (measured fractions 0.1 to 0.9 of the limit)."""
+    assert _planned_fft_fraction(sigma, q, steps, k) <= 1.0
+
+
+def test_outside_the_documented_horizons_the_refusal_names_a_budget() -> None:
+    """The reported case, q = 0.05, sigma = 0.8, 10^7 steps: outside the promise; refused
+    before any long computation, with an eps_error that fits (0.021, since the plan needs
+    1.79 times the limit)."""
+    assert _planned_fft_fraction(0.8, 0.05, 10**7, None) > 1.0
+    acc = RCAccountant()
+    acc.history = [(0.8, 0.05, 10**7)]
+    with pytest.raises(NumericalLimitError, match=r"use eps_error=0.021 \(or larger\)"):
+        acc.get_epsilon(1e-5)
+    assert "10^7 steps for noise_multiplier >= 1" in " ".join(RCAccountant.__doc__.split())
+
+
+def test_replace_one_conversion_bounds_the_exact_replace_one_epsilon() -> None:
+    """Issue 24, item 5: the docs never said that epsilon holds for add/remove adjacency only;
+    under replace-one the same run (q = 0.01, sigma = 1, 1000 steps, delta = 1e-5, exact
+    clipping) has epsilon 2.84, not 1.84. The independent lattice composition gives both:
+    add/remove (the remove direction dominates) in [1.798, 1.858], replace-one in
+    [2.813, 2.873]. get_epsilon is the add/remove one (within its eps_error of the bracket)
+    and is below the replace-one truth; get_epsilon_replace_one (a conversion: remove, then
+    add) is above the replace-one truth and within 30 % of it. The adjacency is stated in
+    the docs and both API docstrings."""
+    from pathlib import Path
+
+    from opacus_rc import PrivacyEngine
+
+    rem = [
+        lattice_oracle.circular_lattice_epsilon(
+            lattice_oracle.remove_cdf(0.01, 1.0), lo=math.log1p(-0.01), hi=12.0, side=s
+        )
+        for s in ("down", "up")
+    ]
+    rep = [
+        lattice_oracle.circular_lattice_epsilon(
+            lattice_oracle.replace_one_cdf(0.01, 1.0), lo=-12.0, hi=12.0, side=s
+        )
+        for s in ("down", "up")
+    ]
+    assert 1.79 < rem[0] < rem[1] < 1.87 and 2.80 < rep[0] < rep[1] < 2.88
+    acc = RCAccountant()
+    acc.history = [(1.0, 0.01, 1000)]
+    add_remove = acc.get_epsilon(1e-5)
+    assert rem[0] <= add_remove <= rem[1] + 0.02 and add_remove < rep[0]
+    replace_one = acc.get_epsilon_replace_one(1e-5)
+    assert rep[1] <= replace_one <= 1.3 * rep[1]
+    docs = Path(__file__).resolve().parents[2] / "docs" / "privacy" / "adjacency.md"
+    assert "holds for **add/remove adjacency only**" in docs.read_text()
+    for cls in (RCAccountant, PrivacyEngine):
+        assert "add/remove* adjacency only" in cls.__doc__ and "replace-one" in cls.__doc__
+
+
+def test_a_manual_step_without_a_spec_on_a_sketched_accountant_warns() -> None:
+    """A new user's report: ``RCAccountant(sketch_dim=32)`` stepped by hand without a spec was
+    accounted as exact clipping (epsilon 12.27 at sigma = 0.5, q = 0.1, 10 steps), while the same
+    accountant reads 3-tuple history as k = 32 (14.55): the user expected k = 32. ``None`` still
+    means exact clipping (the documented meaning, and the optimizer hook's for a plain Opacus
+    optimizer), but the first such call warns and names the fix; following it gives the k = 32
+    epsilon, equal to the 3-tuple history's."""
+    exact = RCAccountant(sketch_dim=32)
+    with pytest.warns(UserWarning, match=r"records the step as exact clipping"):
+        exact.step(noise_multiplier=0.5, sample_rate=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per accountant
+        for _ in range(9):
+            exact.step(noise_multiplier=0.5, sample_rate=0.1)
+    sketched = RCAccountant(sketch_dim=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step with its spec does not warn
+        for _ in range(10):
+            sketched.step(noise_multiplier=0.5, sample_rate=0.1, sketch_spec=sketched.sketch_spec)
+    history = RCAccountant(sketch_dim=32)
+    history.history = [(0.5, 0.1, 10)]
+    eps_exact, eps_sketched = exact.get_epsilon(1e-5), sketched.get_epsilon(1e-5)
+    assert eps_sketched == pytest.approx(history.get_epsilon(1e-5), rel=1e-9)
+    assert eps_sketched > eps_exact + 1.0  # 14.55 vs 12.27: the warning is about a real gap
+    # The optimizer hook of a plain Opacus optimizer (exact clipping) does not warn.
+    hooked = RCAccountant(sketch_dim=32)
+    plain = type("PlainOptimizer", (), {"noise_multiplier": 0.5, "accumulated_iterations": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hooked.get_optimizer_hook_fn(sample_rate=0.1)(plain())
+    assert hooked.history == [(0.5, 0.1, 1, None)]
+
+
+def test_eps_error_inf_and_a_nonpositive_target_get_their_own_messages() -> None:
+    """A new user's report: ``get_epsilon(delta, eps_error=inf)`` went on to a
+    NumericalLimitError about nan (with a numpy RuntimeWarning); ``target_epsilon=0`` or -1 got
+    the hint for an infinite budget ("pass noise_multiplier=0"), which does not apply."""
+    acc = RCAccountant(sketch_dim=32)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, sketch_spec=acc.sketch_spec)
+    with pytest.raises(ValueError, match=r"eps_error must be a finite number > 0, got inf"):
+        acc.get_epsilon(1e-5, eps_error=math.inf)
+    for target in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"finite number > 0") as err:
+            get_noise_multiplier(
+                target_epsilon=target, target_delta=1e-5, sample_rate=0.01, steps=10
+            )
+        assert "noise_multiplier=0" not in str(err.value)
+    with pytest.raises(ValueError, match=r"infinite budget needs no noise"):
+        get_noise_multiplier(target_epsilon=math.inf, target_delta=1e-5, sample_rate=0.01, steps=10)

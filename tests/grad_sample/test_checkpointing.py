@@ -52,6 +52,7 @@ from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.grad_sample.step import StepPhase
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
+from tests.grad_sample import layer_oracle
 
 transformers = pytest.importorskip("transformers")
 
@@ -555,3 +556,139 @@ def test_module_shared_across_checkpointed_segments_is_refused(
     assert gsm.step_state.phase is StepPhase.FAILED
     opt.zero_grad()
     assert gsm.step_state.phase is StepPhase.IDLE
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 5: a submodule called directly under non-reentrant activation checkpointing
+# ------------------------------------------------------------------------------------------------
+
+
+class Body(nn.Module):
+    """An input layer and two MLP blocks, each in a torch.utils.checkpoint region."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 10), nn.Tanh(), nn.Linear(10, 8)) for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.reentrant is None:
+                h = h + block(h)
+            else:
+                h = h + torch_checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        return h
+
+
+class BodyHead(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = Body(reentrant)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.filterwarnings("ignore:book-keeping \\(one backward pass\\) is off:UserWarning")
+@pytest.mark.parametrize("bookkeeping", [True, False])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_submodules_called_directly_under_torch_checkpoint(
+    reentrant: bool, bookkeeping: bool
+) -> None:
+    """Opacus #582's pattern: ``module.body(x)`` then ``module.head(h)`` instead of
+    ``module(x)``. With non-reentrant checkpointing the step was refused ("its forward ran with
+    the hooks disabled or under torch.no_grad()"): early stop was turned off only inside the
+    root's forward. Rank-2 inputs: every norm is exact, so the norms and the clipped sum equal
+    the oracle's."""
+    model = BodyHead(reentrant)
+    g = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(layer_oracle.B, 6, generator=g),
+        torch.randint(0, 3, (layer_oracle.B,), generator=g),
+    )
+
+    def loss_of(ref: nn.Module, i: int) -> torch.Tensor:
+        ref.body.reentrant = None
+        return nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+
+    want = layer_oracle.per_sample_oracle(model, loss_of)
+    C = float(layer_oracle.total_norms(want).median())
+    _, module, opt, crit = layer_oracle.private(model, C=C, bookkeeping=bookkeeping)
+    h = module.body(x)
+    crit(module.head(h), y).backward()
+    coef = layer_oracle.check_step(model, module, want, C=C, rtol_sq=2 * layer_oracle.EXACT_RTOL)
+    assert bool((coef < 1).any()) and bool((coef == 1).any())
+    opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:book-keeping \\(one backward pass\\) is off:UserWarning")
+@pytest.mark.parametrize("bookkeeping", [True, False])
+def test_hf_model_and_lm_head_called_directly_under_gradient_checkpointing(
+    bookkeeping: bool,
+) -> None:
+    """Opacus #582 on a Hugging Face model: ``module.model(input_ids=...)`` then
+    ``module.lm_head(h)`` with ``gradient_checkpointing_enable()`` (non-reentrant, HF's
+    default). It was refused; now the norms are within the sketch's tolerance of the oracle
+    (k = 8192; layers that keep per-sample gradients are exact), the clipped sum is the
+    oracle's with the step's factors, and with a seeded sketch the step equals the one taken
+    through the root's forward (same probes in the same order)."""
+    T, V = 7, 32
+    model = layer_oracle.tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, V, (layer_oracle.B, T), generator=torch.Generator().manual_seed(1))
+
+    def logits_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        per_token = nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), ids[rows, 1:], reduction="none"
+        )
+        return per_token.mean(1).sum()
+
+    def loss_of(ref: nn.Module, i: int) -> torch.Tensor:
+        ref.gradient_checkpointing_disable()
+        return logits_loss(ref(input_ids=ids[i : i + 1]).logits, slice(i, i + 1))
+
+    want = layer_oracle.per_sample_oracle(model, loss_of)
+    C = float(layer_oracle.total_norms(want).median())
+    steps = []
+    for direct in (True, False):
+        m = copy.deepcopy(model)
+        _, module, opt, crit = layer_oracle.private(m, C=C, bookkeeping=bookkeeping, seed=5)
+        if direct:
+            h = module.model(input_ids=ids).last_hidden_state
+            logits = module.lm_head(h)
+        else:
+            logits = module(input_ids=ids).logits
+        out = logits[:, :-1]
+        crit(out.reshape(-1, V), ids[:, 1:].reshape(-1), shape=(layer_oracle.B, T - 1)).backward()
+        layer_oracle.check_step(m, module, want, C=C, rtol_sq=layer_oracle.sketch_rtol(8192))
+        steps.append((module.get_norm_sample().clone(), [p.grad.clone() for p in m.parameters()]))
+        opt.step()
+    (n_direct, g_direct), (n_root, g_root) = steps
+    torch.testing.assert_close(n_direct, n_root, rtol=1e-6, atol=0)
+    for a, b in zip(g_direct, g_root, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.filterwarnings("ignore:book-keeping \\(one backward pass\\) is off:UserWarning")
+def test_checkpoint_region_outside_every_module_names_the_cause() -> None:
+    """A region created in the training loop (``checkpoint(module.body, x)``) is outside every
+    module's forward, so PyTorch's early stop skips the last layer's forward hook in the
+    recomputation; the error now says so and what to do (it used to name only hooks disabled
+    or ``no_grad``)."""
+    model = BodyHead(None)
+    _, module, opt, crit = layer_oracle.private(model, C=1.0)
+    x, y = torch.randn(layer_oracle.B, 6), torch.randint(0, 3, (layer_oracle.B,))
+    h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="set_checkpoint_early_stop"):
+        crit(module.head(h), y).backward()
+    opt.zero_grad()
+    with torch_checkpoint.set_checkpoint_early_stop(False):
+        h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
+    crit(module.head(h), y).backward()
+    opt.step()

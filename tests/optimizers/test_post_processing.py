@@ -123,3 +123,20 @@ def test_rejects_bad_arguments() -> None:
         attach_post_processing_hook(opt, 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="has no step_hook"):
         attach_post_processing_hook(torch.optim.SGD([nn.Parameter(torch.zeros(1))]), print)
+
+
+@pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
+def test_post_processing_refused_on_opacus_ddp_optimizers() -> None:
+    """Opacus' DDP optimizers call step hooks before their all-reduce, where ranks > 0 hold an
+    un-noised partial sum: a post-processing hook (the spectral denoiser) there would not be
+    post-processing. attach_post_processing_hook refuses them; the randomized-clipping DDP
+    optimizer reduces first (tests/distributed, scenario noise_once)."""
+    from opacus.optimizers import DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping
+
+    from opacus_rc.optimizers import attach_post_processing_hook
+
+    for cls in (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping):
+        opt = object.__new__(cls)  # no process group here; only the type matters
+        opt.step_hook = None
+        with pytest.raises(ValueError, match="before its gradient all-reduce"):
+            attach_post_processing_hook(opt, lambda o: None)

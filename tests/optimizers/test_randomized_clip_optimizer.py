@@ -9,11 +9,18 @@ import pytest
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.optimizers import DPOptimizerFastGradientClipping
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
+from torch.utils.data import (
+    DataLoader,
+)
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.optimizers import RandomizedClipOptimizer
+from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
+from opacus_rc.privacy_engine import PrivacyEngine
+from tests import float64_oracle, private_mlp
+from tests.engine import private_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore:a sketch_generator was passed")
 
@@ -258,3 +265,263 @@ def test_noise_only_step_of_an_empty_batch_is_noised_and_accounted() -> None:
         opt.noise_only_step()  # the batch was not empty: its clipped gradients are kept
     opt.step()
     assert calls == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("mistake", ["plain_loss", "second_step"])
+def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
+    """A plain ``nn.CrossEntropyLoss()(...).backward()`` (an Opacus user's habit; the hooks run
+    but nobody applies the clip factors) or a second ``step()`` after one backward would noise
+    gradients that are unclipped or already released: step() must refuse before accumulating,
+    noising or accounting. A noise-only step on zero gradients (empty Poisson batch) stays
+    allowed. With a tiny C the unclipped gradient is ~1e4 x C, so a silent step would move the
+    parameters by far more than the clipped one could."""
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP()
+    engine, module, opt, crit, _ = private_mlp.private(model, noise_multiplier=0.0)
+    x, y = private_mlp.batch()
+    if mistake == "plain_loss":
+        (nn.CrossEntropyLoss()(module(x), y) * 1000).backward()
+    else:
+        crit(module(x), y).backward()
+        opt.step()
+        assert len(engine.accountant) == 1
+    steps, theta = len(engine.accountant), private_mlp.params(model)
+    with pytest.raises(RuntimeError, match="but no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    assert torch.equal(private_mlp.params(model), theta)
+    opt.zero_grad()
+    # The step protocol has no noise-only step without a private backward (issue 12): zero
+    # gradients set by hand are refused too; an empty Poisson batch goes through backward.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="no clip factors were computed for them"):
+        opt.step()
+    assert len(engine.accountant) == steps
+    opt.zero_grad()
+    crit(module(x[:0]), y[:0]).backward()  # empty batch: a noise-only step
+    opt.step()
+    assert len(engine.accountant) == steps + 1
+    opt.zero_grad()
+    crit(module(x), y).backward()
+    opt.step()
+    assert len(engine.accountant) == steps + 2
+
+
+def test_nan_gradient_reaching_the_optimizer_is_refused() -> None:
+    """Last line of defence: a NaN/inf in a clipped gradient (however it got there) makes
+    step() raise before noise is added or the step is accounted."""
+    model = private_mlp.SeqMLP()
+    engine, module, opt, crit, _ = private_mlp.private(model)
+    crit(module(private_mlp.batch()[0]), private_mlp.batch()[1]).backward()
+    model.lin1.weight.grad[0, 0] = float("inf")
+    theta = private_mlp.params(model)
+    with pytest.raises(FloatingPointError, match="contain NaN or inf; no step is taken"):
+        opt.step()
+    assert len(engine.accountant) == 0 and torch.equal(private_mlp.params(model), theta)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_batch_memory_manager_equals_logical_batches(fake_engine: Any, seq: bool) -> None:
+    """Poisson logical batches split into physical batches of <= 2 by BatchMemoryManager:
+
+    * one accountant step per logical batch, at the logical sample rate (PR 707, #683);
+    * clip factors are decided per sample inside each physical batch, so the update equals
+      one step per whole logical batch. seq=False: rank-2 inputs, exact norms, clipping
+      active (C = 1, inputs scaled by 3), exact comparison. seq=True: sketched norms with
+      C = 1e6 (every factor 1), which checks the accumulation of physical batches (the
+      ``summed_grad`` aliasing of PR 707) on the sketched path.
+    """
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP() if seq else private_mlp.FlatMLP()
+    start = copy.deepcopy(model)
+    C = 1e6 if seq else 1.0
+    module, opt, crit, loader = fake_engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(private_mlp.dataset(24, seq=seq), batch_size=6),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        clipping="randomized",
+        sketch_dim=4,
+    )
+    logical: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as bmm:
+        for x, y in bmm:
+            assert len(x) <= 2
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            logical[-1].append((x, y))
+            if not opt._is_last_step_skipped:
+                logical.append([])
+    logical.pop()
+    history = fake_engine.accountant.history
+    assert sum(n for _, _, n in history) == len(logical) == len(loader) == 4
+    assert {q for _, q, _ in history} == {1 / len(loader)}
+    assert any(len(chunks) > 1 for chunks in logical)
+
+    gsm = GradSampleModuleRandomizedClipping(start, max_grad_norm=C, sketch_dim=4)
+    ref_opt = RandomizedClipOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.5),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        expected_batch_size=opt.expected_batch_size,
+    )
+    ref_crit = DPLossRandomizedClipping(gsm, ref_opt, nn.CrossEntropyLoss())
+    clipped = 0
+    for chunks in logical:
+        x = torch.cat([c[0] for c in chunks])
+        y = torch.cat([c[1] for c in chunks])
+        ref_crit(gsm(x), y).backward()
+        clipped += int((gsm.per_sample_gradient_norms > C).sum())
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if not seq:
+        assert clipped >= 5  # the clip factors matter
+    torch.testing.assert_close(
+        private_mlp.params(model), private_mlp.params(start), rtol=1e-5, atol=1e-6
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# frozen parameters and exact-fallback logging
+# --------------------------------------------------------------------------------------------
+
+
+def test_frozen_parameters_get_no_noise_and_no_update() -> None:
+    """A frozen base layer with a trainable adapter (LoRA-like): the frozen weights are neither
+    noised nor updated; trainable ones are (no-probe check: test_frozen_weight_draws_no_probes)."""
+    torch.manual_seed(0)
+    model = private_mlp.SeqMLP()
+    model.lin1.requires_grad_(False)
+    frozen = model.lin1.weight.detach().clone()
+    engine, module, opt, crit, _ = private_mlp.private(model)
+    assert all(p.requires_grad for p in opt.params) and len(opt.params) == 2
+    x, y = private_mlp.batch()
+    trainable = model.lin2.weight.detach().clone()
+    crit(module(x), y).backward()
+    opt.step()
+    assert torch.equal(model.lin1.weight, frozen) and model.lin1.weight.grad is None
+    assert not torch.equal(model.lin2.weight, trainable)
+
+
+# ----------------------------------------------------------------------------------------------
+# Item 3: a parameter outside the model in the optimizer
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+@pytest.mark.parametrize("bookkeeping", [True, False, "always"])
+def test_parameter_outside_the_model_is_refused(bookkeeping: bool | str) -> None:
+    """Issue 20 item 3: a learnable temperature added with ``add_param_group`` after
+    make_private. With book-keeping its gradient was silently dropped and the step accounted;
+    with two passes it was refused (``StepProtocolError ... ['<unnamed>']``). Now both refuse
+    at ``add_param_group``, naming the group and position; a group slipped into
+    ``param_groups`` directly is refused at ``step()``, before anything is noised or
+    accounted."""
+    engine, (module, optimizer, criterion, _) = private_loaders.private(
+        DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+        bookkeeping=bookkeeping,
+    )
+    temperature = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] \(shape \(\)\)"):
+        optimizer.add_param_group({"params": [temperature]})
+    assert len(optimizer.param_groups) == 1
+
+    optimizer.original_optimizer.param_groups.append(
+        {**optimizer.param_groups[0], "params": [temperature]}
+    )
+    x, y = private_loaders.dataset(private_loaders.B, seed=1).tensors
+    before = [p.detach().clone() for p in module.parameters()]
+    criterion(module(x) / temperature, y).backward()
+    with pytest.raises(RuntimeError, match="not parameters of the private model"):
+        optimizer.step()
+    assert engine.accountant.history == []
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+def test_parameter_of_the_model_in_a_new_group_is_accepted() -> None:
+    """A group of the model's own parameters (e.g. another learning rate) is not refused."""
+    model = private_loaders.MLP()
+    engine = PrivacyEngine()
+    module, optimizer, criterion, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.lin1.parameters(), lr=1.0),
+        data_loader=DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B),
+        noise_multiplier=private_loaders.SIGMA,
+        max_grad_norm=private_loaders.C,
+        clipping="randomized",
+        sketch_dim=8,
+    )
+    optimizer.add_param_group({"params": list(model.lin2.parameters()), "lr": 0.1})
+    x, y = private_loaders.dataset(private_loaders.B, seed=1).tensors
+    criterion(module(x), y).backward()
+    optimizer.step()
+    assert len(engine.accountant.history) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# meta-pytorch/opacus PR 664 (2024-08): the privacy engine did not pass max_grad_norm to fast
+# gradient clipping, so every run clipped at the default.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1.5, 50.0])
+def test_max_grad_norm_is_the_clipping_bound_used(max_grad_norm: float) -> None:
+    """For C = 0.05 (every sample clipped), 1.5 (some) and 50 (none), the module, the optimizer
+    and the clipped gradient all use the C given to make_private: ``p.grad`` equals the float64
+    oracle ``sum_i min(1, C/||g_i||) g_i``."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    engine, module, opt, crit = float64_oracle.private(model, lr=0.0, max_grad_norm=max_grad_norm)
+    assert opt.max_grad_norm == max_grad_norm
+    x, y = float64_oracle.batch()
+    expected, norms = float64_oracle.clipped_sum_oracle(
+        model, x, float64_oracle.ce_of_sample(x, y), c=max_grad_norm
+    )
+    clipped = sum(n > max_grad_norm for n in norms)
+    assert clipped == {0.05: float64_oracle.B, 50.0: 0}.get(max_grad_norm, clipped)
+    crit(module(x), y).backward()
+    float64_oracle.assert_grads_equal(model, expected)
+    opt.step()
+    assert len(engine.accountant) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# huggingface/peft PR 3382 (2026-07): an optimizer wrapper whose step(closure) let the closure
+# recompute the gradients after the wrapper had changed them (there: the preconditioning was
+# silently dropped; for DP the noise and clipping would be, as in meta-pytorch/opacus PR 330).
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_with_a_closure_clips_and_noises_the_closures_gradient() -> None:
+    """``opt.step(closure)``, the closure running zero_grad, forward and the DP backward (as
+    PyTorch Lightning's automatic optimization does): one accounted step whose update is
+    ``-lr * clipped_sum / B`` with the float64 oracle's clipped sum (sigma = 0), the same as
+    without a closure."""
+    torch.manual_seed(0)
+    model = float64_oracle.MLP()
+    lr = 0.5
+    engine, module, opt, crit = float64_oracle.private(model, lr=lr)
+    x, y = float64_oracle.batch()
+    expected, _ = float64_oracle.clipped_sum_oracle(model, x, float64_oracle.ce_of_sample(x, y))
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+    def closure() -> Any:
+        opt.zero_grad()
+        loss = crit(module(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.detach().double(),
+            before[n] - lr * expected[n] / float64_oracle.B,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert len(engine.accountant) == 1

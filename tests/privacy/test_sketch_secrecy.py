@@ -24,6 +24,7 @@ import opacus_rc.optimizers.noise as noise_module
 import opacus_rc.sketching as sketching
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.privacy_engine import PrivacyEngine
+from tests import flat_mlp
 
 D, H, CLASSES, T = 5, 6, 3, 4
 
@@ -260,3 +261,61 @@ def test_secure_mode_secure_noise_and_sketch_reseeded_every_step(
         opt.zero_grad()
     assert len(set(seeds)) == len(seeds) == len(dp_loader) + 1
     assert calls and all(calls)
+
+
+# --------------------------------------------------------------------------------------------
+# Leftovers of the new-user test
+# --------------------------------------------------------------------------------------------
+
+
+def test_passed_sketch_generator_warns_once_at_the_callers_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A user-supplied ``sketch_generator`` used to give two warnings: a UserWarning from the
+    module at construction (attributed to Opacus' privacy_engine.py) and a log WARNING from the
+    accountant at the first step. Now one UserWarning, at the caller's line, says both facts
+    (secret=False; accounted with the 'revealed' threat model); the accounting is unchanged."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, module, opt, crit, _ = flat_mlp.private(
+            flat_mlp.FlatMLP(), sketch_generator=torch.Generator().manual_seed(3)
+        )
+    said = [w for w in caught if "sketch_generator" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].filename == flat_mlp.__file__  # the line that calls make_private
+    assert "'revealed' threat model" in str(said[0].message)
+    caplog.clear()
+    with caplog.at_level("WARNING"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, y = flat_mlp.batch()
+        crit(module(x), y).backward()
+        opt.step()
+    assert "revealed" not in caplog.text
+    assert not [w for w in caught if "sketch" in str(w.message)]
+    assert engine.accountant.history[-1][3]["secret"] is False  # accounted as revealed
+
+
+def test_runs_are_reproducible_with_seeded_generators_only() -> None:
+    """meta-pytorch/opacus#692 (2024-12 comment): ghost clipping did not obey the random seed.
+    With randomized clipping the probes come by default from a secret generator seeded by the
+    OS (the "hidden" guarantee needs it), so two runs differ even with the same torch seed and
+    noise generator. With a seeded ``sketch_generator`` as well (accounted as "revealed"), two
+    runs give bit-identical parameters."""
+
+    def run(seeded: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = flat_mlp.FlatMLP()
+        model.forward = lambda x: model.lin2(torch.tanh(model.lin1(x))).mean(1)
+        extra = {"sketch_generator": torch.Generator().manual_seed(5)} if seeded else {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="a sketch_generator was passed")
+            engine, module, opt, crit, loader = flat_mlp.private(
+                model, seq=True, noise_generator=torch.Generator().manual_seed(7), **extra
+            )
+        torch.manual_seed(1)  # Poisson sampling
+        flat_mlp.train_all(module, opt, crit, loader)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(run(True), run(True))
+    assert not torch.equal(run(False), run(False))

@@ -8,10 +8,14 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    TensorDataset,
+)
 
 from opacus_rc.privacy_engine import PrivacyEngine
 from opacus_rc.sketching import SketchSpec
+from tests.engine import private_loaders
 
 D, H, CLASSES, T = 5, 6, 3, 4
 DELTA = 1e-5
@@ -106,3 +110,54 @@ def test_resume_with_another_sketch_dim_composes_both(tmp_path: Any) -> None:
         engine16.accountant.history = [(1.0, 0.25, 4, SketchSpec("hutchinson", k).to_dict())]
         bound = engine16.get_epsilon(DELTA)
         assert (mixed > bound) if k == 32 else (mixed < bound)
+
+
+# ----------------------------------------------------------------------------------------------
+# Item 12: checkpoint weights for the plain model
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+def test_checkpoint_weights_load_into_the_plain_model(tmp_path: Any) -> None:
+    """Issue 20 item 12: the checkpoint's ``module_state_dict`` keys carry ``_module.``, so
+    ``plain.load_state_dict(...)`` raised ``Missing key(s) in state_dict: "lin1.weight", ...``.
+    ``unwrap_state_dict`` gives the plain model's keys: loaded strictly, the weights and the
+    outputs equal the trained private model's."""
+    from opacus_rc import unwrap_state_dict
+
+    engine, (module, optimizer, criterion, loader) = private_loaders.private(
+        DataLoader(private_loaders.dataset(12), batch_size=private_loaders.B)
+    )
+    for x, y in loader:
+        if len(y):
+            criterion(module(x), y).backward()
+            optimizer.step()
+        else:
+            optimizer.noise_only_step()
+        optimizer.zero_grad()
+    path = tmp_path / "run.ckpt"
+    engine.save_checkpoint(path=path, module=module, optimizer=optimizer)
+    saved = torch.load(path, weights_only=True)["module_state_dict"]
+    assert all(key.startswith("_module.") for key in saved)
+
+    plain = private_loaders.MLP()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        plain.load_state_dict(saved)
+    plain.load_state_dict(unwrap_state_dict(saved))  # strict
+    trained = dict(module._module.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    x = private_loaders.dataset(3, seed=5).tensors[0]
+    assert torch.equal(plain(x), module(x))
+    assert list(unwrap_state_dict(plain.state_dict())) == list(plain.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+def test_unwrap_state_dict_refuses_a_mixed_state_dict() -> None:
+    from opacus_rc import unwrap_state_dict
+
+    state = {"_module.lin1.weight": torch.zeros(1), "lin2.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="only some keys carry the '_module.' prefix"):
+        unwrap_state_dict(state)
+    twice = {"_module._module.lin1.weight": torch.zeros(1)}
+    assert list(unwrap_state_dict(twice)) == ["lin1.weight"]

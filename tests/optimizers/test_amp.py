@@ -1,4 +1,5 @@
-"""Issue 20 item 7: fp16 loss scaling (``torch.amp.GradScaler``, Opacus #377 / PR #764).
+"""Mixed precision with the DP loss and the optimizer: fp16 loss scaling (``torch.amp.GradScaler``,
+Opacus #377 / PR #764; issue 20 item 7) and bf16 autocast.
 
 ``scaler.scale(loss)`` multiplies each per-sample gradient by the loss scale ``S`` before the
 clip factors exist, and ``scaler.step`` skips a step whenever a gradient overflows, a decision
