@@ -53,6 +53,7 @@ from opacus_rc.batch_independence import (
 )
 
 __all__ = [
+    "IGNORE_INDEX",
     "PackedBatch",
     "PackingCollator",
     "RecordsCheck",
@@ -131,6 +132,8 @@ class PackedBatch:
 
 def _as_ids(value: Any, what: str) -> torch.Tensor:
     t = torch.as_tensor(value)
+    if t.dim() == 1 and t.numel() == 0:
+        return t.long()  # [] reads as float32
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{what} must be a 1-D sequence of integers, got shape {tuple(t.shape)}")
     return t.long()
@@ -404,6 +407,9 @@ class RecordsCheck(NamedTuple):
     tolerance: float
 
 
+#: Keys of a packed batch that are not the model's inputs.
+_NOT_MODEL_INPUTS = ("labels", "record_ids", "record_units")
+
 _FIX = (
     "Keep attention inside each record: pass attention_mask="
     "opacus_rc.packing.block_diagonal_attention_mask(record_ids, dtype=model dtype) (a 4D "
@@ -472,8 +478,8 @@ def check_records_independent(
 
     First, a 4D ``attention_mask`` in ``batch`` is read: a real token allowed to attend another
     record's token (or padding) is refused at once. Then the model runs on the whole batch
-    and on each record segment alone (its tokens, its ``position_ids``, its block of a 4D mask,
-    its slice of every other ``(R, T, ...)`` input), inside
+    and on each record segment alone (its tokens at positions ``0..l-1``, its block of a 4D
+    mask, its slice of every other ``(R, T, ...)`` input), inside
     :func:`~opacus_rc.batch_independence.independence_forward` (no gradient, hooks off,
     dropout 0, buffers and random states restored, TF32 off), and the segment's logits inside
     the pack must equal its logits alone.
@@ -494,7 +500,8 @@ def check_records_independent(
         model: The model (a Hugging Face causal LM or any module taking ``batch`` as keyword
             inputs and returning logits ``(R, T, V)`` first).
         batch: The model's keyword inputs (``input_ids``, ``position_ids``, ``attention_mask``
-            4D, 2D or absent, ...); ``labels`` and ``record_ids`` are not passed to the model.
+            4D, 2D or absent, ...); ``labels``, ``record_ids`` and ``record_units`` are not passed
+            to the model.
         record_ids: ``(R, T)`` record of each token, -1 at padding; default
             ``batch["record_ids"]``.
         max_segments: Check at most this many record segments (those not at the start of
@@ -510,7 +517,7 @@ def check_records_independent(
             the message names the fix.
         ValueError: If ``record_ids`` is missing or its shape does not match ``input_ids``.
     """
-    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "record_ids")}
+    kwargs = {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS}
     if record_ids is None:
         record_ids = batch.get("record_ids")
     if record_ids is None:
@@ -540,6 +547,11 @@ def check_records_independent(
             )
         for record, row, start, end in chosen:
             one = {k: _cut(v, row, start, end, R, T) for k, v in kwargs.items()}
+            if isinstance(one.get("position_ids"), torch.Tensor):
+                # Alone, a record's positions are 0..l-1, whatever the pack gave it.
+                one["position_ids"] = torch.arange(
+                    end - start, device=one["position_ids"].device
+                ).unsqueeze(0)
             alone = first_tensor(model(**one), batch_size=1)
             inside = full[row, start:end]
             equal, diff, tol = (
