@@ -1,4 +1,5 @@
-"""Packed and padding-free batches of records, for per-record clipping inside a row.
+"""Packed and padding-free batches of records, for per-record clipping inside a row
+(docs/packing.md#packing).
 
 Supervised fine-tuning data is ragged; packing several records into one row of ``max_length``
 tokens (TRL's ``packing=True``), or concatenating them without padding (``padding_free=True``),

@@ -1,4 +1,4 @@
-"""Per-record gradient norms and clipped sums inside packed rows (docs/packing.md).
+"""Per-record gradient norms and clipped sums inside packed rows (docs/packing.md#packing).
 
 A packed batch holds ``R`` rows of ``T`` tokens and ``N`` records, with ``record_ids``
 ``(R, T)`` the record of each token (-1 at padding; :func:`opacus_rc.packing.pack_records`).
