@@ -85,6 +85,9 @@ class RecordLayout:
         pair_left, pair_right: ``(P,)`` long, every ordered pair of chunks of one record
             (``P = sum_r ceil(T_r / L)^2``), for the Gram identity.
         tokens: ``(N,)`` long, tokens per record (0 for a record with none in the batch).
+        record_index: ``(N, max T_r)`` long, the flat index of each record's tokens in
+            order of position in the packed rows (row-major), ``R * T`` past its end; for
+            :meth:`per_record`.
     """
 
     record_ids: torch.Tensor
@@ -95,6 +98,7 @@ class RecordLayout:
     pair_left: torch.Tensor
     pair_right: torch.Tensor
     tokens: torch.Tensor
+    record_index: torch.Tensor
 
     @classmethod
     def from_record_ids(
@@ -164,6 +168,9 @@ class RecordLayout:
         pair_record = torch.repeat_interleave(records, pairs)
         q = torch.arange(int(pairs.sum()), device=device) - (pairs.cumsum(0) - pairs)[pair_record]
         k = nch[pair_record]
+        longest = int(counts.max()) if n else 0
+        record_index = torch.full((n * longest,), R * T, dtype=torch.long, device=device)
+        record_index[rec * longest + pos] = tok
         return cls(
             record_ids=rid,
             num_records=n,
@@ -173,6 +180,7 @@ class RecordLayout:
             pair_left=cstart[pair_record] + q // k.clamp(min=1),
             pair_right=cstart[pair_record] + q % k.clamp(min=1),
             tokens=counts,
+            record_index=record_index.view(n, longest),
         )
 
     @property
@@ -193,6 +201,34 @@ class RecordLayout:
         Raises:
             ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
         """
+        return self._take(x, self.token_index, dtype)
+
+    def per_record(self, x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Each record as one sample: ``(R, T, F)`` to ``(N, max T_r, F)``, zero-padded.
+
+        A record's tokens, wherever they lie in the packed rows, become one row, so that the
+        per-sample norm and clipped-sum functions of token-wise modules
+        (:mod:`opacus_rc.grad_sample.linear`, ``.embedding``, ``.tied``, ...) give per-record
+        results unchanged (a zero output-gradient row adds nothing; pad the ids of an
+        embedding with its ``padding_idx`` or give them zero gradient rows). The same
+        re-layout as ``units=`` packing (:func:`opacus_rc.units.pack_for_units`), along the
+        token axis; it costs ``N max T_r`` rows instead of the chunks' ``C L``.
+
+        Args:
+            x: Per-token values ``(R, T, ...)``.
+            dtype: Cast to this dtype first (default: ``x``'s).
+
+        Returns:
+            ``(N, max T_r, ...)``; zeros (``0`` for integer ids) past each record's end.
+
+        Raises:
+            ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
+        """
+        return self._take(x, self.record_index, dtype)
+
+    def _take(
+        self, x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None
+    ) -> torch.Tensor:
         R, T = self.record_ids.shape
         if tuple(x.shape[:2]) != (R, T):
             raise ValueError(
@@ -203,7 +239,7 @@ class RecordLayout:
         if dtype is not None:
             flat = flat.to(dtype)
         flat = torch.cat([flat, flat.new_zeros(1, *rest)])
-        return flat[self.token_index]
+        return flat[index]
 
 
 def _check_linear(

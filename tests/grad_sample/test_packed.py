@@ -262,3 +262,36 @@ def test_record_without_tokens_gets_zero_norm() -> None:
     assert weight.shape == (3,) and float(weight[1:].abs().sum()) == 0.0
     want = (G[0, :2].T @ A[0, :2]).pow(2).sum()
     assert math.isclose(float(weight[0]), float(want), rel_tol=1e-12)
+
+
+def test_per_record_layout_feeds_the_existing_samplers() -> None:
+    # The smallest wiring: records re-laid out as samples (N, max T_r, .) give the step's
+    # existing per-sample functions per-record results (same probes, same numbers).
+    from opacus_rc.grad_sample.linear import (
+        compute_linear_clipped_sum,
+        compute_linear_sketched_norm_sample,
+    )
+
+    layer, alone, A, G, packed = _linear_case()
+    layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    Ar, Gr = layout.per_record(A), layout.per_record(G)
+    assert Ar.shape == (len(LENGTHS), max(LENGTHS), D)
+    sketched = compute_linear_sketched_norm_sample(
+        layer,
+        [Ar],
+        Gr,
+        estimator=hutchinson_sqnorm,
+        sketch_dim=3,
+        generator=torch.Generator().manual_seed(7),
+    )
+    want = linear_record_sketched_sqnorms(
+        A, G, layout=layout, sketch_dim=3, generator=torch.Generator().manual_seed(7)
+    )
+    torch.testing.assert_close(sketched[layer.weight].pow(2), want, rtol=1e-12, atol=0)
+    _, bias_sq = linear_record_sqnorms(A, G, layout=layout, bias=True)
+    torch.testing.assert_close(sketched[layer.bias].pow(2), bias_sq, rtol=1e-12, atol=0)
+    coef = torch.linspace(0.1, 1.0, len(LENGTHS), dtype=torch.float64)
+    sums = compute_linear_clipped_sum(layer, [Ar], Gr, coef)
+    torch.testing.assert_close(
+        sums[layer.weight], sum(c * w for c, (w, _) in zip(coef, alone)), rtol=1e-12, atol=1e-14
+    )
