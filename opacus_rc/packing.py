@@ -61,6 +61,7 @@ __all__ = [
     "block_diagonal_attention_mask",
     "check_records_independent",
     "pack_records",
+    "record_ids_from_position_ids",
     "record_losses",
     "record_segments",
 ]
@@ -321,6 +322,49 @@ def block_diagonal_attention_mask(record_ids: torch.Tensor, *, dtype: torch.dtyp
         return allowed
     zero = torch.zeros((), dtype=dtype, device=rid.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def record_ids_from_position_ids(
+    position_ids: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The token-to-record map of a padding-free batch, from its restarting position ids.
+
+    A record starts wherever a position id is 0 (TRL's ``padding_free=True`` collator gives
+    ``position_ids`` ``(1, total)`` restarting at each example, and ``cu_seq_lens`` at the same
+    starts). Records are numbered in row-major order over the batch. Only valid when no
+    record continues in another row or restarts its positions inside itself (TRL's
+    ``"bfd_split"`` and ``"wrapped"`` packing cut examples, and the pieces would be counted as
+    separate records): use :func:`pack_records`, which keeps one id for a cut record, for
+    those.
+
+    Args:
+        position_ids: ``(R, T)`` (or ``(T,)``) integer position ids, 0 at each record's first
+            token.
+        padding_mask: Optional ``(R, T)``, nonzero at real tokens; padding gets -1.
+
+    Returns:
+        ``(R, T)`` long record ids (-1 at padding).
+
+    Raises:
+        ValueError: If the shapes are not ``(R, T)``, or a row does not start a record.
+    """
+    pos = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+    if pos.dim() != 2 or pos.is_floating_point():
+        raise ValueError(f"position_ids must be (R, T) integers, got {tuple(position_ids.shape)}")
+    real = torch.ones_like(pos, dtype=torch.bool) if padding_mask is None else padding_mask != 0
+    if real.shape != pos.shape:
+        raise ValueError(f"padding_mask {tuple(real.shape)} for position_ids {tuple(pos.shape)}")
+    starts = (pos == 0) & real
+    first = real.long().argmax(dim=1)  # a row's first real token must start a record
+    has_real = real.any(dim=1)
+    if bool((has_real & ~starts.gather(1, first[:, None]).squeeze(1)).any()):
+        raise ValueError(
+            "a row's first real token has a position id other than 0: it continues a record "
+            "from another row, which restarting position ids cannot express; pack with "
+            "opacus_rc.packing.pack_records (one record id for a cut record)"
+        )
+    ids = starts.reshape(-1).long().cumsum(0).view_as(pos) - 1
+    return torch.where(real, ids, torch.full_like(ids, -1))
 
 
 def record_segments(record_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:

@@ -31,6 +31,7 @@ from opacus_rc.packing import (  # noqa: E402
     block_diagonal_attention_mask,
     check_records_independent,
     pack_records,
+    record_ids_from_position_ids,
     record_losses,
     record_segments,
 )
@@ -305,3 +306,24 @@ def test_packing_collator(padding_free: bool) -> None:
     assert check.max_difference <= check.tolerance
     with pytest.raises(ValueError, match="no 'input_ids'"):
         collate([{"ids": [1]}])
+
+
+def test_record_ids_from_trl_padding_free_position_ids() -> None:
+    # TRL's padding-free collator: one row, positions restarting at each example.
+    trl = pytest.importorskip("trl")
+    collate = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(
+        pad_token_id=0, padding_free=True
+    )
+    recs = [r.tolist() for r in _records() if r.numel() <= MAX_LENGTH]
+    batch = collate([{"input_ids": r} for r in recs])
+    rid = record_ids_from_position_ids(batch["position_ids"])
+    assert rid.shape == batch["input_ids"].shape
+    assert torch.equal(torch.bincount(rid.reshape(-1)), torch.tensor([len(r) for r in recs]))
+    for i, r in enumerate(recs):
+        assert batch["input_ids"][rid == i].tolist() == r
+    padded = record_ids_from_position_ids(
+        torch.tensor([[0, 1, 2, 0, 1, 0, 0]]), padding_mask=torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    )
+    assert padded.tolist() == [[0, 0, 0, 1, 1, -1, -1]]
+    with pytest.raises(ValueError, match="continues a record"):
+        record_ids_from_position_ids(torch.tensor([[3, 4, 0, 1]]))
