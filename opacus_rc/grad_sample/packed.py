@@ -37,6 +37,10 @@ the chunks of each record: linear in each record's tokens.
 * :func:`embedding_record_sqnorms` and :func:`embedding_record_clipped_sum`: the same for an
   ``nn.Embedding``, exact: ``||grad_W||_F^2 = sum_v ||sum_{t in r: x_t = v} g_t||^2``, the
   ``padding_idx`` row excluded (autograd gives it nothing).
+* :func:`tied_record_sketched_sqnorms`: a weight tied between the input embedding and the LM
+  head, the joint sketch of :func:`opacus_rc.grad_sample.tied.tied_hutchinson_sqnorm` per
+  record, ``||(H_r + E_r) Omega_r||_F^2`` with one ``d x k`` probe per record. The clipped sum
+  of a tied weight is the head's plus the embedding's (both functions above).
 
 Accumulation is in float32 (float64 for float64 inputs) with autocast off. No power-of-two
 rescaling is done here (the module samplers of :mod:`opacus_rc.grad_sample.linear` do it):
@@ -59,6 +63,7 @@ __all__ = [
     "linear_record_clipped_sum",
     "linear_record_sketched_sqnorms",
     "linear_record_sqnorms",
+    "tied_record_sketched_sqnorms",
 ]
 
 _METHODS = ("auto", "gram", "materialize")
@@ -547,3 +552,80 @@ def embedding_record_clipped_sum(
         rows = (backprops.to(dtype) * w.unsqueeze(-1)).reshape(R * T, d)
         out = torch.zeros(int(num_embeddings), d, dtype=dtype, device=backprops.device)
         return out.index_add(0, ids.reshape(-1).long(), rows)
+
+
+def tied_record_sketched_sqnorms(
+    head_activations: torch.Tensor,
+    head_backprops: torch.Tensor,
+    ids: torch.Tensor,
+    embedding_backprops: torch.Tensor,
+    *,
+    layout: RecordLayout,
+    sketch_dim: int,
+    generator: torch.Generator | None = None,
+    probes: torch.Tensor | None = None,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """Joint Hutchinson estimates of each record's tied-weight gradient norm in packed rows.
+
+    For a weight ``W`` (``V x d``) shared by an LM head (input rows ``a_t``, output gradient
+    rows ``G_t``, ``V``) and an input embedding (ids ``x_t``, output gradient rows ``g_t``,
+    ``d``), record ``r``'s gradient is ``M_r = sum_{t in r} G_t a_t^T + sum_{t in r, x_t != P}
+    e_{x_t} g_t^T``, and its estimate is ``||M_r Omega_r||_F^2`` with one fresh probe
+    ``Omega_r`` (``d x k``, entries ``N(0, 1/k)``, ``N`` samples drawn by
+    :func:`~opacus_rc.sketching.draw_gaussian_probes` as
+    :func:`~opacus_rc.grad_sample.tied.tied_hutchinson_sqnorm` draws ``B``):
+    ``Y_r = sum_c G_c^T (A_c Omega_r)`` plus the ``index_add`` of the rows ``g_t Omega_r`` at
+    rows ``x_t`` of ``Y_r``. Unbiased, with the law of a Hutchinson sketch of ``M_r``.
+    ``O(T_r k (V + d))`` per record and ``N V k`` floats for ``Y``.
+
+    Args:
+        head_activations: ``(R, T, d)``.
+        head_backprops: ``(R, T, V)``.
+        ids: ``(R, T)`` embedding ids.
+        embedding_backprops: ``(R, T, d)``.
+        layout: The batch's :class:`RecordLayout` (the same tokens feed both modules).
+        sketch_dim: ``k >= 1``.
+        generator: Source of the probes (ignored with ``probes``).
+        probes: Explicit ``(N, d, k)`` probes (for tests).
+        padding_idx: The embedding's ``padding_idx`` (non-negative), or None.
+
+    Returns:
+        ``(N,)`` estimates, float32 (float64 for float64 inputs).
+
+    Raises:
+        TypeError: If ``sketch_dim`` is not an int.
+        ValueError: If ``sketch_dim < 1`` or a shape disagrees.
+    """
+    validate_sketch_dim(sketch_dim)
+    d, V = _check_linear(head_activations, head_backprops, layout)
+    _check_embedding(ids, embedding_backprops, layout.record_ids)
+    if embedding_backprops.shape[2] != d:
+        raise ValueError(
+            f"embedding gradient rows of width {embedding_backprops.shape[2]} for a head "
+            f"input of width {d}: a tied weight has one d"
+        )
+    n = layout.num_records
+    dtype = _acc_dtype(head_activations, head_backprops, embedding_backprops)
+    device = head_backprops.device
+    if probes is None:
+        omega = draw_gaussian_probes(
+            n, d, sketch_dim, generator=generator, device=device, dtype=dtype
+        )
+    elif probes.shape != (n, d, sketch_dim):
+        raise ValueError(f"probes must have shape ({n}, {d}, {sketch_dim}), got {probes.shape}")
+    else:
+        omega = probes.to(device=device, dtype=dtype)
+    with autocast_off(device):
+        per_chunk = omega[layout.chunk_record]  # (C, d, k)
+        U = torch.bmm(layout.gather(head_activations, dtype=dtype), per_chunk)  # (C, L, k)
+        Yc = torch.bmm(layout.gather(head_backprops, dtype=dtype).transpose(1, 2), U)
+        Y = torch.zeros(n, V, sketch_dim, dtype=dtype, device=device)
+        Y.index_add_(0, layout.chunk_record, Yc)
+        g = embedding_backprops.to(dtype)
+        if padding_idx is not None:
+            g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+        rows = torch.bmm(layout.gather(g), per_chunk)  # (C, L, k), zero at empty slots
+        where = layout.chunk_record.unsqueeze(1) * V + layout.gather(ids.long())  # (C, L)
+        Y.view(n * V, sketch_dim).index_add_(0, where.reshape(-1), rows.reshape(-1, sketch_dim))
+        return Y.pow(2).sum(dim=(1, 2))

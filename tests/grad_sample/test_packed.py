@@ -22,6 +22,7 @@ from opacus_rc.grad_sample.packed import (
     linear_record_clipped_sum,
     linear_record_sketched_sqnorms,
     linear_record_sqnorms,
+    tied_record_sketched_sqnorms,
 )
 from opacus_rc.packing import pack_records
 from opacus_rc.sketching import hutchinson_sqnorm
@@ -295,3 +296,69 @@ def test_per_record_layout_feeds_the_existing_samplers() -> None:
     torch.testing.assert_close(
         sums[layer.weight], sum(c * w for c, (w, _) in zip(coef, alone)), rtol=1e-12, atol=1e-14
     )
+
+
+def _tied_case(padding_idx: int | None):
+    """A weight tied between an embedding and a head; each record's gradient alone, and the
+    packed (head A, head G, ids, embedding G)."""
+    ids, packed = _records(seed=6)
+    torch.manual_seed(1)
+    emb = nn.Embedding(VOCAB, D, padding_idx=padding_idx).double()
+    head = nn.Linear(D, VOCAB, bias=False).double()
+    head.weight = emb.weight
+    mix = nn.Linear(D, D).double()  # a token-wise layer between them
+
+    def forward(x):
+        e = emb(x)
+        h = torch.tanh(mix(e))
+        return e, h, head(h)
+
+    g = torch.Generator().manual_seed(2)
+    ys = [torch.randn(n, VOCAB, generator=g, dtype=torch.float64) for n in LENGTHS]
+    alone = []
+    for x, y in zip(ids, ys):
+        emb.zero_grad()
+        _token_loss(forward(x)[2], y).backward()
+        alone.append(emb.weight.grad.clone())
+    e, h, out = forward(packed.input_ids)
+    valid = (packed.record_ids >= 0).unsqueeze(-1)
+    Ge, Gh = torch.autograd.grad(_token_loss(out * valid, _place(ys, packed)), (e, out))
+    return alone, packed, (h.detach(), Gh, packed.input_ids, Ge)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_tied_sketch_is_the_joint_sketch_of_each_record_alone(padding_idx: int | None) -> None:
+    from opacus_rc.grad_sample.tied import tied_hutchinson_sqnorm
+
+    alone, packed, (A, Gh, ids, Ge) = _tied_case(padding_idx)
+    layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    # Exact with the identity as probe (k = d): ||M_r I||_F^2 = ||M_r||_F^2, M_r the tied
+    # weight's gradient of record r alone (cross term between head and embedding included).
+    eye = torch.eye(D, dtype=torch.float64).expand(len(LENGTHS), D, D)
+    exact = tied_record_sketched_sqnorms(
+        A, Gh, ids, Ge, layout=layout, sketch_dim=D, probes=eye, padding_idx=padding_idx
+    )
+    torch.testing.assert_close(
+        exact, torch.stack([w.pow(2).sum() for w in alone]), rtol=1e-12, atol=0
+    )
+    # Random probes, same seed: the existing joint sketch on each record laid out alone.
+    got = tied_record_sketched_sqnorms(
+        A,
+        Gh,
+        ids,
+        Ge,
+        layout=layout,
+        sketch_dim=3,
+        generator=torch.Generator().manual_seed(9),
+        padding_idx=padding_idx,
+    )
+    want = tied_hutchinson_sqnorm(
+        layout.per_record(A),
+        layout.per_record(Gh),
+        layout.per_record(ids),
+        layout.per_record(Ge),
+        sketch_dim=3,
+        padding_idx=padding_idx,
+        generator=torch.Generator().manual_seed(9),
+    )
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=0)
