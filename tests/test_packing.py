@@ -327,3 +327,17 @@ def test_record_ids_from_trl_padding_free_position_ids() -> None:
     assert padded.tolist() == [[0, 0, 0, 1, 1, -1, -1]]
     with pytest.raises(ValueError, match="continues a record"):
         record_ids_from_position_ids(torch.tensor([[3, 4, 0, 1]]))
+
+
+def test_check_of_a_few_segments_takes_those_after_another_record() -> None:
+    # With max_segments, the segments not at the start of their row go first: they are the
+    # ones a crossing mask would let see another record.
+    model = _model("gpt2", "sdpa")
+    pb = pack_records(_records(), max_length=MAX_LENGTH, pad_token_id=0)
+    batch = {**pb.model_inputs(dtype=torch.float64), "record_ids": pb.record_ids}
+    check = check_records_independent(model, batch, max_segments=2)
+    assert len(check.segments) == 2 and all(start > 0 for _, _, start, _ in check.segments)
+    R, T = pb.input_ids.shape
+    batch["attention_mask"] = torch.ones(R, T, dtype=torch.long)  # 2D: crosses records
+    with pytest.raises(BatchIndependenceError):
+        check_records_independent(model, batch, max_segments=1)
