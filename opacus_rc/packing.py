@@ -400,8 +400,9 @@ def record_losses(
     *,
     num_records: int,
     ignore_index: int = IGNORE_INDEX,
+    reduction: str = "sum",
 ) -> torch.Tensor:
-    """Each record's summed next-token cross-entropy inside packed rows.
+    """Each record's next-token cross-entropy inside packed rows, summed or averaged.
 
     Position ``t`` predicts ``labels[:, t + 1]`` (the shift of Hugging Face's causal LM loss);
     the target's record is ``record_ids[:, t + 1]``. Targets equal to ``ignore_index`` count
@@ -414,13 +415,19 @@ def record_losses(
         record_ids: ``(R, T)``, -1 at padding.
         num_records: ``N``.
         ignore_index: Label without a target.
+        reduction: ``"sum"`` over the record's counted targets, or ``"mean"`` over them (the
+            per-sample loss Opacus' criterion gives an unpacked record with ``shape=``; 0 for
+            a record without a counted target).
 
     Returns:
-        ``(N,)`` summed token losses per record, in ``logits``' dtype (at least float32).
+        ``(N,)`` per-record losses, in ``logits``' dtype (at least float32).
 
     Raises:
-        ValueError: If the shapes disagree.
+        ValueError: If the shapes disagree or ``reduction`` is neither ``"sum"`` nor
+            ``"mean"``.
     """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     rid = _check_record_ids(record_ids)
     if logits.dim() != 3 or logits.shape[:2] != rid.shape or labels.shape != rid.shape:
         raise ValueError(
@@ -438,7 +445,13 @@ def record_losses(
     ).reshape(target.shape)
     tok = torch.where(keep, tok, torch.zeros_like(tok))
     out = torch.zeros(num_records, dtype=dtype, device=logits.device)
-    return out.index_add(0, torch.where(keep, owner, 0).reshape(-1), tok.reshape(-1))
+    where = torch.where(keep, owner, 0).reshape(-1)
+    out = out.index_add(0, where, tok.reshape(-1))
+    if reduction == "mean":
+        counts = torch.zeros(num_records, dtype=dtype, device=logits.device)
+        counts = counts.index_add(0, where, keep.reshape(-1).to(dtype))
+        out = out / counts.clamp(min=1)
+    return out
 
 
 class RecordsCheck(NamedTuple):

@@ -341,3 +341,24 @@ def test_check_of_a_few_segments_takes_those_after_another_record() -> None:
     batch["attention_mask"] = torch.ones(R, T, dtype=torch.long)  # 2D: crosses records
     with pytest.raises(BatchIndependenceError):
         check_records_independent(model, batch, max_segments=1)
+
+
+def test_record_losses_mean_is_each_records_mean_token_loss() -> None:
+    # reduction="mean": each record's cross-entropy averaged over its own counted targets,
+    # as nn.CrossEntropyLoss gives the record alone.
+    torch.manual_seed(0)
+    recs = _records()
+    pb = pack_records(recs, max_length=MAX_LENGTH, pad_token_id=0)
+    logits = torch.randn(*pb.input_ids.shape, VOCAB, dtype=torch.float64)
+    got = record_losses(
+        logits, pb.labels, pb.record_ids, num_records=pb.num_records, reduction="mean"
+    )
+    for r in range(pb.num_records):
+        tokens, targets = [], []
+        for _, row, a, b in (s for s in record_segments(pb.record_ids) if s[0] == r):
+            tokens.append(logits[row, a : b - 1])
+            targets.append(pb.labels[row, a + 1 : b])
+        want = torch.nn.functional.cross_entropy(torch.cat(tokens), torch.cat(targets))
+        torch.testing.assert_close(got[r], want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="reduction"):
+        record_losses(logits, pb.labels, pb.record_ids, num_records=1, reduction="none")
