@@ -82,6 +82,7 @@ suppress_warnings = [
 API_PACKAGES = (
     "opacus_rc",
     "opacus_rc.grad_sample",
+    "opacus_rc.grad_sample.packed",
     "opacus_rc.optimizers",
     "opacus_rc.accountants",
     "opacus_rc.accountants.analysis",
@@ -90,6 +91,7 @@ API_PACKAGES = (
     "opacus_rc.mechanism",
     "opacus_rc.data_loader",
     "opacus_rc.units",
+    "opacus_rc.packing",
     "opacus_rc.lora",
     "opacus_rc.checkpoints",
     "opacus_rc.auditing",
