@@ -144,8 +144,9 @@ COLUMNS = [
 ]
 
 
-def llama_config(arch: str, *, tied: bool, T: int) -> Any:
-    """The ``LlamaConfig`` of ``arch`` (:data:`ARCHITECTURES`), tied or untied, for ``T``.
+def llama_config(arch: str, *, tied: bool, T: int, layers: int | None = None) -> Any:
+    """The ``LlamaConfig`` of ``arch`` (:data:`ARCHITECTURES`), tied or untied, for ``T``
+    (``layers``: another number of blocks).
 
     Raises:
         ValueError: Unknown architecture.
@@ -154,8 +155,11 @@ def llama_config(arch: str, *, tied: bool, T: int) -> Any:
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; use one of {sorted(ARCHITECTURES)}")
+    kwargs = dict(ARCHITECTURES[arch])
+    if layers:
+        kwargs["num_hidden_layers"] = int(layers)
     return LlamaConfig(
-        **ARCHITECTURES[arch],
+        **kwargs,
         tie_word_embeddings=tied,
         max_position_embeddings=max(T, 8192),
         use_cache=False,
@@ -163,15 +167,23 @@ def llama_config(arch: str, *, tied: bool, T: int) -> Any:
 
 
 def build_model(
-    arch: str, *, T: int, device: torch.device | str, tied: bool = True, seed: int = 0
+    arch: str,
+    *,
+    T: int,
+    device: torch.device | str,
+    tied: bool = True,
+    seed: int = 0,
+    layers: int | None = None,
+    attn: str | None = None,
 ) -> nn.Module:
     """``LlamaForCausalLM`` of ``arch``, random init on ``device``, train mode, float32, every
     weight trainable; the untied variant's input embedding frozen (see the module docstring).
-    Attention runs :func:`benchmarks.long_context.register_flash_attention`'s kernel."""
+    Attention: ``attn``, by default :func:`benchmarks.long_context.register_flash_attention`'s
+    CPU kernel (the one with a meta kernel); ``layers`` overrides the number of blocks."""
     from transformers import LlamaForCausalLM
 
-    config = llama_config(arch, tied=tied, T=T)
-    config._attn_implementation = lc.register_flash_attention()
+    config = llama_config(arch, tied=tied, T=T, layers=layers)
+    config._attn_implementation = attn or lc.register_flash_attention()
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)

@@ -501,6 +501,12 @@ class LMMethod:
         )
         criterion = nn.CrossEntropyLoss(ignore_index=-100)
         loader = DataLoader(TensorDataset(torch.zeros(B, 1)), batch_size=B)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Several ranks (benchmarks/fsdp_gpu.py): B records per rank, sharded.
+            from torch.utils.data.distributed import DistributedSampler
+
+            data = TensorDataset(torch.zeros(B * torch.distributed.get_world_size(), 1))
+            loader = DataLoader(data, batch_size=B, sampler=DistributedSampler(data))
         dp = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False}
         self.dp_loss = True
         self.mixed: MixedGhostClippingModule | None = None
