@@ -31,27 +31,29 @@ of the unsharded model on ``B = 1``: **per-rank FLOPs** are counted on one devic
 
 **Per-rank peak memory** is part measured, part analytic (bytes, float32):
 
-* measured on meta, one step after a warm-up step (so that AdamW's state exists before it): the
-  peak, over the forward and backward, of the bytes of live tensors created during the step
-  **minus the parameter gradients held** (``p.grad`` and Opacus' ``p.summed_grad``, which FSDP2
-  keeps sharded) -- activations, logits, the methods' per-sample buffers (the book-keeping
-  stash, Opacus' Gram matrices) and the unsharded clipped sums that book-keeping forms at the
-  end of the backward (``local_peak_bytes``); and the peak of all live bytes created during
-  the optimizer step and ``zero_grad`` (``step_phase_bytes``: the gradients, the noise,
-  AdamW's temporaries), which FSDP2 shards;
+* measured on meta, one step after a warm-up step (so that AdamW's state exists before it),
+  with :class:`ShardableBytes`: the peak, over the forward and backward, of the bytes of live
+  tensors created during the step, **less the gradients FSDP2 has already reduce-scattered**:
+  a block's parameter gradients count until another block's gradients appear (FSDP2
+  reduce-scatters a block's gradients when its backward ends), the root's (the tied
+  embedding / LM head, the final norm) until the end of the backward (``local_peak_bytes``:
+  activations, logits, unsharded gradients, the methods' per-sample buffers -- the
+  book-keeping stash, the unsharded clipped sums book-keeping forms at the end of the
+  backward, Opacus' Gram matrices); and the peak of all live bytes created during the
+  optimizer step and ``zero_grad`` (``step_phase_bytes``: the gradients, the noise, AdamW's
+  temporaries), which FSDP2 holds sharded, so divided by ``W``;
 * analytic per ``W``: the sharded state ``(4 P + 4 P_t + 8 P_t) / W`` (parameters, gradients,
   AdamW's two moments; ``P`` parameters, ``P_t`` trainable) and the unsharded parameters FSDP2
-  gathers while the backward runs: the root unit (embedding, LM head, final norm; FSDP2 keeps
-  the root unsharded from its forward to the end of the backward) plus two blocks (the current
-  one and the prefetched next one). Methods whose autograd writes parameter gradients during
-  the backward (``non_private*``, ``opacus_ghost``) also hold the root's unsharded gradient
-  (reduce-scattered at the end of the backward) and one block's unsharded gradient (until its
-  reduce-scatter); book-keeping writes no gradient during the backward, and its end-of-backward
-  clipped sums are in the measured part.
+  gathers during the backward (``gathered_bytes``): the root unit (FSDP2 keeps the root
+  unsharded from its forward to the end of the backward) plus two blocks (the current one and
+  the prefetched next one), the same for every method of a model.
 
 ``peak_bytes_per_rank = max(sharded state + gathered + local_peak, (4 P + 8 P_t) / W +
 step_phase_bytes / W)``. FSDP2's communication buffers and the allocator's fragmentation are
-not counted (the same for every method).
+not counted (the same for every method). Book-keeping writes no gradient during the backward
+(its clipped sums replace autograd's weight gradients), so its unsharded sums are all in the
+measured part at the end of the backward, as ``opacus_rc/grad_sample/fsdp.py`` forms them (every
+parameter's sum in its global shape, then one reduce-scatter per parameter).
 
 **Closed form** (a check, not a substitute: every cell here is measured): with checkpointing
 off, randomized clipping's matrix products exceed non-private's by ``sum 2 B T k (p + d)`` over
@@ -97,8 +99,6 @@ VARIANT = {
 }
 #: The method each name runs in :class:`benchmarks.long_context.LMMethod`.
 LM_METHOD = {"non_private_untied": "non_private"}
-#: Methods whose autograd writes parameter gradients during the backward (see the docstring).
-GRADIENTS_IN_BACKWARD = ("non_private", "non_private_untied", "opacus_ghost")
 
 ARCHITECTURES = {
     "llama-3.2-1b": {
@@ -221,20 +221,26 @@ class ShardableBytes(common.LiveTensorBytes):
     """:class:`benchmarks.common.LiveTensorBytes` split into what FSDP2 keeps per rank.
 
     Besides ``live`` and ``peak``, it tracks per phase of :meth:`LMMethod.step`:
-    :attr:`local_peak`, the peak over ``forward`` and ``backward`` of the live bytes minus those
-    held as a gradient of one of ``params`` (``p.grad``, ``p.summed_grad``) -- what FSDP2 does
-    not shard -- and :attr:`step_peak`, the peak of all live bytes during ``step`` and
-    ``zero_grad``.
+
+    * :attr:`local_peak`: the peak over ``forward`` and ``backward`` of the live bytes minus the
+      gradients (``p.grad``, ``p.summed_grad``) of the blocks' parameters that FSDP2 would have
+      reduce-scattered already: those of every block but the one whose gradients appeared
+      last (FSDP2 reduce-scatters a block's gradients when its backward ends, as the next
+      block's begins). Gradients of the root's parameters (``root``) stay counted: FSDP2
+      reduce-scatters them at the end of the backward;
+    * :attr:`step_peak`: the peak of all live bytes during ``step`` and ``zero_grad``.
 
     Args:
-        params: The model's trainable parameters.
+        blocks: The trainable parameters of each block, in any order.
     """
 
     GRAD_ATTRS = ("grad", "summed_grad")
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, blocks: list[list[nn.Parameter]]) -> None:
         super().__init__()
-        self.params = params
+        self.params = [(p, i) for i, block in enumerate(blocks) for p in block]
+        self._last: dict[int, int] = {}  # id(param) -> id of its last gradient storage
+        self.current_block: int | None = None
         self.phase = "forward"
         self.local_peak = 0
         self.step_peak = 0
@@ -244,23 +250,32 @@ class ShardableBytes(common.LiveTensorBytes):
         self.phase = name
         self._update()
 
-    def _held_gradients(self) -> int:
-        total = 0
-        seen: set[int] = set()
-        for p in self.params:
+    def _sharded_gradients(self) -> int:
+        """Bytes of the gradients created in the step that FSDP2 holds sharded by now."""
+        held: list[tuple[int, torch.UntypedStorage]] = []
+        for p, block in self.params:
             for attr in self.GRAD_ATTRS:
                 g = getattr(p, attr, None)
-                if isinstance(g, torch.Tensor):
-                    st = g.untyped_storage()
-                    key = id(st)
-                    if key not in seen and self._seen.get(st, 0):
-                        seen.add(key)
-                        total += st.nbytes()
+                if not isinstance(g, torch.Tensor):
+                    continue
+                st = g.untyped_storage()
+                if not self._seen.get(st, 0):
+                    continue  # not created in the step
+                if attr == "grad" and self._last.get(id(p)) != id(st):
+                    self._last[id(p)] = id(st)
+                    self.current_block = block
+                held.append((block, st))
+        seen: set[int] = set()
+        total = 0
+        for block, st in held:
+            if block != self.current_block and id(st) not in seen:
+                seen.add(id(st))
+                total += st.nbytes()
         return total
 
     def _update(self) -> None:
         if self.phase in ("forward", "backward"):
-            self.local_peak = max(self.local_peak, self.live - self._held_gradients())
+            self.local_peak = max(self.local_peak, self.live - self._sharded_gradients())
         elif self.phase in ("step", "zero_grad"):
             self.step_peak = max(self.step_peak, self.live)
 
@@ -307,7 +322,9 @@ def measure_cell(
             step.step(phase)
 
     run()  # warm-up: AdamW's moments exist before the measured step
-    tracker = ShardableBytes(step.trainable)
+    tracker = ShardableBytes(
+        [[p for p in block.parameters() if p.requires_grad] for block in model.model.layers]
+    )
     with tracker:
         run(tracker.set_phase)
     _, flops = common.count_flops(run)
@@ -336,13 +353,11 @@ def closed_form_extra_flops(arch: str, *, T: int, k: int, B: int = 1) -> int:
     return linears + 2 * B * T * k * d
 
 
-def per_rank(measured: dict[str, Any], method: str, W: int) -> dict[str, int]:
+def per_rank(measured: dict[str, Any], W: int) -> dict[str, int]:
     """The analytic FSDP2 parts for ``W`` ranks and the per-rank peak (module docstring)."""
     P, Pt = measured["params"], measured["trainable"]
     sharded = (4 * P + 4 * Pt + 8 * Pt) // W
     gathered = 4 * (measured["root"] + 2 * measured["block"])
-    if method in GRADIENTS_IN_BACKWARD:
-        gathered += 4 * (measured["root_trainable"] + measured["block_trainable"])
     backward = sharded + gathered + measured["local_peak_bytes"]
     step = (4 * P + 8 * Pt) // W + measured["step_phase_bytes"] // W
     return {
@@ -387,7 +402,7 @@ def rows_for(cfg: dict[str, Any], checkpointing: str, T: int, log: Any = print) 
                     step_phase_bytes=measured["step_phase_bytes"],
                     params=measured["params"],
                     trainable_params=measured["trainable"],
-                    **per_rank(measured, method, W),
+                    **per_rank(measured, W),
                 )
             out.append(row)
     add_closed_forms(out, cfg)

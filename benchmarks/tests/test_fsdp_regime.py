@@ -51,21 +51,26 @@ def test_every_weight_trainable_and_unit_sizes():
     assert sizes["params"] == sizes["root"] + 2 * sizes["block"]
 
 
-def test_tracker_leaves_gradients_out():
-    layer = nn.Linear(64, 256, bias=False, device="meta")
+def test_tracker_shards_a_block_gradient_once_the_next_block_has_one():
+    """Two "blocks" (Linears) and a root Linear: a block's gradient leaves the local peak once
+    the next block's gradient appears; the root's gradient stays counted."""
+    torch.manual_seed(0)
+    root, b1, b0 = (nn.Linear(64, 64, bias=False, device="meta") for _ in range(3))
     x = torch.empty(1, 8, 64, device="meta")
-    tracker = fsdp_regime.ShardableBytes([layer.weight])
+    tracker = fsdp_regime.ShardableBytes([[b0.weight], [b1.weight]])
+    grad = 64 * 64 * 4
     with tracker:
         tracker.set_phase("forward")
-        out = layer(x).sum()
+        out = root(b1(b0(x))).sum()
         tracker.set_phase("backward")
-        out.backward()
-        held = tracker._held_gradients()
-        big = torch.zeros(100_000, device="meta")  # allocated while the gradient is held
-    assert held == 256 * 64 * 4
-    assert tracker.peak >= held + big.numel() * 4
-    # The gradient is FSDP2's (sharded) state: out of the local peak, nothing else.
-    assert tracker.peak - tracker.local_peak == held
+        out.backward()  # gradients appear in the order root, b1, b0
+        # b1's: b0 is the current block (its gradient came last); the root is never sharded.
+        assert tracker._sharded_gradients() == grad
+        assert tracker.current_block == 0
+        tracker.local_peak = 0
+        big = torch.zeros(100_000, device="meta")
+    assert tracker.local_peak == tracker.live - grad
+    assert tracker.live >= big.numel() * 4 + 3 * grad
 
 
 def test_per_rank_memory_shards_state():
@@ -79,13 +84,14 @@ def test_per_rank_memory_shards_state():
         "local_peak_bytes": 7,
         "step_phase_bytes": 8000,
     }
-    two = fsdp_regime.per_rank(measured, "non_private", 2)
-    four = fsdp_regime.per_rank(measured, "non_private", 4)
+    two = fsdp_regime.per_rank(measured, 2)
+    four = fsdp_regime.per_rank(measured, 4)
     assert two["sharded_state_bytes"] == 16 * 1000 // 2 == 2 * four["sharded_state_bytes"]
-    assert two["gathered_bytes"] == 4 * (100 + 2 * 450) + 4 * (100 + 450)
-    rc = fsdp_regime.per_rank(measured, "rc_bookkeeping", 2)
-    assert rc["gathered_bytes"] == 4 * (100 + 2 * 450)
+    assert two["gathered_bytes"] == 4 * (100 + 2 * 450) == four["gathered_bytes"]
     assert two["peak_bytes_per_rank"] == two["sharded_state_bytes"] + two["gathered_bytes"] + 7
+    # With a large step phase, the step is the peak: (4P + 8P_t) / W + step_phase / W.
+    big = dict(measured, step_phase_bytes=100_000)
+    assert fsdp_regime.per_rank(big, 2)["peak_bytes_per_rank"] == 12 * 1000 // 2 + 50_000
 
 
 def test_quick_run_ratios(tmp_path):
