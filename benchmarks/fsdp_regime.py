@@ -49,8 +49,14 @@ of the unsharded model on ``B = 1``: **per-rank FLOPs** are counted on one devic
   the prefetched next one), the same for every method of a model.
 
 ``peak_bytes_per_rank = max(sharded state + gathered + local_peak, (4 P + 8 P_t) / W +
-step_phase_bytes / W)``. FSDP2's communication buffers and the allocator's fragmentation are
-not counted (the same for every method). Book-keeping writes no gradient during the backward
+step_phase_bytes / W)``. A diagnostic beside it: ``after_loss_bytes_per_rank`` is the same
+backward sum with the local peak taken only from the moment the loss's gradient reaches the
+logits (a hook on the LM head's output): with a vocabulary of 128,256 the float32 logits and
+the cross-entropy's ``T x V`` tensors set the peak of every method, and this column shows what
+the rest of the backward (activations, unsharded gradients, the book-keeping stash) needs,
+i.e. the peak a step with a chunked or fused loss would approach. FSDP2's communication
+buffers and the allocator's fragmentation are not counted (the same for every method).
+Book-keeping writes no gradient during the backward
 (its clipped sums replace autograd's weight gradients), so its unsharded sums are all in the
 measured part at the end of the backward, as ``opacus_rc/grad_sample/fsdp.py`` forms them (every
 parameter's sum in its global shape, then one reduce-scatter per parameter).
@@ -133,11 +139,14 @@ COLUMNS = [
     "flops_closed_form",
     "flops_ratio",
     "local_peak_bytes",
+    "after_loss_peak_bytes",
     "step_phase_bytes",
     "sharded_state_bytes",
     "gathered_bytes",
     "peak_bytes_per_rank",
     "memory_ratio",
+    "after_loss_bytes_per_rank",
+    "after_loss_ratio",
     "params",
     "trainable_params",
     "k",
@@ -228,6 +237,9 @@ class ShardableBytes(common.LiveTensorBytes):
       last (FSDP2 reduce-scatters a block's gradients when its backward ends, as the next
       block's begins). Gradients of the root's parameters (``root``) stay counted: FSDP2
       reduce-scatters them at the end of the backward;
+    * :attr:`after_loss_peak`: the same as :attr:`local_peak`, from :meth:`mark_loss_done` on
+      (the loss's gradient has reached the logits: the cross-entropy's ``T x V`` tensors are
+      freed or about to be);
     * :attr:`step_peak`: the peak of all live bytes during ``step`` and ``zero_grad``.
 
     Args:
@@ -243,12 +255,18 @@ class ShardableBytes(common.LiveTensorBytes):
         self.current_block: int | None = None
         self.phase = "forward"
         self.local_peak = 0
+        self.after_loss_peak = 0
+        self.loss_done = False
         self.step_peak = 0
 
     def set_phase(self, name: str) -> None:
         """The phase callback of :meth:`benchmarks.long_context.LMMethod.step`."""
         self.phase = name
         self._update()
+
+    def mark_loss_done(self) -> None:
+        """Called when the loss's gradient reaches the logits (a hook on the LM head's output)."""
+        self.loss_done = True
 
     def _sharded_gradients(self) -> int:
         """Bytes of the gradients created in the step that FSDP2 holds sharded by now."""
@@ -275,7 +293,10 @@ class ShardableBytes(common.LiveTensorBytes):
 
     def _update(self) -> None:
         if self.phase in ("forward", "backward"):
-            self.local_peak = max(self.local_peak, self.live - self._sharded_gradients())
+            local = self.live - self._sharded_gradients()
+            self.local_peak = max(self.local_peak, local)
+            if self.loss_done:
+                self.after_loss_peak = max(self.after_loss_peak, local)
         elif self.phase in ("step", "zero_grad"):
             self.step_peak = max(self.step_peak, self.live)
 
@@ -294,8 +315,8 @@ def measure_cell(
     under ``FlopCounterMode`` (separate: see :func:`benchmarks.long_context.measure_step`).
 
     Returns:
-        ``step_flops``, ``local_peak_bytes``, ``step_phase_bytes`` and the unit sizes of
-        :func:`unit_sizes`.
+        ``step_flops``, ``local_peak_bytes``, ``after_loss_peak_bytes``, ``step_phase_bytes``
+        and the unit sizes of :func:`unit_sizes`.
 
     Raises:
         Any error of the step (the caller records it).
@@ -325,12 +346,22 @@ def measure_cell(
     tracker = ShardableBytes(
         [[p for p in block.parameters() if p.requires_grad] for block in model.model.layers]
     )
-    with tracker:
-        run(tracker.set_phase)
+
+    def on_logits(_module: nn.Module, _inputs: Any, logits: torch.Tensor) -> None:
+        if logits.requires_grad:
+            logits.register_hook(lambda _grad: tracker.mark_loss_done())
+
+    handle = model.lm_head.register_forward_hook(on_logits)
+    try:
+        with tracker:
+            run(tracker.set_phase)
+    finally:
+        handle.remove()
     _, flops = common.count_flops(run)
     return {
         "step_flops": flops,
         "local_peak_bytes": tracker.local_peak,
+        "after_loss_peak_bytes": tracker.after_loss_peak,
         "step_phase_bytes": tracker.step_peak,
         **sizes,
     }
@@ -364,6 +395,7 @@ def per_rank(measured: dict[str, Any], W: int) -> dict[str, int]:
         "sharded_state_bytes": sharded,
         "gathered_bytes": gathered,
         "peak_bytes_per_rank": max(backward, step),
+        "after_loss_bytes_per_rank": sharded + gathered + measured["after_loss_peak_bytes"],
     }
 
 
@@ -399,6 +431,7 @@ def rows_for(cfg: dict[str, Any], checkpointing: str, T: int, log: Any = print) 
                 row.update(
                     step_flops=measured["step_flops"],
                     local_peak_bytes=measured["local_peak_bytes"],
+                    after_loss_peak_bytes=measured["after_loss_peak_bytes"],
                     step_phase_bytes=measured["step_phase_bytes"],
                     params=measured["params"],
                     trainable_params=measured["trainable"],
@@ -428,7 +461,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     index = {(r["checkpointing"], r["T"], r["W"], r["method"]): r for r in rows}
     for r in rows:
         base = index.get((r["checkpointing"], r["T"], r["W"], r["baseline"]), {})
-        for col, ratio in (("step_flops", "flops_ratio"), ("peak_bytes_per_rank", "memory_ratio")):
+        for col, ratio in (
+            ("step_flops", "flops_ratio"),
+            ("peak_bytes_per_rank", "memory_ratio"),
+            ("after_loss_bytes_per_rank", "after_loss_ratio"),
+        ):
             if r.get(col) and base.get(col):
                 r[ratio] = r[col] / base[col]
 
@@ -515,6 +552,10 @@ def summary_markdown(
                 if r.get("peak_bytes_per_rank")
                 else "",
                 "memory_ratio": ratio(r.get("memory_ratio")),
+                "after": common.fmt_bytes(r.get("after_loss_bytes_per_rank"))
+                if r.get("after_loss_bytes_per_rank")
+                else "",
+                "after_ratio": ratio(r.get("after_loss_ratio")),
                 "status": "ok" if status == "ok" else status.replace("|", "/")[:160],
             }
         )
@@ -533,6 +574,8 @@ def summary_markdown(
                 "local",
                 "peak",
                 "memory_ratio",
+                "after",
+                "after_ratio",
                 "status",
             ],
             [
@@ -547,6 +590,8 @@ def summary_markdown(
                 "unsharded peak (measured)",
                 "peak memory / rank",
                 "/ baseline",
+                "after the loss's backward",
+                "/ baseline ",
                 "status",
             ],
         ),
