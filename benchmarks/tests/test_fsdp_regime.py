@@ -82,6 +82,7 @@ def test_per_rank_memory_shards_state():
         "block": 450,
         "block_trainable": 450,
         "local_peak_bytes": 7,
+        "after_loss_peak_bytes": 5,
         "step_phase_bytes": 8000,
     }
     two = fsdp_regime.per_rank(measured, 2)
@@ -89,6 +90,7 @@ def test_per_rank_memory_shards_state():
     assert two["sharded_state_bytes"] == 16 * 1000 // 2 == 2 * four["sharded_state_bytes"]
     assert two["gathered_bytes"] == 4 * (100 + 2 * 450) == four["gathered_bytes"]
     assert two["peak_bytes_per_rank"] == two["sharded_state_bytes"] + two["gathered_bytes"] + 7
+    assert two["after_loss_bytes_per_rank"] == two["peak_bytes_per_rank"] - 2
     # With a large step phase, the step is the peak: (4P + 8P_t) / W + step_phase / W.
     big = dict(measured, step_phase_bytes=100_000)
     assert fsdp_regime.per_rank(big, 2)["peak_bytes_per_rank"] == 12 * 1000 // 2 + 50_000
