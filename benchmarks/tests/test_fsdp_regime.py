@@ -68,8 +68,10 @@ def test_tracker_shards_a_block_gradient_once_the_next_block_has_one():
         assert tracker._sharded_gradients() == grad
         assert tracker.current_block == 0
         tracker.local_peak = 0
+        assert tracker.after_loss_peak == 0  # the loss was never marked done
+        tracker.mark_loss_done()
         big = torch.zeros(100_000, device="meta")
-    assert tracker.local_peak == tracker.live - grad
+    assert tracker.local_peak == tracker.after_loss_peak == tracker.live - grad
     assert tracker.live >= big.numel() * 4 + 3 * grad
 
 
