@@ -24,7 +24,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --fsdp-only) FSDP_ONLY=1 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (use --dry-run, --fsdp-only or --help)" >&2; exit 2 ;;
   esac
 done
