@@ -7,8 +7,10 @@ profile (``non_private``, ``rc_bookkeeping``) and checkpointing mode:
 
 * run as a plain process (``python -m benchmarks.fsdp_gpu``): one device, no sharding;
 * run under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set): ``N`` ranks, NCCL on CUDA
-  (gloo on CPU), ``fully_shard`` on every decoder block and on the root (:func:`shard`, the
-  units :mod:`benchmarks.fsdp_regime`'s memory model assumes) for **both** methods.
+  (gloo on CPU), ``fully_shard`` on every module with trainable parameters, the tied
+  embedding / LM head as one group, then the root (:func:`shard`), for **both** methods.
+  (Finer units than the per-block ones :mod:`benchmarks.fsdp_regime`'s memory model assumes:
+  less is gathered at a time.)
 
 Per cell: ``warmup`` steps, then ``repeats`` timed steps (CUDA-synchronised ``perf_counter``);
 tokens/s = ``W * T / median step time`` (all ranks); peak memory = the largest
@@ -72,15 +74,32 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 as a non-private Llama recipe applies it: ``fully_shard`` on every decoder block,
-    then on the root, which holds the tied embedding / LM head and the final norm (a tied
-    weight must stay in one FSDP group; Opacus' ``FSDP2Wrapper`` shards the embedding and the
-    head separately, which ``fully_shard`` refuses for a tied weight)."""
+    """FSDP2 the way ``opacus_rc``'s FSDP2 path needs it: ``fully_shard`` on every module that
+    owns trainable parameters (its hooks see each layer's own parameters; today it refuses
+    modules that are not sharded themselves, ``opacus_rc/grad_sample/fsdp.py``), a tied weight's
+    modules (the input embedding and the LM head) in **one** group (``fully_shard`` refuses a
+    parameter shared by two groups; Opacus' ``FSDP2Wrapper`` shards them separately), then the
+    root. Non-private is sharded the same way, so both methods gather and reduce-scatter alike.
+    """
     from torch.distributed.fsdp import fully_shard
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
-    for block in model.model.layers:
-        fully_shard(block)
+    owners: dict[int, list[torch.nn.Module]] = {}
+    order: list[int] = []
+    for module in model.modules():
+        if module is model:
+            continue
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        key = id(own[0])
+        if key not in owners:
+            owners[key] = []
+            order.append(key)
+        owners[key].append(module)
+    for key in order:
+        group = owners[key]
+        fully_shard(group if len(group) > 1 else group[0])
     return fully_shard(model)
 
 
@@ -223,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                     "",
                     f"Model `{cfg['model']}` ({cfg.get('layers') or 'all'} blocks), tied, every "
                     "weight trainable, B = 1 sequence per rank, AdamW, float32 (TF32 on CUDA); "
-                    "FSDP2 (`fully_shard` per block and on the root) when W > 1. "
+                    "FSDP2 (`fully_shard` per module with trainable parameters, the tied pair "
+                    "as one group, then the root) when W > 1. "
                     "`benchmarks/fsdp_gpu.py`.",
                     "",
                     common.machine_markdown(info),
