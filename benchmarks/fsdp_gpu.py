@@ -3,7 +3,9 @@
 The model of :mod:`benchmarks.fsdp_regime` (Llama 3.2 1B shapes by default, ``layers`` blocks,
 tied embedding / LM head, every weight trainable, random init), one sequence of ``T`` tokens
 per rank, AdamW, float32 weights (TF32 matrix products on CUDA), for each method of the
-profile (``non_private``, ``rc_bookkeeping``) and checkpointing mode:
+profile (``non_private``, ``rc_bookkeeping``, and the ``*_today`` variants of :data:`VARIANTS`:
+untied, RMSNorms frozen, what the FSDP2 path accepts before issue 35's item 1) and
+checkpointing mode:
 
 * run as a plain process (``python -m benchmarks.fsdp_gpu``): one device, no sharding;
 * run under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set): ``N`` ranks, NCCL on CUDA
@@ -15,8 +17,8 @@ profile (``non_private``, ``rc_bookkeeping``) and checkpointing mode:
 Per cell: ``warmup`` steps, then ``repeats`` timed steps (CUDA-synchronised ``perf_counter``);
 tokens/s = ``W * T / median step time`` (all ranks); peak memory = the largest
 ``torch.cuda.max_memory_allocated`` over the ranks during the timed steps (parameters, optimizer
-state and everything the step allocates; not measured on CPU). Ratios are to
-``non_private`` with the same checkpointing. A method that raises (e.g. a configuration the
+state and everything the step allocates; not measured on CPU). Ratios are to the variant's
+non-private step with the same checkpointing. A method that raises (e.g. a configuration the
 library refuses today) gets ``failed: <first line>``; every rank raises alike at ``make_private``,
 so no rank waits on a collective. Results: ``fsdp_gpu_w{W}.{csv,md}``, and the table printed
 on rank 0.
@@ -103,6 +105,19 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(model)
 
 
+#: ``name -> (method of LMMethod, tied, norms trainable, baseline)``. The ``*_today`` variants
+#: are what ``opacus_rc``'s FSDP2 path accepts before issue 35's item 1: untied embedding and
+#: LM head (tied weights are refused under FSDP2, ``opacus_rc/grad_sample/fsdp.py``,
+#: ``_refuse_tied``) and frozen RMSNorms (modules without a grad sampler are refused,
+#: ``_refuse_functorch``), so that a device run brings randomized-clipping numbers back either way.
+VARIANTS = {
+    "non_private": ("non_private", True, True, "non_private"),
+    "rc_bookkeeping": ("rc_bookkeeping", True, True, "non_private"),
+    "non_private_today": ("non_private", False, False, "non_private_today"),
+    "rc_bookkeeping_today": ("rc_bookkeeping", False, False, "non_private_today"),
+}
+
+
 def run_cell(
     cfg: dict[str, Any], checkpointing: str, T: int, method: str, device: torch.device
 ) -> dict[str, Any]:
@@ -112,23 +127,32 @@ def run_cell(
         Any error of building or stepping the method (the caller records it).
     """
     rank, world = _world()
+    if method not in VARIANTS:
+        raise ValueError(f"unknown method {method!r}; use one of {sorted(VARIANTS)}")
+    name, tied, norms, _ = VARIANTS[method]
     attn = "sdpa" if device.type == "cuda" else None
     model = fsdp_regime.build_model(
         cfg["model"],
         T=T,
         device=device,
-        tied=True,
+        tied=tied,
         seed=cfg["seed"],
         layers=cfg.get("layers"),
         attn=attn,
     )
+    if not tied:  # build_model freezes the untied input embedding (a meta limit): train it
+        model.model.embed_tokens.weight.requires_grad_(True)
+    if not norms:
+        for module in model.modules():
+            if "RMSNorm" in type(module).__name__:
+                module.requires_grad_(False)
     vocab = model.config.vocab_size
     if world > 1:
         shard(model)
     gen = torch.Generator(device="cpu").manual_seed(cfg["seed"] + rank)
     ids = torch.randint(1, vocab, (1, T), generator=gen).to(device)
     step = lc.LMMethod(
-        method, model, ids, {"k": cfg["k"], "seed": cfg["seed"]}, checkpointing, optimizer="adamw"
+        name, model, ids, {"k": cfg["k"], "seed": cfg["seed"]}, checkpointing, optimizer="adamw"
     )
     for _ in range(int(cfg["warmup"])):
         step.step()
@@ -157,10 +181,12 @@ def run_cell(
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``tokens_ratio`` and ``memory_ratio`` to non-private at the same (W, checkpointing, T)."""
+    """``tokens_ratio`` and ``memory_ratio`` to the method's non-private baseline
+    (:data:`VARIANTS`) at the same (W, checkpointing, T)."""
     index = {(r["W"], r["checkpointing"], r["T"], r["method"]): r for r in rows}
     for r in rows:
-        base = index.get((r["W"], r["checkpointing"], r["T"], "non_private"), {})
+        baseline = VARIANTS.get(r["method"], (None, None, None, "non_private"))[3]
+        base = index.get((r["W"], r["checkpointing"], r["T"], baseline), {})
         if r.get("tokens_per_s") and base.get("tokens_per_s"):
             r["tokens_ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r.get("peak_bytes") and base.get("peak_bytes"):
