@@ -456,6 +456,8 @@ class LMMethod:
         units: Optional ``(B,)`` integer tensor mapping each sequence to its privacy unit
             ``0..U-1``, passed to the private criterion as ``units=`` (unit-level DP-SGD,
             ``benchmarks/unit_cost.py``); ``None``: one unit per sequence.
+        optimizer: ``"sgd"`` (no state; the default) or ``"adamw"`` (two state tensors per
+            parameter, ``benchmarks/fsdp_regime.py``).
 
     Raises:
         ValueError: Unknown method or checkpointing mode; errors of the libraries' wrapping.
@@ -470,6 +472,7 @@ class LMMethod:
         checkpointing: str = "off",
         *,
         units: torch.Tensor | None = None,
+        optimizer: str = "sgd",
     ) -> None:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; allowed: {', '.join(METHODS)}")
@@ -491,9 +494,19 @@ class LMMethod:
                 gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
             )
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(self.trainable, lr=1e-5)
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        optimizer = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(
+            self.trainable, lr=1e-5
+        )
         criterion = nn.CrossEntropyLoss(ignore_index=-100)
         loader = DataLoader(TensorDataset(torch.zeros(B, 1)), batch_size=B)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Several ranks (benchmarks/fsdp_gpu.py): B records per rank, sharded.
+            from torch.utils.data.distributed import DistributedSampler
+
+            data = TensorDataset(torch.zeros(B * torch.distributed.get_world_size(), 1))
+            loader = DataLoader(data, batch_size=B, sampler=DistributedSampler(data))
         dp = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "poisson_sampling": False}
         self.dp_loss = True
         self.mixed: MixedGhostClippingModule | None = None
