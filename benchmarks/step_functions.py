@@ -66,15 +66,15 @@ def _make(method: str) -> tuple[nn.Module, Any, Any, DataLoader]:
     torch.manual_seed(0)
     model = StepModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    common = dict(
-        module=model,
-        optimizer=optimizer,
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=_data(),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        poisson_sampling=True,
-    )
+    common = {
+        "module": model,
+        "optimizer": optimizer,
+        "criterion": nn.CrossEntropyLoss(),
+        "data_loader": _data(),
+        "noise_multiplier": 1.0,
+        "max_grad_norm": 1.0,
+        "poisson_sampling": True,
+    }
     if method == "opacus_rc":
         import opacus_rc
 
