@@ -422,6 +422,16 @@ class Probe(nn.Module):
         return self.head(h.flatten(1))
 
 
+def _llama_rms_norm(d: int) -> nn.Module:
+    """transformers' ``LlamaRMSNorm`` (registered by opacus_rc once transformers is imported)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    layer = LlamaRMSNorm(d, eps=1e-5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, d))
+    return layer
+
+
 def first(out: Any) -> torch.Tensor:
     return out[0]
 
@@ -534,6 +544,7 @@ LAYERS: dict[str, Layer] = {
     "LayerNorm": Layer(lambda: Probe(nn.LayerNorm(6), 42), randn(7, 6)),
     "LayerNorm/2d-no-bias": Layer(lambda: Probe(nn.LayerNorm((3, 4), bias=False), 12), randn(3, 4)),
     "RMSNorm": Layer(lambda: Probe(nn.RMSNorm(6), 42), randn(7, 6)),
+    "LlamaRMSNorm": Layer(lambda: Probe(_llama_rms_norm(6), 42), randn(7, 6)),
     "SequenceBias+DPMultiheadAttention": Layer(
         lambda: Probe(SelfAttention(), 40), randn(5, 8), sketched=True
     ),
@@ -675,15 +686,27 @@ def test_layer_without_sampler_returning_a_tuple_is_refused_at_its_forward() -> 
 
 @pytest.mark.parametrize(
     "name",
-    ["Conv1d/same-reflect", "Conv2d/circular", "Conv3d/replicate-no-bias", "LayerNorm/2d-no-bias"],
+    ["Conv1d/same-reflect", "Conv2d/circular", "Conv3d/replicate-no-bias"],
 )
 def test_configurations_opacus_samples_wrongly_take_the_functorch_path(name: str) -> None:
     """Opacus' convolution sampler pads with zeros whatever ``padding_mode`` (its norms were
-    off by up to 35% here: Conv3d replicate gave 0.96 for a true 1.48), and its LayerNorm
-    sampler raises on ``bias=False``: those configurations are routed to functorch, which the
-    sweep above checks against the oracle; the log line says why."""
+    off by up to 35% here: Conv3d replicate gave 0.96 for a true 1.48): those
+    configurations are routed to functorch, which the sweep above checks against the oracle;
+    the log line says why. (``LayerNorm(bias=False)``, on which Opacus' sampler raises, now
+    takes opacus_rc's closed form: the test below.)"""
     torch.manual_seed(0)
     _, module, _, _ = private(LAYERS[name].build(), C=1.0)
     route = module.norm_routes["layer"]
     assert route.path.value == "functorch" and route.reason
     assert "Opacus'" in route.describe(module.sketch_spec)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "LayerNorm/2d-no-bias", "RMSNorm", "LlamaRMSNorm"])
+def test_norm_layers_take_the_exact_closed_form(name: str) -> None:
+    """Issue 34: normalisation layers get opacus_rc's exact closed form (no functorch, no
+    Opacus grad sampler); the sweep above checks its norms and clipped sums against the
+    oracle."""
+    torch.manual_seed(0)
+    _, module, _, _ = private(LAYERS[name].build(), C=1.0)
+    route = module.norm_routes["layer"]
+    assert route.path.value == "exact" and route.supports_bookkeeping
