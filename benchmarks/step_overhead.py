@@ -683,6 +683,19 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpointing", nargs="*", default=None, choices=CHECKPOINTING, help="override"
     )
     parser.add_argument("--methods", nargs="*", default=None, choices=METHODS, help="override")
+    parser.add_argument(
+        "--cells",
+        nargs="*",
+        default=None,
+        help="measure only these cells, as checkpointing:T:B items (instead of the grid)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="override the rounds")
+    parser.add_argument(
+        "--attribution-cells",
+        nargs="*",
+        default=None,
+        help="override, as checkpointing:T:B items (e.g. off:1024:1)",
+    )
     parser.add_argument("--no-attribution", action="store_true", help="skip the profiler table")
     parser.add_argument("--no-micro", action="store_true", help="skip the micro-benchmarks")
     args = parser.parse_args(argv)
@@ -692,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("T", "B", "checkpointing", "methods"):
         if getattr(args, key):
             cfg[key] = getattr(args, key)
+    if args.rounds:
+        cfg["rounds"] = args.rounds
+    if args.attribution_cells is not None:
+        cells = [c.split(":") for c in args.attribution_cells]
+        cfg["attribution_cells"] = [[c, int(T), int(B)] for c, T, B in cells]
     if BASELINE not in cfg["methods"]:
         cfg["methods"] = [BASELINE, *cfg["methods"]]
     if args.no_attribution:
@@ -718,11 +736,15 @@ def main(argv: list[str] | None = None) -> int:
         absmax = absmax_timing(cfg)
         norms = norm_layer_timing(cfg)
         write()
-    for ckpt in cfg["checkpointing"]:
-        for B in cfg["B"]:
-            for T in cfg["T"]:
-                rows.extend(measure_cell(cfg, ckpt, T, B))
-                write()  # after every cell: an interrupted run keeps what it measured
+    grid = [(c, T, B) for c in cfg["checkpointing"] for B in cfg["B"] for T in cfg["T"]]
+    if args.cells:
+        grid = [(c, int(T), int(B)) for c, T, B in (x.split(":") for x in args.cells)]
+        cfg["grid_note"] = (
+            cfg.get("grid_note", "") + f" Cells measured: {', '.join(args.cells)}."
+        ).strip()
+    for ckpt, T, B in grid:
+        rows.extend(measure_cell(cfg, ckpt, T, B))
+        write()  # after every cell: an interrupted run keeps what it measured
     for ckpt, T, B in cfg["attribution_cells"]:
         attribution.extend(attribute(cfg, ckpt, T, B))
         write()
