@@ -14,8 +14,10 @@ Per (checkpointing, T, B), every method is built in **one process** (same weight
 and timed **interleaved**: ``warmup`` untimed steps each, then ``rounds`` rounds in which every
 method runs one step (the order rotated each round). Reported: the median step time, and
 ``time_ratio``, the median over rounds of the step's time divided by the non-private step's
-time **in the same round** (drifts of the machine's load cancel). The load average (``uptime``)
-before and after each cell is recorded. Then, on one more step of each method:
+time **in the same round** (drifts of the machine's load cancel), and ``cpu_ratio``, the same
+with the process's CPU time (``time.process_time``: with one thread it leaves out the time the
+step waited for a core, so it is the measure to read on a shared, loaded machine). The load
+average (``uptime``) before and after each cell is recorded. Then, on one more step of each method:
 
 * ``flops_ratio``: ``FlopCounterMode`` FLOPs (matrix products, CPU flash attention counted with
   torch's CUDA formulas, :func:`benchmarks.common.count_flops`) over the non-private step's;
@@ -85,6 +87,8 @@ COLUMNS = [
     "time_median_s",
     "time_ratio",
     "time_ratio_of_medians",
+    "cpu_median_s",
+    "cpu_ratio",
     "rounds",
     "flops",
     "flops_ratio",
@@ -242,6 +246,7 @@ def measure_cell(
             row["status"] = long_context.first_line(err)
             log(f"[{checkpointing} T={T} B={B} {name}] {row['status']}")
     times: dict[str, list[float]] = {n: [] for n in methods}
+    cpu: dict[str, list[float]] = {n: [] for n in methods}
     order = list(methods)
     for r in range(cfg["rounds"]):
         shift = r % max(len(order), 1)
@@ -250,19 +255,23 @@ def measure_cell(
                 continue
             try:
                 gc.collect()
+                c0 = time.process_time()
                 times[name].append(common.time_one(methods[name].step, device))
+                cpu[name].append(time.process_time() - c0)
             except Exception as err:  # noqa: BLE001
                 rows[name]["status"] = long_context.first_line(err)
-    base_times = times.get(BASELINE, [])
+    base_times, base_cpu = times.get(BASELINE, []), cpu.get(BASELINE, [])
     for name, ts in times.items():
         row = rows[name]
         if row["status"] != "ok" or not ts:
             continue
         row["time_median_s"] = common.median(ts)
+        row["cpu_median_s"] = common.median(cpu[name])
         row["rounds"] = len(ts)
         if base_times and len(base_times) == len(ts):
             row["time_ratio"] = common.median([t / b for t, b in zip(ts, base_times)])
             row["time_ratio_of_medians"] = row["time_median_s"] / common.median(base_times)
+            row["cpu_ratio"] = common.median([t / b for t, b in zip(cpu[name], base_cpu)])
     for name, method in methods.items():
         if rows[name]["status"] != "ok":
             continue
@@ -541,7 +550,9 @@ def summary_markdown(
         "interleaved in one process per cell, "
         f"{cfg['warmup']} warm-up step(s) each, then {cfg['rounds']} rounds; `time` is the "
         "median step, `ratio` the median over rounds of the step's time over the same round's "
-        "non-private step (`ratio of medians` next to it in the CSV). FLOPs: `FlopCounterMode`; "
+        "non-private step (`ratio of medians` next to it in the CSV); `CPU time` the same with "
+        "the process's CPU time (`time.process_time`; one thread, so it leaves out the time "
+        "the step waited for a core on a loaded machine). FLOPs: `FlopCounterMode`; "
         "aten ops and copies (`copy_`, `_to_copy`): a `TorchDispatchMode` counter; calls: Python "
         "calls into the method's package (`opacus_rc` or `opacus`) and into `torch`, by "
         "`sys.setprofile`; each on one further step. `benchmarks/step_overhead.py` docstring.",
@@ -564,6 +575,7 @@ def summary_markdown(
             line.update(
                 time=common.fmt_seconds(r.get("time_median_s")),
                 ratio=_x(r.get("time_ratio")),
+                cpu=f"{common.fmt_seconds(r.get('cpu_median_s'))} ({_x(r.get('cpu_ratio'))})",
                 flops=_x(r.get("flops_ratio")),
                 ops=_n(r.get("aten_ops")),
                 copies=_n(r.get("copies")),
@@ -572,12 +584,25 @@ def summary_markdown(
                 load=f"{r.get('load_before', '')} -> {r.get('load_after', '')}",
             )
         table.append(line)
-    cols = ["cell", "method", "time", "ratio", "flops", "ops", "copies", "calls", "torch", "load"]
+    cols = [
+        "cell",
+        "method",
+        "time",
+        "ratio",
+        "cpu",
+        "flops",
+        "ops",
+        "copies",
+        "calls",
+        "torch",
+        "load",
+    ]
     heads = [
         "cell",
         "method",
         "time / step",
         "time / non-private",
+        "CPU time / step (/ non-private)",
         "FLOPs / non-private",
         "aten ops / step",
         "copies / step",
@@ -589,7 +614,13 @@ def summary_markdown(
     floors = cfg.get("floors", [])
     if floors:
         parts += ["## The issue's floors (rc_bookkeeping time / non-private)", ""]
-        parts += ["| cell | bound | measured | result |", "|---|---|---|---|"]
+        parts += [
+            "Wall-time ratio (the issue's measure, for a quiet machine) and CPU-time ratio "
+            "(`time.process_time`, one thread: robust to other processes sharing the cores).",
+            "",
+            "| cell | bound | wall ratio | result | CPU ratio | result |",
+            "|---|---|---|---|---|---|",
+        ]
         for f in floors:
             r = next(
                 (
@@ -601,10 +632,12 @@ def summary_markdown(
                 None,
             )
             value = r.get("time_ratio") if r else None
+            cpu_value = r.get("cpu_ratio") if r else None
             verdict = "not measured" if value is None else ("PASS" if value <= f["max"] else "FAIL")
+            cpu_verdict = "" if cpu_value is None else ("PASS" if cpu_value <= f["max"] else "FAIL")
             parts.append(
                 f"| {f['checkpointing']}, T={f['T']}, B={f['B']} | <= {f['max']} | "
-                f"{_x(value)} | {verdict} |"
+                f"{_x(value)} | {verdict} | {_x(cpu_value)} | {cpu_verdict} |"
             )
         parts.append("")
     if attribution:
