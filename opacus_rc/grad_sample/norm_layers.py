@@ -28,7 +28,11 @@ samplers (:func:`~opacus_rc.grad_sample.registry.register_sketched_norm_sampler`
   attached (:func:`~opacus_rc.grad_sample.registry.check_modules`). Gemma's RMSNorm
   (``1 + w``) has another forward and is not among them.
 
-Arithmetic is in float32 (float64 for float64 inputs), with autocast disabled.
+Arithmetic is in float32 (float64 for float64 inputs), with autocast disabled. The per-sample
+gradient function is also registered in
+:data:`~opacus_rc.grad_sample.norms.STASH_GRAD_SAMPLERS` (the ``(B, D)`` per-sample gradients
+are a smaller book-keeping stash than the layer's input and output gradient, ``(B, T, D)``
+each), for the checkpointed step's stash choice.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     SKETCHED_NORM_SAMPLERS,
@@ -220,6 +225,9 @@ def compute_norm_layer_clipped_sum(
 def _register(*types: type[nn.Module]) -> None:
     register_sketched_norm_sampler(*types, exact=True)(compute_norm_layer_norm_sample)
     register_clipped_sum(*types)(compute_norm_layer_clipped_sum)
+    for t in types:  # the (B, D) per-sample gradients, a smaller stash than (x, G) per token
+        if t not in STASH_GRAD_SAMPLERS:
+            STASH_GRAD_SAMPLERS.register(t, norm_layer_per_sample_grads)
 
 
 _register(nn.LayerNorm, nn.RMSNorm)

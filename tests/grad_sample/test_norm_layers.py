@@ -24,6 +24,7 @@ from opacus_rc.grad_sample.norm_layers import (
     norm_layer_per_sample_grads,
     register_loaded_transformers_norms,
 )
+from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
 from opacus_rc.grad_sample.routing import NormPath
 
 
@@ -143,6 +144,7 @@ def test_registered_exact_with_a_clipped_sum() -> None:
         assert SKETCHED_NORM_SAMPLERS[t] is compute_norm_layer_norm_sample
         assert CLIPPED_SUM_FUNCTIONS[t] is compute_norm_layer_clipped_sum
         assert t in EXACT_NORM_TYPES
+        assert STASH_GRAD_SAMPLERS[t] is norm_layer_per_sample_grads
 
 
 class Block(nn.Module):
