@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
@@ -193,7 +194,9 @@ def compute_norm_layer_clipped_sum(
     """Clipped gradient sum ``sum_i c_i grad loss_i`` of a normalisation layer (book-keeping).
 
     The per-sample gradients of :func:`norm_layer_per_sample_grads` contracted with ``c``
-    over the batch (one ``(1 x B) @ (B x D)`` product). No random number is drawn.
+    over the batch by :func:`~opacus_rc.grad_sample.clip.apply_clip_factors` (the one place
+    clip factors are applied; one ``(1 x B) @ (B x D)`` product), in the promoted dtype of
+    ``c`` and the per-sample gradients. No random number is drawn.
 
     Args:
         layer: As :func:`norm_layer_per_sample_grads`.
@@ -214,11 +217,9 @@ def compute_norm_layer_clipped_sum(
         )
     grads = norm_layer_per_sample_grads(layer, activations, backprops)
     ret: dict[nn.Parameter, torch.Tensor] = {}
-    with autocast_off(backprops.device):
-        for p, g in grads.items():
-            c = coef.to(device=g.device, dtype=torch.promote_types(g.dtype, coef.dtype))
-            total = c @ g.to(c.dtype).reshape(g.shape[0], -1)
-            ret[p] = total.reshape(p.shape).to(p.dtype)
+    for p, g in grads.items():
+        total = apply_clip_factors(coef, g, reduce=True)
+        ret[p] = total.reshape(p.shape).to(p.dtype)
     return ret
 
 
