@@ -611,6 +611,37 @@ def summary_markdown(
         "load (1, 5, 15 min) before -> after",
     ]
     parts += [common.markdown_table(table, cols, heads), ""]
+    baseline = cfg.get("baseline")
+    if baseline:
+        parts += [
+            f"## Against {baseline['label']}",
+            "",
+            "The same cells measured by this script on the other code (its own non-private "
+            "step as the reference, in its own process).",
+            "",
+            "| cell | method | wall ratio before | wall ratio now | CPU ratio before | "
+            "CPU ratio now | aten ops before | now | package calls before | now |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        old_rows = {
+            (b["checkpointing"], int(b["T"]), int(b["B"]), b["method"]): b for b in baseline["rows"]
+        }
+        for r in rows:
+            b = old_rows.get((r["checkpointing"], r["T"], r["B"], r["method"]))
+            if b is None or r["method"] == BASELINE:
+                continue
+
+            def num(v: Any) -> float | None:
+                return float(v) if v not in (None, "") else None
+
+            parts.append(
+                f"| {r['checkpointing']}, T={r['T']}, B={r['B']} | {r['method']} | "
+                f"{_x(num(b.get('time_ratio')))} | {_x(r.get('time_ratio'))} | "
+                f"{_x(num(b.get('cpu_ratio')))} | {_x(r.get('cpu_ratio'))} | "
+                f"{_n(num(b.get('aten_ops')))} | {_n(r.get('aten_ops'))} | "
+                f"{_n(num(b.get('package_calls')))} | {_n(r.get('package_calls'))} |"
+            )
+        parts.append("")
     floors = cfg.get("floors", [])
     if floors:
         parts += ["## The issue's floors (rc_bookkeeping time / non-private)", ""]
@@ -724,6 +755,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=None, help="override the rounds")
     parser.add_argument(
+        "--baseline-csv",
+        type=Path,
+        default=None,
+        help="a step_overhead.csv of other code (e.g. before a change): its ratios are shown "
+        "next to this run's",
+    )
+    parser.add_argument("--baseline-label", default="baseline", help="what --baseline-csv is")
+    parser.add_argument("--note", default="", help="a sentence added to the report (grid, load)")
+    parser.add_argument(
+        "--from-csv",
+        type=Path,
+        default=None,
+        help="time no step: re-render the report from the step_overhead.csv (and the "
+        "_attribution.csv beside it) in this folder; the micro-benchmarks run unless "
+        "--no-micro",
+    )
+    parser.add_argument(
         "--attribution-cells",
         nargs="*",
         default=None,
@@ -740,6 +788,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg[key] = getattr(args, key)
     if args.rounds:
         cfg["rounds"] = args.rounds
+    if args.note:
+        cfg["grid_note"] = (args.note + " " + cfg.get("grid_note", "")).strip()
+    if args.baseline_csv:
+        cfg["baseline"] = {"label": args.baseline_label, "rows": common.read_csv(args.baseline_csv)}
     if args.attribution_cells is not None:
         cells = [c.split(":") for c in args.attribution_cells]
         cfg["attribution_cells"] = [[c, int(T), int(B)] for c, T, B in cells]
@@ -758,18 +810,32 @@ def main(argv: list[str] | None = None) -> int:
     norms: list[dict] = []
 
     def write() -> None:
-        info["run_minutes"] = round((time.perf_counter() - started) / 60, 1)
-        info["uptime_load_average_now"] = long_context.load_average()
+        if not args.from_csv:
+            info["run_minutes"] = round((time.perf_counter() - started) / 60, 1)
+            info["uptime_load_average_now"] = long_context.load_average()
         common.write_csv(out / f"{stem}.csv", rows, COLUMNS)
         common.write_csv(out / f"{stem}_attribution.csv", attribution, ATTRIBUTION_COLUMNS)
         text = summary_markdown(rows, attribution, absmax, norms, cfg, info)
         common.write_text(out / f"{stem}.md", text)
 
+    if args.from_csv:
+        rows = read_rows(args.from_csv / f"{stem}.csv")
+        attribution = read_rows(args.from_csv / f"{stem}_attribution.csv")
+        old_md = args.from_csv / f"{stem}.md"
+        machine = (
+            next((x for x in old_md.read_text().splitlines() if x.startswith("Machine: ")), "")
+            if old_md.exists()
+            else ""
+        )
+        info = {"measured": machine.removeprefix("Machine: ") or "not recorded"}
+        cfg["attribution_cells"] = []
     if not args.no_micro:
         absmax = absmax_timing(cfg)
         norms = norm_layer_timing(cfg)
         write()
     grid = [(c, T, B) for c in cfg["checkpointing"] for B in cfg["B"] for T in cfg["T"]]
+    if args.from_csv:
+        grid = []
     if args.cells:
         grid = [(c, int(T), int(B)) for c, T, B in (x.split(":") for x in args.cells)]
         cfg["grid_note"] = (
@@ -784,6 +850,25 @@ def main(argv: list[str] | None = None) -> int:
     write()
     print(f"wrote {out / stem}.csv, .md and _attribution.csv")
     return 0
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a results CSV, numbers as numbers (``T``, ``B`` and counts as int), empty cells
+    left out."""
+    rows = []
+    for raw in common.read_csv(path):
+        row: dict[str, Any] = {}
+        for key, value in raw.items():
+            if value == "":
+                continue
+            try:
+                number = float(value)
+            except ValueError:
+                row[key] = value
+                continue
+            row[key] = int(number) if number.is_integer() and "ratio" not in key else number
+        rows.append(row)
+    return rows
 
 
 def ratio_summary(rows: list[dict]) -> dict[tuple, float]:
