@@ -305,6 +305,7 @@ def measure_cell(
 PYTHON = "python (interpreter, self time of Python functions)"
 
 
+_AUTOGRAD_NODE = "autograd::engine::evaluate_function"
 _PASS_THROUGH = ("torch/", "<built-in", "contextlib.py", "functools.py", "typing.py")
 
 
@@ -314,7 +315,10 @@ def _site(evt: Any, cache: dict[int, str]) -> str:
     name"``) if it is an ``opacus_rc`` function (or an ``opacus`` one, which the package calls),
     else ``""`` (the model's code, transformers,
     autograd's kernels). So an op of the model's forward run under the wrapper's ``forward``
-    belongs to the model, and an op that a hook issues through ``torch.nn`` to the hook."""
+    belongs to the model, and an op that a hook issues through ``torch.nn`` to the hook. An op
+    inside an autograd node's evaluation (``autograd::engine::evaluate_function``) with no
+    Python function in between is autograd's backward kernel: ``""``, although the backward
+    was started from an ``opacus_rc`` function."""
     chain = []
     node = evt
     site = ""
@@ -324,6 +328,8 @@ def _site(evt: Any, cache: dict[int, str]) -> str:
             site = cache[key]
             break
         chain.append(key)
+        if not node.is_python_function and node.name.startswith(_AUTOGRAD_NODE):
+            break  # a kernel of autograd's backward (the model's), whoever called backward()
         if node.is_python_function and not node.name.startswith(_PASS_THROUGH):
             site = node.name if node.name.startswith(("opacus_rc/", "opacus/")) else ""
             break

@@ -10,29 +10,34 @@ output gradient ``G_i`` (``T x D``, ``T`` the positions) and normalised input ``
 The weight's ``xhat`` does not depend on ``w``, so these are the exact per-sample gradients,
 one elementwise product and one sum over positions: no ``torch.func`` replay of the module
 (which the functorch path runs per sample) and no extra saved activation, since ``xhat`` is
-recomputed from the layer input that the hooks already record. Registered as *exact* norm
-samplers (:func:`~opacus_rc.grad_sample.registry.register_sketched_norm_sampler` with
-``exact=True``: no probe is drawn) with their book-keeping clipped sums
-``sum_i c_i grad loss_i`` (:func:`~opacus_rc.grad_sample.registry.register_clipped_sum`), for
+recomputed from the layer input that the hooks already record. The functions cover
 
 * ``torch.nn.LayerNorm`` (``xhat = (x - mean) / sqrt(var + eps)``, biased variance; also
-  ``elementwise_affine=False``, which has no parameter, and ``bias=False``, on which Opacus'
-  sampler raises);
+  ``elementwise_affine=False``, which has no parameter, and ``bias=False``);
 * ``torch.nn.RMSNorm`` (``xhat = x / sqrt(mean(x^2) + eps)``, ``eps=None`` meaning
   ``torch.finfo(x.dtype).eps``);
 * ``transformers``' ``LlamaRMSNorm`` and the RMSNorm classes with its exact forward
   (:data:`TRANSFORMERS_RMS_NORMS`: ``weight * (x_fp32 / sqrt(mean(x_fp32^2) +
-  variance_epsilon)).to(x.dtype)``). These are registered without importing ``transformers``:
-  by :func:`register_loaded_transformers_norms`, for the classes whose module is already
-  imported, when this module is imported and again when a model is checked before hooks are
-  attached (:func:`~opacus_rc.grad_sample.registry.check_modules`). Gemma's RMSNorm
-  (``1 + w``) has another forward and is not among them.
+  variance_epsilon)).to(x.dtype)``, float32 statistics whatever the input dtype).
 
-Arithmetic is in float32 (float64 for float64 inputs), with autocast disabled. The per-sample
-gradient function is also registered in
-:data:`~opacus_rc.grad_sample.norms.STASH_GRAD_SAMPLERS` (the ``(B, D)`` per-sample gradients
-are a smaller book-keeping stash than the layer's input and output gradient, ``(B, T, D)``
-each), for the checkpointed step's stash choice.
+**Registered** as *exact* norm samplers
+(:func:`~opacus_rc.grad_sample.registry.register_sketched_norm_sampler` with ``exact=True``:
+no probe is drawn) with their book-keeping clipped sums
+(:func:`~opacus_rc.grad_sample.registry.register_clipped_sum`) for the
+:data:`TRANSFORMERS_RMS_NORMS` classes only, which have no Opacus grad sampler and were
+replayed by functorch. They are registered without importing ``transformers``: by
+:func:`register_loaded_transformers_norms`, for the classes whose module is already imported,
+when this module is imported and again when a model is checked before hooks are attached
+(:func:`~opacus_rc.grad_sample.registry.check_modules`). Gemma's RMSNorm (``1 + w``) has
+another forward and is not among them. ``nn.LayerNorm`` and ``nn.RMSNorm`` keep Opacus' grad
+samplers, closed forms too, on the per-sample-gradient path, which also sums the per-sample
+gradients of a module used twice in one forward and stashes ``(B, D)`` per-sample gradients
+for book-keeping; the exact-sampler path refuses a second use in one forward (as for every
+sketched or exact module) and stashes the layer's input and output gradient, except in a
+checkpointed step once :data:`~opacus_rc.grad_sample.norms.STASH_GRAD_SAMPLERS` (where
+:func:`norm_layer_per_sample_grads` is registered for these classes) serves exact routes.
+
+Arithmetic is in float32 (float64 for float64 inputs), with autocast disabled.
 """
 
 from __future__ import annotations
@@ -229,9 +234,6 @@ def _register(*types: type[nn.Module]) -> None:
     for t in types:  # the (B, D) per-sample gradients, a smaller stash than (x, G) per token
         if t not in STASH_GRAD_SAMPLERS:
             STASH_GRAD_SAMPLERS.register(t, norm_layer_per_sample_grads)
-
-
-_register(nn.LayerNorm, nn.RMSNorm)
 
 
 def register_loaded_transformers_norms() -> list[type[nn.Module]]:

@@ -135,16 +135,21 @@ def test_shape_mismatch_is_refused_with_the_shapes() -> None:
 
 
 def test_registered_exact_with_a_clipped_sum() -> None:
-    """LayerNorm, RMSNorm and (transformers imported) LlamaRMSNorm are exact samplers with
-    clipped sums; registering again is a no-op."""
+    """(transformers imported) LlamaRMSNorm and Qwen2RMSNorm are exact samplers with clipped
+    sums and stashable per-sample gradients; registering again is a no-op; nn.LayerNorm and
+    nn.RMSNorm are left to Opacus' closed-form grad samplers."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
     llama = type(_llama_rms_norm(4))
     register_loaded_transformers_norms()
     assert register_loaded_transformers_norms() == []
-    for t in (nn.LayerNorm, nn.RMSNorm, llama):
+    for t in (llama, Qwen2RMSNorm):
         assert SKETCHED_NORM_SAMPLERS[t] is compute_norm_layer_norm_sample
         assert CLIPPED_SUM_FUNCTIONS[t] is compute_norm_layer_clipped_sum
         assert t in EXACT_NORM_TYPES
         assert STASH_GRAD_SAMPLERS[t] is norm_layer_per_sample_grads
+    for t in (nn.LayerNorm, nn.RMSNorm):
+        assert t not in SKETCHED_NORM_SAMPLERS
 
 
 class Block(nn.Module):
@@ -160,11 +165,12 @@ class Block(nn.Module):
         return self.head(self.llama(self.rms(self.ln(self.lin(x))))).mean(1)
 
 
-def test_module_routes_norm_layers_exact_and_their_norms_match_the_oracle(
+def test_module_routes_llama_rms_norm_exact_and_its_norms_match_the_oracle(
     microbatch_norms: Callable,
 ) -> None:
-    """Inside the randomized-clipping module the three norm layers take the exact path (not
-    functorch, not Opacus' grad sampler) with book-keeping; their norms equal the oracle's."""
+    """Inside the randomized-clipping module LlamaRMSNorm takes the exact closed form (it was
+    functorch), LayerNorm and RMSNorm Opacus' grad samplers, all with book-keeping; every
+    norm equals the oracle's."""
     torch.manual_seed(0)
     model = Block().double()
     for m in (model.ln, model.rms, model.llama):
@@ -172,11 +178,30 @@ def test_module_routes_norm_layers_exact_and_their_norms_match_the_oracle(
     reference = copy.deepcopy(model)
     gsm = GradSampleModuleRandomizedClipping(model, max_grad_norm=1.0, loss_reduction="sum")
     routes = gsm.norm_routes
-    for name in ("ln", "rms", "llama"):
-        assert routes[name].path is NormPath.EXACT
-        assert routes[name].supports_bookkeeping
+    assert routes["llama"].path is NormPath.EXACT
+    assert routes["ln"].path is routes["rms"].path is NormPath.GRAD_SAMPLER
+    assert all(routes[n].supports_bookkeeping for n in ("ln", "rms", "llama"))
     x = torch.randn(3, 5, 6, dtype=torch.float64)
     gsm(x).pow(2).sum().backward()
     oracle = microbatch_norms(reference, x, lambda o: o.pow(2).sum())
     for name in ("ln.weight", "ln.bias", "rms.weight", "llama.weight"):
         torch.testing.assert_close(gsm.norm_samples[name], oracle[name], rtol=1e-8, atol=1e-12)
+
+
+class TwiceNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = _llama_rms_norm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(self.norm(x))).mean(1)
+
+
+def test_llama_rms_norm_used_twice_in_one_forward_is_refused_naming_it() -> None:
+    """The exact path refuses a second use in one forward (as for nn.Linear), naming the
+    module, rather than clipping one use only. (Under functorch its per-sample gradients were
+    summed; HF models call each norm once.)"""
+    gsm = GradSampleModuleRandomizedClipping(TwiceNormed(), max_grad_norm=1.0)
+    with pytest.raises(NotImplementedError, match=r"'norm' \(LlamaRMSNorm\) ran more than once"):
+        gsm(torch.randn(2, 3, 6))

@@ -425,8 +425,7 @@ def test_exact_fallbacks_frozen_layers_and_logging(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, microbatch_norms: Callable
 ) -> None:
     """Only registered types draw probes; the frozen layer contributes nothing; the other
-    layers get exact norms (functorch; LayerNorm's closed form, issue 34); paths are logged
-    once."""
+    layers get Opacus' exact norms (functorch, grad sampler, ghost); paths are logged once."""
     draws: list[tuple[int, ...]] = []
     original = sketching.draw_gaussian_probes
 
@@ -454,7 +453,7 @@ def test_exact_fallbacks_frozen_layers_and_logging(
     paths = {r.args[0]: r.args[2] for r in caplog.records}
     assert paths["2"].endswith("(functorch fallback)")
     assert paths["3"].endswith("(functorch fallback)")
-    assert paths["4"] == "exact (opacus_rc sampler, no sketch)"  # LayerNorm's closed form
+    assert paths["4"].startswith("exact per-sample gradients (Opacus grad sampler)")
     assert paths["5"].startswith("sketched (hutchinson, k=4096)")
     assert "0" not in paths  # frozen: not hooked
     x = torch.randn(3, 7, 4)
