@@ -84,7 +84,13 @@ def test_every_grad_sample_table_is_the_type_registry() -> None:
     ):
         assert isinstance(table, TypeRegistry), table
     assert set(OPACUS_SAMPLER_LIMITS) == {nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm}
-    assert set(STASH_GRAD_SAMPLERS) == {nn.Linear}
+    # nn.Linear, and the transformers RMSNorm classes imported so far (issue 34: their closed
+    # form, opacus_rc.grad_sample.norm_layers, registers itself once their module is loaded).
+    from opacus_rc.grad_sample.norm_layers import TRANSFORMERS_RMS_NORMS
+
+    others = set(STASH_GRAD_SAMPLERS) - {nn.Linear}
+    assert nn.Linear in STASH_GRAD_SAMPLERS
+    assert {(t.__module__, t.__name__) for t in others} <= set(TRANSFORMERS_RMS_NORMS)
 
 
 def test_register_module_check_through_the_helper() -> None:
