@@ -73,3 +73,10 @@ def test_quick_run_writes_every_cell(tmp_path) -> None:
     ):
         assert heading in text
     assert "uptime_load_average_at_start" in text
+
+
+def test_help(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        so.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--baseline-csv" in capsys.readouterr().out
