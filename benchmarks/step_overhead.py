@@ -701,7 +701,33 @@ def summary_markdown(
                 if abs(r["delta_ms"]) >= cfg["attribution_min_ms"]
                 or r["name"].startswith(("untracked", "total"))
             ]
+            by_site: dict[str, float] = {}
+            for r in sub:
+                if r["name"].startswith(("untracked", "total")):
+                    continue
+                site = str(r.get("site", ""))
+                key = site if site.startswith(("opacus_rc/", "opacus/")) else "(model / autograd)"
+                by_site[key] = by_site.get(key, 0.0) + float(r["delta_ms"])
+            grouped = [
+                {"site": k, "delta_ms": v}
+                for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])
+                if abs(v) >= cfg["attribution_min_ms"]
+            ]
             parts += [f"### {cell[0]}, T={cell[1]}, B={cell[2]}", ""]
+            parts += [
+                "By function (every event it issued, kernels and interpreter; the model's "
+                "and autograd's events net of the non-private step's):",
+                "",
+                common.markdown_table(
+                    grouped,
+                    ["site", "delta_ms"],
+                    ["function", "rc - non-private (ms per step)"],
+                    formats={"delta_ms": lambda v: f"{v:.1f}"},
+                ),
+                "",
+                "By event and function:",
+                "",
+            ]
             parts += [
                 common.markdown_table(
                     shown,
