@@ -37,6 +37,7 @@ __all__ = [
     "autocast_off",
     "get_estimator",
     "pow2_scale",
+    "sample_absmax",
     "hutchinson_sqnorm",
     "hutchpp_sqnorm",
     "validate_sketch_dim",
@@ -129,6 +130,35 @@ def _scaled(t: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
 MAX_UPSCALE_EXPONENT = 100
 
 
+def sample_absmax(t: torch.Tensor) -> torch.Tensor:
+    """Per-sample largest absolute entry of a batch-first tensor, ``max_j |t[i, j...]|``.
+
+    The value ``torch.linalg.vector_norm(t, ord=inf, dim=(1, ..., n-1))`` gives (NaN where a
+    sample holds a NaN, inf where it holds an infinity and no NaN, 0 for an empty sample), in
+    two plain reductions, ``max(t.amax(), -t.amin())``: no ``|t|`` temporary and none of the
+    norm kernel's per-element cost (12-25x faster on a CPU at ``(1, 1024, 576)`` float32,
+    ``benchmarks/step_overhead.py``). Negation and ``max`` are exact, so the result, and the
+    power-of-two scale :func:`pow2_scale` derives from it, equal the norm's bit for bit.
+
+    Args:
+        t: ``(B, ...)`` floating-point tensor (any layout; not copied).
+
+    Returns:
+        ``(B,)`` tensor in ``t``'s dtype.
+
+    Raises:
+        ValueError: If ``t`` has fewer than 2 dimensions.
+    """
+    if t.dim() < 2:
+        raise ValueError(
+            f"sample_absmax needs a batch-first tensor (B, ...); got shape {tuple(t.shape)}"
+        )
+    if t.numel() == 0:
+        return torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
+    dims = tuple(range(1, t.dim()))
+    return torch.maximum(t.amax(dim=dims), t.amin(dim=dims).neg())
+
+
 def pow2_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``(2^-e, e)`` with ``amax * 2^-e`` in ``[0.5, 1)`` and ``e >= -100``.
 
@@ -152,9 +182,14 @@ def pow2_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def autocast_off(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """Autocast disabled on ``device`` (a no-op where autocast does not exist, e.g. ``meta``)."""
-    device_type = torch.device(device).type
-    if torch.amp.is_autocast_available(device_type):
+    """Autocast disabled on ``device``.
+
+    A no-op context where autocast does not exist (e.g. ``meta``) or is not enabled on the
+    device (the common case: disabling it would change nothing, and building a
+    ``torch.autocast`` costs ~25 us of Python per call, several calls per layer per step).
+    """
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 

@@ -87,6 +87,14 @@ def test_only_the_extension_points_are_registries() -> None:
     assert type(THREAT_MODEL_CLASSES) is dict
     assert {"hidden": HiddenLossModel, "revealed": RevealedLossModel} == THREAT_MODEL_CLASSES
     assert THREAT_MODELS == ("hidden", "revealed")
+    # nn.Linear, and the transformers RMSNorm classes imported so far (issue 34: their closed
+    # form, opacus_rc.grad_sample.norm_layers, registers itself once their module is loaded).
+    from opacus_rc.grad_sample.norm_layers import TRANSFORMERS_RMS_NORMS
+    from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
+
+    others = set(STASH_GRAD_SAMPLERS) - {nn.Linear}
+    assert nn.Linear in STASH_GRAD_SAMPLERS
+    assert {(t.__module__, t.__name__) for t in others} <= set(TRANSFORMERS_RMS_NORMS)
 
 
 @pytest.mark.parametrize(

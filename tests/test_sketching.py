@@ -18,6 +18,8 @@ from opacus_rc.sketching import (
     get_estimator,
     hutchinson_sqnorm,
     hutchpp_sqnorm,
+    pow2_scale,
+    sample_absmax,
     validate_sketch_dim,
 )
 
@@ -264,3 +266,62 @@ def test_registry_and_validators() -> None:
         hutchpp_sqnorm(A, G, sketch_dim=2, head_dim=0)
     with pytest.raises(ValueError, match="side must be one of"):
         hutchinson_sqnorm(A, G, sketch_dim=2, side="left")
+
+
+def _old_absmax(t: torch.Tensor) -> torch.Tensor:
+    """The max-abs pass the samplers ran before issue 34: ``vector_norm(ord=inf)`` per sample."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), ord=math.inf, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_sample_absmax_and_its_scale_equal_the_inf_norm(dtype: torch.dtype) -> None:
+    """The cheaper reduction gives the old value and power-of-two scale bit for bit: random
+    samples (with extreme and subnormal magnitudes), an all-zero sample, samples holding +inf,
+    -inf, NaN and NaN next to inf, a non-contiguous view, and rank 2 and 4 inputs."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(9, 7, 5, generator=g, dtype=torch.float64)
+    t[1] *= 1e-30 if dtype in (torch.float32, torch.float64) else 1e-3
+    t[2] *= 1e30 if dtype in (torch.float32, torch.float64) else 1e3
+    t[3] = 0.0
+    t[4, 2, 1] = math.inf
+    t[5, 0, 0] = -math.inf
+    t[6, 6, 4] = math.nan
+    t[7, 1, 1], t[7, 3, 3] = -math.inf, math.nan
+    t[8] = -t[8].abs()  # the largest magnitude is a negative entry
+    t = t.to(dtype)
+    cases = [t, t.transpose(1, 2), t[:, :, 0], t.reshape(9, 7, 5, 1)]
+    for case in cases:
+        new, old = sample_absmax(case), _old_absmax(case)
+        assert new.dtype == old.dtype == dtype
+        assert torch.equal(new.isnan(), old.isnan())
+        ok = ~old.isnan()
+        assert torch.equal(new[ok], old[ok])
+        if dtype in (torch.float32, torch.float64):
+            for a, b in zip(pow2_scale(new), pow2_scale(old)):
+                assert torch.equal(a, b)
+    assert torch.equal(sample_absmax(torch.empty(3, 0, 4)), torch.zeros(3))
+    assert sample_absmax(torch.empty(0, 2, 4)).shape == (0,)
+    with pytest.raises(ValueError, match="batch-first"):
+        sample_absmax(torch.ones(3))
+
+
+def test_autocast_off_disables_autocast_and_costs_nothing_when_it_is_off() -> None:
+    """Inside a CPU bf16 autocast region the products run in float32 and the region is restored
+    after; outside any autocast region no ``torch.autocast`` is built (issue 34: ~25 us of Python
+    per call, several calls per layer per step); on ``meta`` it is a no-op."""
+    import contextlib
+
+    from opacus_rc.sketching import autocast_off
+
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with autocast_off(torch.device("cpu")):
+            assert not torch.is_autocast_enabled("cpu")
+            assert (a @ a).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu")
+        assert (a @ a).dtype == torch.bfloat16
+    assert isinstance(autocast_off("cpu"), contextlib.nullcontext)
+    assert isinstance(autocast_off("meta"), contextlib.nullcontext)
+    with autocast_off("cpu"):
+        assert (a @ a).dtype == torch.float32

@@ -1,9 +1,11 @@
 """Per-sample norm machinery for randomized clipping.
 
 Importing this package registers, in this package's own registries (Opacus' are untouched):
-the sketched ``nn.Linear`` sampler and the exact ``nn.Embedding`` and ``nn.EmbeddingBag``
-samplers in :data:`SKETCHED_NORM_SAMPLERS` (the exact ones also in :data:`EXACT_NORM_TYPES`),
-their book-keeping clipped sums in :data:`CLIPPED_SUM_FUNCTIONS`, the ``nn.Embedding`` and
+the sketched ``nn.Linear`` sampler, the exact ``nn.Embedding`` and ``nn.EmbeddingBag``
+samplers and the exact closed form of ``transformers``' ``LlamaRMSNorm`` family
+(:mod:`~opacus_rc.grad_sample.norm_layers`, once imported) in
+:data:`SKETCHED_NORM_SAMPLERS` (the exact ones also in :data:`EXACT_NORM_TYPES`), their
+book-keeping clipped sums in :data:`CLIPPED_SUM_FUNCTIONS`, the ``nn.Embedding`` and
 ``nn.EmbeddingBag`` configuration checks in :data:`MODULE_CHECKS`, and the ``nn.EmbeddingBag``
 forward-input adapter in :data:`FORWARD_INPUT_ADAPTERS`.
 """
@@ -13,6 +15,9 @@ from opacus_rc.grad_sample import (  # noqa: F401  (registers nn.EmbeddingBag)
     embedding_bag as _embedding_bag,
 )
 from opacus_rc.grad_sample import linear as _linear  # noqa: F401  (registers nn.Linear)
+from opacus_rc.grad_sample import (  # noqa: F401  (LlamaRMSNorm family)
+    norm_layers as _norm_layers,
+)
 from opacus_rc.grad_sample.embedding import (
     check_embedding,
     compute_embedding_clipped_sum,

@@ -57,7 +57,7 @@ from opacus_rc.grad_sample.registry import (
     register_module_check,
     register_sketched_norm_sampler,
 )
-from opacus_rc.sketching import autocast_off, pow2_scale
+from opacus_rc.sketching import autocast_off, pow2_scale, sample_absmax
 
 __all__ = ["check_embedding", "compute_embedding_clipped_sum", "compute_embedding_norm_sample"]
 
@@ -195,7 +195,7 @@ def compute_embedding_norm_sample(
         # Per-sample power-of-two scale: max |entry| in [0.5, 1) (or below, for tiny gradients),
         # so a group sum is <= T in absolute value and its float32 square cannot overflow, nor a
         # nonzero square underflow. Exact, no host sync.
-        amax = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).to(acc)
+        amax = sample_absmax(G).to(acc)
         scale, exponent = pow2_scale(amax)
         rows = G.to(acc) * scale.view(B, 1, 1)
         if pad is not None:  # autograd gives the padding row nothing (also for NaN/inf rows)

@@ -28,7 +28,7 @@ from torch import nn
 
 from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
-from opacus_rc.sketching import autocast_off, pow2_scale
+from opacus_rc.sketching import autocast_off, pow2_scale, sample_absmax
 
 __all__ = ["compute_linear_clipped_sum", "compute_linear_sketched_norm_sample"]
 
@@ -65,8 +65,8 @@ def _sketched_weight_norm(
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
     with autocast_off(G.device):
-        amax_a = torch.linalg.vector_norm(A, ord=math.inf, dim=(1, 2)).float()
-        amax_g = torch.linalg.vector_norm(G, ord=math.inf, dim=(1, 2)).float()
+        amax_a = sample_absmax(A).float()
+        amax_g = sample_absmax(G).float()
         scale_a, exp_a = pow2_scale(amax_a)
         scale_g, exp_g = pow2_scale(amax_g)
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, scale=(scale_a, scale_g))

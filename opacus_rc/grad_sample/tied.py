@@ -73,7 +73,13 @@ from torch import nn
 
 from opacus_rc.grad_sample.embedding import _ids_and_rows, _padding_index
 from opacus_rc.grad_sample.routing import TiedGroup
-from opacus_rc.sketching import autocast_off, draw_gaussian_probes, pow2_scale, validate_sketch_dim
+from opacus_rc.sketching import (
+    autocast_off,
+    draw_gaussian_probes,
+    pow2_scale,
+    sample_absmax,
+    validate_sketch_dim,
+)
 
 __all__ = ["JointSketch", "TiedSketches", "tied_hutchinson_sqnorm"]
 
@@ -88,7 +94,7 @@ def _pow2_exponent(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     B = t.shape[0]
     if dtype == torch.float64 or t.numel() == 0:
         return torch.zeros(B, dtype=torch.int32, device=t.device)
-    amax = torch.linalg.vector_norm(t.reshape(B, -1), ord=math.inf, dim=1).to(dtype)
+    amax = sample_absmax(t).to(dtype)
     return pow2_scale(amax)[1]
 
 

@@ -2,7 +2,7 @@
 ``path::name`` and ``ALIAS::name`` in its tables names a function defined in that file (tests
 move by package; a stale row fails here, not silently).
 
-Paths are relative to ``tests/`` (or start with ``tests/`` or ``opacus_rc/``). An alias is
+Paths are relative to ``tests/`` (or start with ``tests/``, ``opacus_rc/`` or ``benchmarks/``). An alias is
 defined as ``ALIAS = `path``` in the text above a table: in the file's first block for every
 section, or in the table's own ``##`` section.
 """
@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CATALOGUE = ROOT / "tests" / "reliability" / "CATALOGUE.md"
 ALIAS_DEFINITION = re.compile(r"`?\b([A-Z][A-Z0-9]*)`? =\s+`((?:tests/)?[\w/]+\.py)`")
 ALIAS_CITATION = re.compile(r"(?<![\w/.])([A-Z][A-Z0-9]*)::(\w+)")
-PATH_CITATION = re.compile(r"(?<![\w/])((?:tests/|opacus_rc/)?[\w/]+\.py)::(\w+)")
+PATH_CITATION = re.compile(r"(?<![\w/])((?:tests/|opacus_rc/|benchmarks/)?[\w/]+\.py)::(\w+)")
 
 
 def _file(path: str) -> Path:
-    if path.startswith("opacus_rc/"):
+    if path.startswith(("opacus_rc/", "benchmarks/")):
         return ROOT / path
     return ROOT / "tests" / path.removeprefix("tests/")
 

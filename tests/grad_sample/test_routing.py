@@ -46,6 +46,18 @@ class Probe(nn.Module):
         return self.head(h.flatten(1))
 
 
+def _hf_rms_norm(d: int, name: str = "llama.modeling_llama.LlamaRMSNorm") -> nn.Module:
+    """A transformers RMSNorm class (opacus_rc registers its closed form once the class's
+    module is imported: opacus_rc.grad_sample.norm_layers.TRANSFORMERS_RMS_NORMS)."""
+    import importlib
+
+    module, cls = name.rsplit(".", 1)
+    layer = getattr(importlib.import_module(f"transformers.models.{module}"), cls)(d, eps=1e-5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, d))
+    return layer
+
+
 def first(out: Any) -> torch.Tensor:
     return out[0]
 
@@ -158,6 +170,16 @@ LAYERS: dict[str, Layer] = {
     "LayerNorm": Layer(lambda: Probe(nn.LayerNorm(6), 42), randn(7, 6)),
     "LayerNorm/2d-no-bias": Layer(lambda: Probe(nn.LayerNorm((3, 4), bias=False), 12), randn(3, 4)),
     "RMSNorm": Layer(lambda: Probe(nn.RMSNorm(6), 42), randn(7, 6)),
+    "LlamaRMSNorm": Layer(lambda: Probe(_hf_rms_norm(6), 42), randn(7, 6)),
+    "MistralRMSNorm": Layer(
+        lambda: Probe(_hf_rms_norm(6, "mistral.modeling_mistral.MistralRMSNorm"), 42), randn(7, 6)
+    ),
+    "Qwen2RMSNorm": Layer(
+        lambda: Probe(_hf_rms_norm(6, "qwen2.modeling_qwen2.Qwen2RMSNorm"), 42), randn(7, 6)
+    ),
+    "Qwen3RMSNorm": Layer(
+        lambda: Probe(_hf_rms_norm(6, "qwen3.modeling_qwen3.Qwen3RMSNorm"), 42), randn(7, 6)
+    ),
     "SequenceBias+DPMultiheadAttention": Layer(
         lambda: Probe(SelfAttention(), 40), randn(5, 8), sketched=True
     ),
@@ -314,3 +336,23 @@ def test_configurations_opacus_samples_wrongly_take_the_functorch_path(name: str
     route = module.norm_routes["layer"]
     assert route.path.value == "functorch" and route.reason
     assert "Opacus'" in route.describe(module.sketch_spec)
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("LlamaRMSNorm", "exact"),
+        ("MistralRMSNorm", "exact"),
+        ("Qwen2RMSNorm", "exact"),
+        ("Qwen3RMSNorm", "exact"),
+        ("RMSNorm", "grad_sampler"),
+    ],
+)
+def test_rms_norms_take_a_closed_form(name: str, path: str) -> None:
+    """Issue 34: transformers' LlamaRMSNorm family (no Opacus sampler; they were replayed by
+    functorch) takes opacus_rc's exact closed form; torch's RMSNorm keeps Opacus' closed-form grad
+    sampler. The sweep above checks both against the oracle."""
+    torch.manual_seed(0)
+    _, module, _, _ = layer_oracle.private(LAYERS[name].build(), C=1.0)
+    route = module.norm_routes["layer"]
+    assert route.path.value == path and route.supports_bookkeeping
