@@ -2,8 +2,8 @@
 ``path::name`` and ``ALIAS::name`` in its tables names a function defined in that file (tests
 move by package; a stale row fails here, not silently).
 
-Paths are relative to ``tests/`` (or start with ``tests/``, ``opacus_rc/`` or ``benchmarks/``). An alias is
-defined as ``ALIAS = `path``` in the text above a table: in the file's first block for every
+Paths are relative to ``tests/`` (or start with ``tests/``, ``opacus_rc/`` or
+``benchmarks/``). An alias is defined as ``ALIAS = `path``` in the text above a table: in the file's first block for every
 section, or in the table's own ``##`` section.
 """
 
