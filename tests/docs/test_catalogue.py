@@ -3,8 +3,8 @@
 move by package; a stale row fails here, not silently).
 
 Paths are relative to ``tests/`` (or start with ``tests/``, ``opacus_rc/`` or
-``benchmarks/``). An alias is defined as ``ALIAS = `path``` in the text above a table: in the file's first block for every
-section, or in the table's own ``##`` section.
+``benchmarks/``). An alias is defined as ``ALIAS = `path``` in the text above a table: in
+the file's first block for every section, or in the table's own ``##`` section.
 """
 
 from __future__ import annotations
