@@ -12,8 +12,8 @@ step each layer keeps whichever of the two is smaller (:mod:`~opacus_rc.grad_sam
 second pass accumulates. No random number is drawn here: the probes of the first pass are the only
 ones, in both modes.
 
-The stashes are owned by the step's :class:`~opacus_rc.grad_sample.step.StepState` and never
-outlive the step.
+The stashes are owned by the step's
+:class:`~opacus_rc.grad_sample.private_step.PrivateStep` and never outlive the step.
 """
 
 from __future__ import annotations

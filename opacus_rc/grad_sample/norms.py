@@ -5,7 +5,7 @@
 stored activations and its output gradient (batch first, rescaled to per-sample losses). It
 computes the norms of the module's trainable parameters by the route's
 :class:`~opacus_rc.grad_sample.routing.NormPath` and records them, and with book-keeping what the
-clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.step.StepState`:
+clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.private_step.PrivateStep`:
 
 * sketched or exact: the project's sampler
   (:data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS`), drawing fresh probes from the
@@ -55,7 +55,6 @@ from torch import nn
 from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
-from opacus_rc.grad_sample.step import StepState
 from opacus_rc.registry import TypeRegistry
 from opacus_rc.sketching import autocast_off
 
@@ -176,7 +175,7 @@ class ModuleNorms:
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
         *,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
         smaller_stash: bool = False,
     ) -> None:
@@ -220,7 +219,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
     ) -> None:
         """Book-keeping with the per-sample-gradient stash (a checkpointed step).
 
@@ -246,7 +245,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
     ) -> None:
         """Sketched, exact (project sampler), ghost (Opacus) or tied norms. A tied weight's
@@ -282,7 +281,7 @@ class ModuleNorms:
         module: nn.Module,
         params: tuple[nn.Parameter, ...],
         norms: Mapping[nn.Parameter, torch.Tensor],
-        step: StepState,
+        step: Any,
         *,
         what: str,
         deferred: frozenset[int] = frozenset(),
@@ -307,7 +306,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
     ) -> None:
         """Exact norms from per-sample gradients (Opacus' grad sampler, or functorch).

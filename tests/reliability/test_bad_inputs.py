@@ -198,7 +198,7 @@ def test_parameter_use_check_leaves_ordinary_models_alone() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(x)
         crit(out.float(), y).backward()
-        assert not module.parameter_use_check.has_spans
+        assert not module.private_step.uses.has_spans
         opt.step()
     assert len(engine.accountant) == 2
 
@@ -1102,4 +1102,4 @@ def test_criterion_without_ignore_index_warns_once() -> None:
                 crit(logits.reshape(-1, CLASSES), per_token.reshape(-1), shape=(4, 3))
         hits = [w for w in caught if "has no ignore_index attribute" in str(w.message)]
         assert len(hits) == (1 if warns else 0)
-        module.discard_recorded()
+        module.private_step.reset()
