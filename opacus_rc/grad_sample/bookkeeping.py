@@ -119,7 +119,14 @@ def write_clipped_sums(
         ValueError: If a clipped-sum function gives no tensor, or one of the wrong shape, for a
             parameter of its module.
     """
-    add_to_grads(compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of))
+    sums = compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of)
+    with torch.no_grad():  # add_to_grads, in line (it runs at every step)
+        for p, g in sums.items():
+            g = g.to(device=p.device, dtype=p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def add_to_grads(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
@@ -155,7 +162,11 @@ def compute_clipped_sums(
         for stash in stashes:
             module = stash.module
             if stash.grad_samples is not None:
-                sums = {p: consume_weighted_sum(coef, gs) for p, gs in stash.grad_samples.items()}
+                sums = {}
+                for p, gs in stash.grad_samples.items():  # consume_weighted_sum, in line
+                    sums[p] = apply_clip_factors(
+                        coef, gs, dtype=gs.dtype, reduce=True, consume=True
+                    )
             else:
                 fn = clipped_sums[type(module)]
                 assert stash.backprops is not None and stash.activations is not None

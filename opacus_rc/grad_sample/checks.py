@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from opacus_rc._compat.torch import autograd_sequence_nr
-from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
+from opacus_rc.grad_sample.checkpointing import REENTRANT_NODE
 from opacus_rc.grad_sample.routing import UnsupportedModuleError
 
 __all__ = [
@@ -210,8 +210,17 @@ class TrainableSetGuard:
         self._name_of = name_of
         self._owned = self._snapshot()
 
-    def _snapshot(self) -> dict[int, tuple[int, ...]]:
-        return {pid: tuple(id(s) for _, s in users) for pid, users in _owners(self._model).items()}
+    def _snapshot(self) -> dict[int, list[int]]:
+        """``id(trainable parameter) -> [id(module owning it directly)]``, in module order (as
+        :func:`_owners`, in plain loops: it runs at every step)."""
+        owned: dict[int, list[int]] = {}
+        for _, sub in self._model.named_modules(remove_duplicate=False):
+            for p in sub.parameters(recurse=False):
+                if p.requires_grad:
+                    users = owned.setdefault(id(p), [])
+                    if id(sub) not in users:
+                        users.append(id(sub))
+        return owned
 
     @property
     def parameter_ids(self) -> frozenset[int]:
@@ -228,8 +237,10 @@ class TrainableSetGuard:
             RuntimeError: Naming the parameters made trainable, replaced or tied after the
                 hooks were attached: no per-sample norm would be computed for them.
         """
-        now = self._snapshot()
-        changed = [pid for pid, owners in now.items() if self._owned.get(pid) != owners]
+        changed = []
+        for pid, owners in self._snapshot().items():
+            if self._owned.get(pid) != owners:
+                changed.append(pid)
         if changed:
             names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
             listed = sorted({names.get(pid, "<unnamed>") for pid in changed})
@@ -324,11 +335,11 @@ class ParameterUseCheck:
                 error names the parameters.
         """
         spans = self._spans
-        self.clear()
+        self._spans, self._open = {}, {}
         root = loss.grad_fn
         if root is None:
             return False
-        reentrant = has_reentrant_checkpoint(root)
+        reentrant = root.name() == REENTRANT_NODE
         outside: dict[int, str] = {}
         seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
         stack = [root]
@@ -344,12 +355,16 @@ class ParameterUseCheck:
                     if owners is None:
                         continue
                     seq = autograd_sequence_nr(node) if seq is None else seq
-                    if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
+                    inside = False
+                    for o in owners:
+                        for lo, hi in spans.get(o, ()):
+                            inside = inside or lo < seq < hi
+                    if not inside:
                         outside[id(var)] = self._name_of(var)
                 elif id(nxt) not in seen:
                     seen[id(nxt)] = nxt
                     stack.append(nxt)
-                    reentrant = reentrant or has_reentrant_checkpoint(nxt)
+                    reentrant = reentrant or nxt.name() == REENTRANT_NODE
         if outside:
             raise RuntimeError(
                 f"trainable parameter(s) {sorted(outside.values())} are used outside the "

@@ -308,6 +308,7 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
         Raises:
             FloatingPointError, RuntimeError: See :meth:`PrivateStep.issue_clip_factors`.
         """
+        self.private_step.uses.clear()  # no private backward consumes this forward's spans
         return self.private_step.issue_clip_factors(max_grad_norm=self.max_grad_norm)
 
     def get_norm_sample(self) -> torch.Tensor:

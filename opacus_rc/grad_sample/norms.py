@@ -80,6 +80,10 @@ STASH_GRAD_SAMPLERS.register(nn.Linear, compute_linear_grad_sample)
 _MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)
 
 
+#: Paths that materialise per-sample gradients (``NormPath.per_sample_gradients``).
+_PER_SAMPLE_GRADIENT_PATHS = frozenset({NormPath.GRAD_SAMPLER, NormPath.FUNCTORCH})
+
+
 def prefers_grad_sample_stash(
     params: tuple[nn.Parameter, ...], activations: list[Any], backprops: torch.Tensor
 ) -> bool:
@@ -196,7 +200,7 @@ class ModuleNorms:
         Raises:
             RuntimeError: If a sampler gives no norm for one of ``params``.
         """
-        if route.path.per_sample_gradients:
+        if route.path in _PER_SAMPLE_GRADIENT_PATHS:
             self._from_grad_samples(
                 module, route, params, activations, backprops, step, bookkeeping
             )
@@ -288,7 +292,13 @@ class ModuleNorms:
     ) -> None:
         """Check that ``norms`` covers every parameter of this use (but those ``deferred`` to
         the other module of a tied group), count the use, and record the norms."""
-        missing = [p for p in params if p not in norms and id(p) not in deferred]
+        missing = []
+        recorded = {}
+        for p in params:
+            if p in norms:
+                recorded[p] = norms[p]
+            elif id(p) not in deferred:
+                missing.append(p)
         if missing:
             raise RuntimeError(
                 f"the {what} for '{self._name_of(module)}' ({type(module).__name__}) returned "
@@ -297,7 +307,7 @@ class ModuleNorms:
             )
         for p in params:
             count_down_use(p)
-        step.record_norms({p: norms[p] for p in params if p in norms})
+        step.record_norms(recorded)
 
     def _from_grad_samples(
         self,

@@ -98,9 +98,6 @@ NORM_SAMPLED_PATHS = (NormPath.SKETCHED, NormPath.EXACT, NormPath.GHOST)
 #: whatever the model's layout.
 _OWN_LAYOUT: dict[type[nn.Module], Any] = {SequenceBias: lambda m: bool(m.batch_first)}
 
-#: ``PrivateStep.units`` before the step's criterion was called.
-_NO_CRITERION = object()
-
 
 class StepPhase(str, enum.Enum):
     """Where a :class:`PrivateStep` is in its step.
@@ -329,7 +326,11 @@ class PrivateStep:
         self._ready: list[BookkeepingStash] | None = None
         self._clipped: frozenset[int] = frozenset()
         self._first_pass_inputs: list[Any] = []
-        self._units: Any = _NO_CRITERION
+        #: The step's :class:`~opacus_rc.units.UnitLayout` (``units=`` passed to the
+        #: criterion), or None (per-sequence clipping); _units_given: the criterion was called.
+        self.units: Any = None
+        self._units_given = False
+        self._has_tied = bool(tied.supported_parameters)
         self.checkpointed = False
         self.smaller_stash = False
         self._told_checkpointing = False
@@ -418,7 +419,7 @@ class PrivateStep:
         self.per_sample_gradient_norms = None
         self.last_norm_samples = {}
         self._clipped = frozenset()
-        self._units = _NO_CRITERION
+        self.units, self._units_given = None, False
         self.checkpointed = False
         self.smaller_stash = False
         self.phase = StepPhase.RECORDED
@@ -465,7 +466,11 @@ class PrivateStep:
         if not owner.hooks_enabled:
             return
         activations = getattr(module, "activations", None)
-        params = tuple(p for p in module.parameters(recurse=False) if p.requires_grad)
+        trainable = []
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                trainable.append(p)
+        params = tuple(trainable)
         if not params and not activations:
             return  # every parameter frozen since make_private: no gradient, no norm needed
         try:
@@ -582,12 +587,6 @@ class PrivateStep:
         """Whether book-keeping tensors of this step are held (recorded or handed over)."""
         return bool(self._stashes) or self._ready is not None
 
-    @property
-    def units(self) -> Any:
-        """The step's :class:`~opacus_rc.units.UnitLayout` (``units=`` passed to the
-        criterion), or None (per-sequence clipping)."""
-        return None if self._units is _NO_CRITERION else self._units
-
     def set_units(self, layout: Any) -> None:
         """The criterion of this step was called with ``units=`` (a layout) or without (None).
 
@@ -596,8 +595,8 @@ class PrivateStep:
                 ``units=``, another without or with other units): the losses could not be
                 combined per unit.
         """
-        old = self._units
-        if old is not _NO_CRITERION and not (
+        old = self.units
+        if self._units_given and not (
             (old is None and layout is None)
             or (old is not None and layout is not None and old.same_as(layout))
         ):
@@ -606,7 +605,7 @@ class PrivateStep:
                 "with and once without): every loss of a step must be per unit with the same "
                 "units tensor, or none of them"
             )
-        self._units = layout
+        self.units, self._units_given = layout, True
 
     @property
     def norm_samples(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -635,14 +634,15 @@ class PrivateStep:
 
     def _combine(self) -> tuple[torch.Tensor, torch.dtype]:
         """``(n_hat, clip-factor dtype)``: the norms combined over parameters, in float64."""
-        parts = [self._norms[p] for p in self.params if p in self._norms]
-        dtype = torch.float32
-        for t in parts:
-            if t.dtype == torch.float64:
-                dtype = torch.float64
-        device = parts[0].device
-        stacked = torch.stack([t.reshape(-1).to(device, torch.float64) for t in parts])
-        return stacked.norm(2, dim=0), dtype
+        dtype, device, parts = torch.float32, None, []
+        for p in self.params:  # a fixed order: the same sum on every call
+            t = self._norms.get(p)
+            if t is not None:
+                if t.dtype == torch.float64:
+                    dtype = torch.float64
+                device = t.device if device is None else device
+                parts.append(t.reshape(-1).to(device, torch.float64))
+        return torch.stack(parts).norm(2, dim=0), dtype
 
     # ------------------------------------------------------------------------------------------
     # The private backward
@@ -723,7 +723,8 @@ class PrivateStep:
                         inputs=None if full_first_pass or reducer or not edges else edges,
                         retain_graph=not bookkeeping,
                     )
-                self._drop_gradients()  # the first pass's (unclipped) gradients
+                for p in self.params:  # the first pass's (unclipped) gradients
+                    p.grad = None
                 coef = self.issue_clip_factors(max_grad_norm=max_grad_norm)
                 if coef.shape != losses.shape:
                     raise _one_factor_per_loss_error(coef, losses)
@@ -739,8 +740,14 @@ class PrivateStep:
             if error is not None:
                 raise error
             assert coef is not None
-            if bookkeeping:
-                self.apply_clipped_sum(coef)  # consumes the stored tensors
+            if bookkeeping:  # the clipped sum from the stored tensors (consumed)
+                ready, self._ready = self._ready, None
+                assert ready is not None
+                try:
+                    self._write_clipped_sums(ready, coef)
+                finally:
+                    ready.clear()
+                self.phase = StepPhase.APPLIED
             else:
                 second_loss = torch.sum(apply_clip_factors(coef, losses))
                 self._owner.disable_hooks()
@@ -847,23 +854,26 @@ class PrivateStep:
                     "are consumed by get_clipping_coef(); read per_sample_gradient_norms "
                     "afterwards, until the next forward.)"
                 )
-            self.tied.check_complete()  # never a partial norm of a tied weight
+            if self._has_tied:
+                self.tied.check_complete()  # never a partial norm of a tied weight
             norms = self._norms
             unmeasured = []
             for p in self._grad_seen.values():
                 if p not in norms:
-                    unmeasured.append(self.name_of(p))
+                    unmeasured.append(p)
             if unmeasured:
+                unmeasured = [self.name_of(p) for p in unmeasured]
                 raise RuntimeError(
                     f"parameters {unmeasured[:5]} received a gradient but no per-sample norm "
                     "was computed for them (used outside their module's forward, e.g. tied "
                     "through F.linear, or their module is in eval mode); they would not be "
                     "clipped"
                 )
-            sizes = {}
-            for p, t in norms.items():
-                sizes[self.name_of(p)] = t.numel()
-            if len(set(sizes.values())) > 1:
+            counts = set()
+            for t in norms.values():
+                counts.add(t.numel())
+            if len(counts) > 1:
+                sizes = {self.name_of(p): t.numel() for p, t in norms.items()}
                 batch = max(sizes.values())
                 odd = {n: b for n, b in sizes.items() if b != batch}
                 raise ValueError(
@@ -886,12 +896,16 @@ class PrivateStep:
                     "an earlier step), or lower the learning rate."
                 )
             ready = list(self._stashes.values())
+            clipped = set()
+            for p in norms:
+                clipped.add(id(p))
             if self.bookkeeping and norm.numel() > 0:
-                covered = set()
+                lacking = set(clipped)
                 for s in ready:
-                    covered.update(id(p) for p in s.params)
-                lacking = [self.name_of(p) for p in norms if id(p) not in covered]
+                    for p in s.params:
+                        lacking.discard(id(p))
                 if lacking:
+                    lacking = [self.name_of(p) for p in norms if id(p) in lacking]
                     raise RuntimeError(
                         f"book-keeping: parameters {lacking[:5]} have a per-sample norm but no "
                         "stored tensors for their clipped gradient sum; this step cannot be "
@@ -901,16 +915,15 @@ class PrivateStep:
             self.reset()
             raise
         finally:
-            self.uses.clear()
             if self.config.secure_mode:
                 self.generators.reseed()
         coef = clip_factors(norm, max_grad_norm=max_grad_norm)
         self._max_grad_norm = max_grad_norm
         self.per_sample_gradient_norms = norm
-        self.last_norm_samples = dict(norms)
-        self._clipped = frozenset(id(p) for p in norms)
+        self.last_norm_samples = norms
+        self._clipped = frozenset(clipped)
         self._ready = ready if self.bookkeeping else None
-        self._clear_records()
+        self._norms, self._grad_seen, self._stashes, self._first_pass_inputs = {}, {}, {}, []
         self.phase = StepPhase.FACTORS_ISSUED
         return coef.to(coef_dtype)
 

@@ -160,7 +160,9 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 reduced_loss=reduced_loss,
                 max_grad_norm=optimizer.max_grad_norm,
                 agree_ranks=not next_step_skipped(optimizer),
-                refused=backward_arguments_error(gradient, retain_graph, create_graph, inputs),
+                refused=None
+                if gradient is None and not retain_graph and not create_graph and inputs is None
+                else backward_arguments_error(gradient, retain_graph, create_graph, inputs),
             )
         except BaseException:
             optimizer.backward_failed()

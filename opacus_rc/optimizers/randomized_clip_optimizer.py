@@ -192,6 +192,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 f"module clips with {self._sketch_spec}: build both from one make_private call"
             )
         self._mechanism = mechanism
+        self._accounted_rate = None if mechanism is None else mechanism.accounted_rate
+        self._events: dict[tuple[float, float, int], RandomizedClipDpEvent] = {}
         #: The last ClipResult handed over; _pending: that of the gradients step() releases.
         self._clip_result: ClipResult | None = None
         self._pending: ClipResult | None = None
@@ -261,10 +263,13 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "and the optimizer belong to different grad-sample modules. Build the criterion "
                 "from this optimizer's module (make_private returns matching ones)"
             )
-        self.check_backward_allowed()
+        if self._pending is not None or self._failed:
+            self.check_backward_allowed()  # raises, saying which
         self._clip_result = result
         self._pending = result
-        self._pending_grads = [(p, p.grad, tensor_version(p.grad)) for p in self.params]
+        self._pending_grads = []
+        for p in self.params:
+            self._pending_grads.append((p, p.grad, tensor_version(p.grad)))
 
     def check_backward_allowed(self) -> None:
         """Refuse a private backward while this optimizer holds a pending clip result or the
@@ -344,15 +349,26 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 rate would account another mechanism than the run's).
             TypeError: Without a mechanism, if ``sample_rate`` is None.
         """
-        mechanism = getattr(self, "mechanism", None)
+        mechanism = getattr(self, "_mechanism", None)
         if mechanism is not None:
-            if sample_rate is not None and sample_rate != mechanism.accounted_rate:
+            if sample_rate is not None and sample_rate != self._accounted_rate:
                 raise ValueError(
                     f"the accountant's hook was attached at sample_rate={sample_rate}, but the "
-                    f"run's mechanism accounts each step at {mechanism.accounted_rate} "
+                    f"run's mechanism accounts each step at {self._accounted_rate} "
                     "(engine.mechanism.accounted_rate): attach it at that rate"
                 )
-            return mechanism.step_event(accumulated_iterations=self.accumulated_iterations)
+            # Built once per (sigma, C, accumulated iterations) and reused: an event is
+            # validated when it is built, not at every step.
+            key = (self.noise_multiplier, self._max_grad_norm, self.accumulated_iterations)
+            event = self._events.get(key)
+            if event is None:
+                if key[:2] != (mechanism.noise_multiplier, mechanism.max_grad_norm):
+                    mechanism = dataclasses.replace(
+                        mechanism, noise_multiplier=key[0], max_grad_norm=key[1]
+                    )
+                event = mechanism.step_event(accumulated_iterations=key[2])
+                self._events[key] = event
+            return event
         if sample_rate is None:
             raise TypeError("dp_event needs sample_rate for an optimizer without a mechanism")
         return step_event(
@@ -386,7 +402,10 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
     def clipped_sums(self) -> list[torch.Tensor]:
         """Each parameter's clipped gradient sum, in :attr:`params` order (``p.summed_grad``)."""
-        return [p.summed_grad for p in self.params]
+        sums = []
+        for p in self.params:
+            sums.append(p.summed_grad)
+        return sums
 
     def add_noise(self) -> None:
         """``p.grad = clipped sum + N(0, sigma^2 C^2)``, drawn as :attr:`noise_placement` says.
@@ -402,7 +421,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         add_gaussian_noise(
             self.params,
             self.clipped_sums(),
-            std=sigma * self.max_grad_norm,
+            std=sigma * self._max_grad_norm,
             placement=self.noise_placement,
             generator=self.generator,
             secure_mode=self.secure_mode,
@@ -444,9 +463,12 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             for name in ("found_inf", "grad_scale"):
                 self.__dict__.pop(name, None)
             raise RuntimeError(LOSS_SCALING_REFUSED)
-        outside = self._outside_parameters()
-        if outside:
-            raise RuntimeError(_outside_message(outside))
+        inside = set()
+        for p in self._model.parameters():
+            inside.add(id(p))
+        for p in self.params:
+            if id(p) not in inside:
+                raise RuntimeError(_outside_message(self._outside_parameters()))
         if self._failed:
             raise StepProtocolError(_FAILED)
         result = self._pending
@@ -471,8 +493,16 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "replaced after make_private?); they would be released unclipped. Call "
                 "make_private again on the plain model after changing which parameters train."
             )
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and not _all_finite(grads):
+        grads, flags = [], []
+        for p in self.params:  # one reduction, one host synchronisation
+            g = p.grad
+            if g is not None:
+                grads.append(g)
+                # A sharded (FSDP2 DTensor) gradient: this rank's shard; the ranks then agree
+                # (DistributedRandomizedClipOptimizer.check_step_allowed).
+                local = g.to_local() if isinstance(g, DTensor) else g
+                flags.append(torch.isfinite(local).all().to(grads[0].device))
+        if flags and not bool(torch.stack(flags).all()):
             bad = sum(1 for g in grads if not _all_finite([g]))
             raise FloatingPointError(
                 f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
