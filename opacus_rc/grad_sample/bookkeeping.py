@@ -19,6 +19,7 @@ The stashes are owned by the step's
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -36,8 +37,9 @@ __all__ = [
 ]
 
 
-class BookkeepingStash:
-    """What one module's first backward pass leaves for its clipped gradient sum.
+class BookkeepingStash(NamedTuple):
+    """What one module's first backward pass leaves for its clipped gradient sum (a frozen
+    record).
 
     Either ``activations``/``backprops`` (a layer with a clipped-sum function) or
     ``grad_samples`` (per-sample gradients from Opacus' exact path). Every tensor is detached.
@@ -52,22 +54,11 @@ class BookkeepingStash:
         grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
     """
 
-    __slots__ = ("activations", "backprops", "grad_samples", "module", "params")
-
-    def __init__(
-        self,
-        module: nn.Module,
-        params: tuple[nn.Parameter, ...],
-        *,
-        activations: list[torch.Tensor] | None = None,
-        backprops: torch.Tensor | None = None,
-        grad_samples: dict[nn.Parameter, torch.Tensor] | None = None,
-    ) -> None:
-        self.module = module
-        self.params = params
-        self.activations = activations
-        self.backprops = backprops
-        self.grad_samples = grad_samples
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]
+    activations: list[torch.Tensor] | None = None
+    backprops: torch.Tensor | None = None
+    grad_samples: dict[nn.Parameter, torch.Tensor] | None = None
 
 
 def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:

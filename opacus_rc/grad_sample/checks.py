@@ -208,24 +208,13 @@ class TrainableSetGuard:
     def __init__(self, m: nn.Module, *, name_of: Any) -> None:
         self._model = m
         self._name_of = name_of
-        self._owned = self._snapshot()
-
-    def _snapshot(self) -> dict[int, list[int]]:
-        """``id(trainable parameter) -> [id(module owning it directly)]``, in module order (as
-        :func:`_owners`, in plain loops: it runs at every step)."""
-        owned: dict[int, list[int]] = {}
-        for _, sub in self._model.named_modules(remove_duplicate=False):
-            for p in sub.parameters(recurse=False):
-                if p.requires_grad:
-                    users = owned.setdefault(id(p), [])
-                    if id(sub) not in users:
-                        users.append(id(sub))
-        return owned
+        self._owned: dict[int, list[int]] | None = None
+        self.check()  # records the trainable set
 
     @property
     def parameter_ids(self) -> frozenset[int]:
         """``id`` of every parameter that was trainable when the hooks were attached."""
-        return frozenset(self._owned)
+        return frozenset(self._owned or ())
 
     def check(self) -> None:
         """Raise if the trainable set or its ownership changed since the hooks were attached.
@@ -237,8 +226,20 @@ class TrainableSetGuard:
             RuntimeError: Naming the parameters made trainable, replaced or tied after the
                 hooks were attached: no per-sample norm would be computed for them.
         """
+        # id(trainable parameter) -> [id(module owning it directly)], in module order (as
+        # _owners, in plain loops: it runs at every step).
+        now: dict[int, list[int]] = {}
+        for _, sub in self._model.named_modules(remove_duplicate=False):
+            for p in sub.parameters(recurse=False):
+                if p.requires_grad:
+                    users = now.setdefault(id(p), [])
+                    if id(sub) not in users:
+                        users.append(id(sub))
+        if self._owned is None:
+            self._owned = now
+            return
         changed = []
-        for pid, owners in self._snapshot().items():
+        for pid, owners in now.items():
             if self._owned.get(pid) != owners:
                 changed.append(pid)
         if changed:

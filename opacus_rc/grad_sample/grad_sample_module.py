@@ -40,6 +40,7 @@ from opacus_rc._compat.opacus import (
     wrapped_module_if_built,
 )
 from opacus_rc.config import RandomizedClippingConfig
+from opacus_rc.grad_sample import private_step as private_step_module
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, modules_above
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
@@ -279,24 +280,10 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
     # Opacus' hooks and readers: one-line delegations to the step
     # ------------------------------------------------------------------------------------------
 
-    def capture_activations_hook(
-        self, module: nn.Module, forward_input: Any, forward_output: Any
-    ) -> None:
-        """Forward hook (:meth:`PrivateStep.forward_hook`)."""
-        self.private_step.forward_hook(module, forward_input, forward_output)
-
-    def capture_backprops_hook(
-        self,
-        module: nn.Module,
-        forward_input: Any,
-        forward_output: Any,
-        loss_reduction: str,
-        batch_first: bool,
-    ) -> None:
-        """Backward hook (:meth:`PrivateStep.backward_hook`)."""
-        self.private_step.backward_hook(
-            module, forward_input, forward_output, loss_reduction, batch_first
-        )
+    #: Opacus' forward and backward hooks: delegations to :attr:`private_step`, defined with
+    #: it (:func:`~opacus_rc.grad_sample.private_step.capture_activations_hook`).
+    capture_activations_hook = private_step_module.capture_activations_hook
+    capture_backprops_hook = private_step_module.capture_backprops_hook
 
     def get_clipping_coef(self) -> torch.Tensor:
         """Per-sample (per-unit) clip factors ``min(1, C / (n_hat_i + 1e-6))`` of this step, at

@@ -83,6 +83,8 @@ __all__ = [
     "PrivateStep",
     "StepPhase",
     "StepProtocolError",
+    "capture_activations_hook",
+    "capture_backprops_hook",
     "empty_clip_result",
 ]
 
@@ -1013,3 +1015,31 @@ class PrivateStep:
         self._grad_seen = {}
         self._stashes = {}
         self._first_pass_inputs = []
+
+
+# ----------------------------------------------------------------------------------------------
+# Opacus' hook methods of the grad-sample module: one-line delegations to its step
+# ----------------------------------------------------------------------------------------------
+
+
+def capture_activations_hook(
+    owner: Any, module: nn.Module, forward_input: Any, forward_output: Any
+) -> None:
+    """Opacus' forward hook of a randomized-clipping module (``owner``, a method of its
+    class): :meth:`PrivateStep.forward_hook` of ``owner.private_step``."""
+    owner.private_step.forward_hook(module, forward_input, forward_output)
+
+
+def capture_backprops_hook(
+    owner: Any,
+    module: nn.Module,
+    forward_input: Any,
+    forward_output: Any,
+    loss_reduction: str,
+    batch_first: bool,
+) -> None:
+    """Opacus' backward hook of a randomized-clipping module (``owner``, a method of its
+    class): :meth:`PrivateStep.backward_hook` of ``owner.private_step``."""
+    owner.private_step.backward_hook(
+        module, forward_input, forward_output, loss_reduction, batch_first
+    )

@@ -145,11 +145,10 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 "supported"
             )
         optimizer, step = self.optimizer, self.module.private_step
-        try:
-            optimizer.check_backward_allowed()  # two backwards, or one after a failure
-        except StepProtocolError:
+        if not optimizer.backward_allowed:  # two backwards, or one after a failure
             step.reset()  # this forward's records; the earlier clipped gradients are kept
-            raise
+            optimizer.check_backward_allowed()  # raises, saying which
+            raise StepProtocolError("a private backward is not allowed now")
         # An argument error is raised by the private backward, where it fails the step and
         # every rank raises with it (as for any other error of the backward). Inside a
         # logical step split by BatchMemoryManager the ranks' batches do not line up: no

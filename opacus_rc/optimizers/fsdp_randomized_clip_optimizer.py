@@ -118,6 +118,7 @@ class FSDPRandomizedClipOptimizer(
                 state["summed_grad"] = torch.clone(grad)
             p.summed_grad = state["summed_grad"]  # for Opacus' processed-flag checks
         self._pending, self._pending_grads = None, []
+        self.backward_allowed = not self._failed
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' FSDP ``zero_grad`` (clears ``grad_state``), ending the step."""

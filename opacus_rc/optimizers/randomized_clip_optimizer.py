@@ -199,6 +199,9 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         self._pending: ClipResult | None = None
         self._pending_grads: list[tuple[Any, Any, int]] = []
         self._failed = False
+        #: Whether a private backward may run now (no clip result pending, no failed backward
+        #: since zero_grad()): the DP loss reads it before each backward.
+        self.backward_allowed = True
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -267,6 +270,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             self.check_backward_allowed()  # raises, saying which
         self._clip_result = result
         self._pending = result
+        self.backward_allowed = False
         self._pending_grads = []
         for p in self.params:
             self._pending_grads.append((p, p.grad, tensor_version(p.grad)))
@@ -293,6 +297,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         self._pending = None
         self._pending_grads = []
         self._failed = True
+        self.backward_allowed = False
 
     @property
     def last_clip_result(self) -> ClipResult | None:
@@ -399,6 +404,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             else:
                 p.summed_grad = copy.deepcopy(grad)
         self._pending, self._pending_grads = None, []
+        self.backward_allowed = not self._failed
 
     def clipped_sums(self) -> list[torch.Tensor]:
         """Each parameter's clipped gradient sum, in :attr:`params` order (``p.summed_grad``)."""
@@ -433,6 +439,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         backward)."""
         super().zero_grad(set_to_none)
         self._pending, self._pending_grads, self._failed = None, [], False
+        self.backward_allowed = True
 
     def check_step_allowed(self) -> None:
         """Raise unless the gradients about to be noised are clipped, finite and in sync.

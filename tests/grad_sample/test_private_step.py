@@ -111,9 +111,10 @@ def test_private_backward_returns_the_factors_it_applied(bookkeeping: bool) -> N
 
 
 def test_the_loss_calls_one_method_of_each_collaborator() -> None:
-    """The DP loss reduces, checks its arguments, asks the optimizer whether a backward is
-    allowed, runs ``module.private_step.backward`` once with the optimizer's ``C``, and hands
-    its result to ``optimizer.accept_clip_result`` (stubs with only these methods suffice). An
+    """The DP loss reduces, checks its arguments, reads whether the optimizer allows a
+    backward (``backward_allowed``), runs ``module.private_step.backward`` once with the
+    optimizer's ``C``, and hands its result to ``optimizer.accept_clip_result`` (stubs with
+    only these methods suffice). An
     argument error is passed to the private backward, which raises it where it fails the
     step; the optimizer is then told (``backward_failed``)."""
     calls: list[tuple[str, Any]] = []
@@ -131,12 +132,10 @@ def test_the_loss_calls_one_method_of_each_collaborator() -> None:
 
     class Optimizer:
         max_grad_norm = 0.5
+        backward_allowed = True
 
         def _check_skip_next_step(self, pop_next: bool) -> bool:
             return False
-
-        def check_backward_allowed(self) -> None:
-            calls.append(("check_backward_allowed", None))
 
         def accept_clip_result(self, result: Any) -> None:
             calls.append(("accept_clip_result", result))
@@ -147,20 +146,16 @@ def test_the_loss_calls_one_method_of_each_collaborator() -> None:
     losses = torch.tensor([1.0, 3.0], requires_grad=True)
     loss = DPTensorRandomizedClipping(Module(), Optimizer(), losses, "mean")
     loss.backward()
-    assert [name for name, _ in calls] == [
-        "check_backward_allowed",
-        "backward",
-        "accept_clip_result",
-    ]
-    got_losses, kwargs = calls[1][1]
+    assert [name for name, _ in calls] == ["backward", "accept_clip_result"]
+    got_losses, kwargs = calls[0][1]
     assert got_losses is losses and kwargs["refused"] is None
     assert kwargs["max_grad_norm"] == 0.5 and kwargs["agree_ranks"] is True
     assert float(kwargs["reduced_loss"].detach()) == 2.0  # the mean of the per-sample losses
-    assert calls[2][1] is sentinel
+    assert calls[1][1] is sentinel
     calls.clear()
     with pytest.raises(TypeError, match="retain_graph=True"):
         loss.backward(retain_graph=True)
-    assert [name for name, _ in calls] == ["check_backward_allowed", "backward", "backward_failed"]
+    assert [name for name, _ in calls] == ["backward", "backward_failed"]
 
 
 def test_the_optimizer_holds_no_reference_to_the_module() -> None:
