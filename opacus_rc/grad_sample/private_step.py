@@ -24,9 +24,11 @@ In order:
    :func:`~opacus_rc.grad_sample.clip.clip_factors`;
 4. **rank agreement**: in a distributed model every rank learns whether any failed (one
    all-reduce of a flag), so that all raise together;
-5. **clipped sum**: with book-keeping :meth:`PrivateStep.apply_clipped_sum` writes
-   ``sum_i c_i g_i`` from the first pass's tensors; otherwise the second backward pass of
-   ``sum_i c_i loss_i`` runs with the hooks off.
+5. **clipped sum**: with book-keeping ``sum_i c_i g_i`` is written from the first pass's
+   tensors (:func:`~opacus_rc.grad_sample.bookkeeping.write_clipped_sums`, or the cut-unit
+   and FSDP2 variants; :meth:`PrivateStep.apply_clipped_sum` does the same for a caller that
+   issued the clip factors itself); otherwise the second backward pass of ``sum_i c_i loss_i``
+   runs with the hooks off.
 
 Anything that raises on the way leaves no gradient behind and drops every stored tensor
 (:meth:`PrivateStep.abort`); the DP loss then tells the optimizer, whose ``step()`` refuses
@@ -779,7 +781,9 @@ class PrivateStep:
             open_unit=open_unit if open_unit is not None and open_unit.is_open else None,
         )
 
-    def empty_batch(self, *, agree_ranks: bool = True) -> ClipResult:
+    def empty_batch(
+        self, *, agree_ranks: bool = True, max_grad_norm: float | None = None
+    ) -> ClipResult:
         """The private step of an empty batch run without a forward pass (a model that cannot
         take ``B = 0``): no record, a zero clipped sum. Any ``.grad`` is dropped; in a
         distributed model this rank takes part in the agreement the other ranks' backward
@@ -787,6 +791,7 @@ class PrivateStep:
 
         Args:
             agree_ranks: As :meth:`backward`.
+            max_grad_norm: ``C`` of the step (the optimizer's); None: the configured one.
 
         Returns:
             A :class:`ClipResult` with no record (:func:`empty_clip_result`).
@@ -808,7 +813,7 @@ class PrivateStep:
             )
         return empty_clip_result(
             sketch_spec=self.config.sketch_spec,
-            max_grad_norm=self.config.max_grad_norm,
+            max_grad_norm=self.config.max_grad_norm if max_grad_norm is None else max_grad_norm,
             bookkeeping=self.bookkeeping,
         )
 

@@ -96,7 +96,8 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
         # No record is in the batch: the step is the noise alone, noised and accounted by
         # the Trainer's optimizer.step(). Under DDP the empty batch takes this rank's part in
         # the agreement the other ranks' last backward issues (in one process, none).
-        optimizer.accept_clip_result(private.module.private_step.empty_batch())
+        step = private.module.private_step
+        optimizer.accept_clip_result(step.empty_batch(max_grad_norm=optimizer.max_grad_norm))
         fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
         return torch.tensor(fill, device=device)
     record = getattr(private.module, "unit_batch_record", None)

@@ -575,8 +575,10 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             What ``step()`` returns.
 
         Raises:
-            StepProtocolError: If a forward or backward ran since the last step (see
-                an empty-batch step must replace them).
+            StepProtocolError: If a private backward's clip result is pending or the last
+                backward failed (an empty-batch step must replace the batch's forward and
+                backward; the optimizer sees no forward, so a training loop that ran one hands
+                over ``module.private_step.empty_batch()``'s result instead, which checks it).
         """
         if self._pending is not None or self._failed:
             phase = "failed" if self._failed else "applied"
