@@ -42,16 +42,7 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
 #: its subpackage), ``frozenset(subpackages): reason``. The module graph has no circle, but
 #: importing any module of a subpackage runs the subpackage's ``__init__`` first, so a circle
 #: between subpackages works only in the order ``opacus_rc/__init__.py`` imports them.
-KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"opacus_rc.grad_sample", "opacus_rc.units"}): (
-        "units/split.py (the summed gradient of a unit cut across physical batches) uses "
-        "grad_sample's clipped sum, clip factors, norm routes and protocol error, and "
-        "grad_sample's step (private_step.py) owns that open unit, calls the cut unit's "
-        "clipped sum and packs per unit (units/layout.py). Works because "
-        "opacus_rc/__init__.py imports grad_sample before units. Gone when the cut unit's "
-        "gradient code belongs to grad_sample and units/ depends on nothing in grad_sample"
-    ),
-}
+KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_files() -> dict[str, Path]:

@@ -70,10 +70,14 @@ from opacus_rc._compat.opacus import (
     forward_count,
     reset_forward_counter,
 )
-from opacus_rc.grad_sample.bookkeeping import BookkeepingStash, write_clipped_sums
+from opacus_rc.errors import StepProtocolError
+from opacus_rc.grad_sample.bookkeeping import (
+    BookkeepingStash,
+    compute_clipped_sums,
+    write_clipped_sums,
+)
 from opacus_rc.grad_sample.checkpointing import in_backward, in_checkpointed_forward
 from opacus_rc.grad_sample.clip import apply_clip_factors, clip_factors
-from opacus_rc.grad_sample.errors import StepProtocolError
 from opacus_rc.grad_sample.forward_inputs import check_single_output, contiguous_index_inputs
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.sketching import SketchSpec
@@ -975,7 +979,14 @@ class PrivateStep:
             from opacus_rc.units.split import write_split_clipped_sums
 
             self.per_sample_gradient_norms = write_split_clipped_sums(
-                self, ready, coef, layout, max_grad_norm=self._max_grad_norm
+                self,
+                ready,
+                coef,
+                layout,
+                max_grad_norm=self._max_grad_norm,
+                compute_clipped_sums=compute_clipped_sums,
+                clip_factors=clip_factors,
+                apply_clip_factors=apply_clip_factors,
             )
         else:
             write_clipped_sums(ready, coef, clipped_sums=self.clipped_sums, name_of=self.name_of)

@@ -21,10 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opacus_rc.grad_sample.bookkeeping import add_to_grads, compute_clipped_sums
-from opacus_rc.grad_sample.clip import apply_clip_factors, clip_factors
-from opacus_rc.grad_sample.errors import StepProtocolError
-from opacus_rc.grad_sample.routing import NormPath
+from opacus_rc.errors import StepProtocolError
 from opacus_rc.sketching import autocast_off, hutchinson_sqnorm
 from opacus_rc.units.layout import UnitLayout
 
@@ -144,9 +141,11 @@ def unit_norm_kinds(model: nn.Module, routes: Mapping[int, Any]) -> dict[int, st
         for p in m.parameters(recurse=False):
             if not p.requires_grad:
                 continue
-            if route.path is NormPath.TIED and p is getattr(m, "weight", None):
+            # NormPath is a str enum (opacus_rc.grad_sample.routing), compared by value here:
+            # units/ imports nothing of grad_sample, which calls into it.
+            if route.path == "tied" and p is getattr(m, "weight", None):
                 kinds[id(p)] = _KIND_TIED
-            elif route.path is NormPath.SKETCHED:
+            elif route.path == "sketched":
                 if type(m) is nn.Linear and p is m.weight:
                     kinds[id(p)] = _KIND_SKETCHED
                 elif type(m) is nn.Linear:
@@ -262,6 +261,9 @@ def write_split_clipped_sums(
     layout: UnitLayout,
     *,
     max_grad_norm: float,
+    compute_clipped_sums: Callable[..., dict[nn.Parameter, torch.Tensor]],
+    clip_factors: Callable[..., torch.Tensor],
+    apply_clip_factors: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """The clipped sum of a physical batch that cuts a unit (book-keeping; module docstring).
 
@@ -283,6 +285,14 @@ def write_split_clipped_sums(
             for a unit still open), which the step's ``ClipResult`` reports.
         layout: The batch's layout, with a split.
         max_grad_norm: ``C``.
+        compute_clipped_sums: The step's clipped sums
+            (:func:`~opacus_rc.grad_sample.bookkeeping.compute_clipped_sums`).
+        clip_factors: The one clip-factor formula
+            (:func:`~opacus_rc.grad_sample.clip.clip_factors`).
+        apply_clip_factors: The one application of a clip factor
+            (:func:`~opacus_rc.grad_sample.clip.apply_clip_factors`). The three are handed
+            over by the step (:mod:`opacus_rc.grad_sample`, which calls this function):
+            :mod:`opacus_rc.units` imports nothing of it.
 
     Returns:
         ``(U,)`` float64 norms to report: the closed unit's from its summed gradient, NaN for
@@ -300,6 +310,15 @@ def write_split_clipped_sums(
 
     def part(weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         return compute_clipped_sums(stashes, weights, clipped_sums=clipped_sums, name_of=name_of)
+
+    def add_to_grads(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, g in sums.items():
+                g = g.to(device=p.device, dtype=p.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
     def one_hot(u: int) -> torch.Tensor:
         w = torch.zeros_like(coef)
