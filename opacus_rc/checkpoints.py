@@ -49,10 +49,11 @@ def unwrap_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
     Raises:
         ValueError: If only some keys carry the prefix (not one wrapped module's state dict).
     """
-    out: OrderedDict[str, Any] = OrderedDict(state_dict)
+    # Any: torch keeps a state dict's ``_metadata`` as an attribute of the OrderedDict.
+    out: Any = OrderedDict(state_dict)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        out._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+        out._metadata = OrderedDict(metadata)
     while out:
         prefixed = [k.startswith(GRAD_SAMPLE_MODULE_PREFIX) for k in out]
         if not any(prefixed):

@@ -580,7 +580,7 @@ def test_the_readme_quotes_what_each_omitted_switch_step_gives() -> None:
     of each omission: reproduced here, and each must be in that section as printed."""
     import opacus
 
-    from opacus_rc.grad_sample.step import StepProtocolError
+    from opacus_rc.grad_sample.private_step import StepProtocolError
 
     text = README.read_text(encoding="utf-8")
     start = text.index("\n## From an Opacus script\n")

@@ -18,6 +18,7 @@ __all__ = [
     "non_reentrant_checkpoint_pack_hook_active",
     "registered_parameters",
     "registered_submodule",
+    "tensor_version",
 ]
 
 #: The ``__qualname__`` prefix of the pack hook that non-reentrant ``torch.utils.checkpoint``
@@ -60,6 +61,15 @@ def autograd_sequence_nr(node: Any) -> int:
     ``test_torch_contract.py::test_sequence_numbers_increase``.
     """
     return int(node._sequence_nr())
+
+
+def tensor_version(t: torch.Tensor | None) -> int:
+    """The version counter of a tensor (``-1`` for None): every in-place change (an autograd
+    accumulation into ``p.grad`` included) increments it.
+
+    Relies on ``torch.Tensor._version``. Test: ``test_torch_contract.py::test_tensor_version``.
+    """
+    return -1 if t is None else int(t._version)
 
 
 def registered_parameters(module: nn.Module) -> dict[str, Any]:

@@ -12,13 +12,14 @@ step each layer keeps whichever of the two is smaller (:mod:`~opacus_rc.grad_sam
 second pass accumulates. No random number is drawn here: the probes of the first pass are the only
 ones, in both modes.
 
-The stashes are owned by the step's :class:`~opacus_rc.grad_sample.step.StepState` and never
-outlive the step.
+The stashes are owned by the step's
+:class:`~opacus_rc.grad_sample.private_step.PrivateStep` and never outlive the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -36,8 +37,9 @@ __all__ = [
 ]
 
 
-class BookkeepingStash:
-    """What one module's first backward pass leaves for its clipped gradient sum.
+class BookkeepingStash(NamedTuple):
+    """What one module's first backward pass leaves for its clipped gradient sum (a frozen
+    record).
 
     Either ``activations``/``backprops`` (a layer with a clipped-sum function) or
     ``grad_samples`` (per-sample gradients from Opacus' exact path). Every tensor is detached.
@@ -52,22 +54,11 @@ class BookkeepingStash:
         grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
     """
 
-    __slots__ = ("activations", "backprops", "grad_samples", "module", "params")
-
-    def __init__(
-        self,
-        module: nn.Module,
-        params: tuple[nn.Parameter, ...],
-        *,
-        activations: list[torch.Tensor] | None = None,
-        backprops: torch.Tensor | None = None,
-        grad_samples: dict[nn.Parameter, torch.Tensor] | None = None,
-    ) -> None:
-        self.module = module
-        self.params = params
-        self.activations = activations
-        self.backprops = backprops
-        self.grad_samples = grad_samples
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]
+    activations: list[torch.Tensor] | None = None
+    backprops: torch.Tensor | None = None
+    grad_samples: dict[nn.Parameter, torch.Tensor] | None = None
 
 
 def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
@@ -119,7 +110,14 @@ def write_clipped_sums(
         ValueError: If a clipped-sum function gives no tensor, or one of the wrong shape, for a
             parameter of its module.
     """
-    add_to_grads(compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of))
+    sums = compute_clipped_sums(stashes, coef, clipped_sums=clipped_sums, name_of=name_of)
+    with torch.no_grad():  # add_to_grads, in line (it runs at every step)
+        for p, g in sums.items():
+            g = g.to(device=p.device, dtype=p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def add_to_grads(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
@@ -155,7 +153,11 @@ def compute_clipped_sums(
         for stash in stashes:
             module = stash.module
             if stash.grad_samples is not None:
-                sums = {p: consume_weighted_sum(coef, gs) for p, gs in stash.grad_samples.items()}
+                sums = {}
+                for p, gs in stash.grad_samples.items():  # consume_weighted_sum, in line
+                    sums[p] = apply_clip_factors(
+                        coef, gs, dtype=gs.dtype, reduce=True, consume=True
+                    )
             else:
                 fn = clipped_sums[type(module)]
                 assert stash.backprops is not None and stash.activations is not None

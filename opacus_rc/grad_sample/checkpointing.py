@@ -41,6 +41,7 @@ from opacus_rc._compat.torch import in_backward as _engine_in_backward
 from opacus_rc._compat.torch import non_reentrant_checkpoint_pack_hook_active
 
 __all__ = [
+    "REENTRANT_NODE",
     "NoEarlyStop",
     "has_reentrant_checkpoint",
     "in_backward",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 #: The autograd node of a reentrant checkpoint region.
-_REENTRANT_NODE = "CheckpointFunctionBackward"
+REENTRANT_NODE = "CheckpointFunctionBackward"
 
 
 def in_backward() -> bool:
@@ -71,7 +72,7 @@ def has_reentrant_checkpoint(node: Any) -> bool:
     Args:
         node: An autograd graph node (``tensor.grad_fn`` or one of its ``next_functions``).
     """
-    return node is not None and node.name() == _REENTRANT_NODE
+    return node is not None and node.name() == REENTRANT_NODE
 
 
 def modules_above(root: nn.Module, hooked: Sequence[nn.Module]) -> list[nn.Module]:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from opacus_rc._compat.torch import autograd_sequence_nr
-from opacus_rc.grad_sample.checkpointing import has_reentrant_checkpoint
+from opacus_rc.grad_sample.checkpointing import REENTRANT_NODE
 from opacus_rc.grad_sample.routing import UnsupportedModuleError
 
 __all__ = [
@@ -208,15 +208,13 @@ class TrainableSetGuard:
     def __init__(self, m: nn.Module, *, name_of: Any) -> None:
         self._model = m
         self._name_of = name_of
-        self._owned = self._snapshot()
-
-    def _snapshot(self) -> dict[int, tuple[int, ...]]:
-        return {pid: tuple(id(s) for _, s in users) for pid, users in _owners(self._model).items()}
+        self._owned: dict[int, list[int]] | None = None
+        self.check()  # records the trainable set
 
     @property
     def parameter_ids(self) -> frozenset[int]:
         """``id`` of every parameter that was trainable when the hooks were attached."""
-        return frozenset(self._owned)
+        return frozenset(self._owned or ())
 
     def check(self) -> None:
         """Raise if the trainable set or its ownership changed since the hooks were attached.
@@ -228,8 +226,22 @@ class TrainableSetGuard:
             RuntimeError: Naming the parameters made trainable, replaced or tied after the
                 hooks were attached: no per-sample norm would be computed for them.
         """
-        now = self._snapshot()
-        changed = [pid for pid, owners in now.items() if self._owned.get(pid) != owners]
+        # id(trainable parameter) -> [id(module owning it directly)], in module order (as
+        # _owners, in plain loops: it runs at every step).
+        now: dict[int, list[int]] = {}
+        for _, sub in self._model.named_modules(remove_duplicate=False):
+            for p in sub.parameters(recurse=False):
+                if p.requires_grad:
+                    users = now.setdefault(id(p), [])
+                    if id(sub) not in users:
+                        users.append(id(sub))
+        if self._owned is None:
+            self._owned = now
+            return
+        changed = []
+        for pid, owners in now.items():
+            if self._owned.get(pid) != owners:
+                changed.append(pid)
         if changed:
             names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
             listed = sorted({names.get(pid, "<unnamed>") for pid in changed})
@@ -324,11 +336,11 @@ class ParameterUseCheck:
                 error names the parameters.
         """
         spans = self._spans
-        self.clear()
+        self._spans, self._open = {}, {}
         root = loss.grad_fn
         if root is None:
             return False
-        reentrant = has_reentrant_checkpoint(root)
+        reentrant = root.name() == REENTRANT_NODE
         outside: dict[int, str] = {}
         seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
         stack = [root]
@@ -344,12 +356,16 @@ class ParameterUseCheck:
                     if owners is None:
                         continue
                     seq = autograd_sequence_nr(node) if seq is None else seq
-                    if not any(lo < seq < hi for o in owners for lo, hi in spans.get(o, ())):
+                    inside = False
+                    for o in owners:
+                        for lo, hi in spans.get(o, ()):
+                            inside = inside or lo < seq < hi
+                    if not inside:
                         outside[id(var)] = self._name_of(var)
                 elif id(nxt) not in seen:
                     seen[id(nxt)] = nxt
                     stack.append(nxt)
-                    reentrant = reentrant or has_reentrant_checkpoint(nxt)
+                    reentrant = reentrant or nxt.name() == REENTRANT_NODE
         if outside:
             raise RuntimeError(
                 f"trainable parameter(s) {sorted(outside.values())} are used outside the "

@@ -2,7 +2,7 @@
 
 The clip factors ``c_i = min(1, C / (n_hat_i + 1e-6))`` are computed by one function,
 :func:`clip_factors` (called when a step issues them,
-:meth:`~opacus_rc.grad_sample.step.StepState.issue_clip_factors`, for a unit cut across
+:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.issue_clip_factors`, for a unit cut across
 physical batches when its last part is in,
 :func:`~opacus_rc.units.split.write_split_clipped_sums`, and by the canary audit,
 :func:`~opacus_rc.auditing.run_canary_audit`), and applied by one, :func:`apply_clip_factors`: the
@@ -74,7 +74,7 @@ def apply_clip_factors(
 
     Args:
         clip_factors: ``c``, shape ``(B,)``: float32, or float64 when a norm was float64
-            (:meth:`~opacus_rc.grad_sample.step.StepState.issue_clip_factors`); moved to
+            (:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.issue_clip_factors`); moved to
             ``x``'s device.
         per_sample: ``x``, shape ``(B, *shape)`` (``(N, *shape)`` with ``sample_of``).
         dtype: Dtype of the product. ``None``: ``torch.promote_types(c.dtype, x.dtype)``, the

@@ -49,13 +49,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
 from opacus_rc._compat.opacus import fsdp_base_type as _opacus_fsdp_base_type
-from opacus_rc._compat.opacus import wrapped_module
 from opacus_rc._compat.torch import registered_parameters
 from opacus_rc.grad_sample.bookkeeping import compute_clipped_sums
 from opacus_rc.grad_sample.grad_sample_module import (
     GradSampleHooksRandomizedClipping,
     GradSampleModuleRandomizedClipping,
+    _RandomizedClippingMixin,
 )
+from opacus_rc.grad_sample.private_step import PrivateStep
 from opacus_rc.grad_sample.routing import NormPath
 
 __all__ = [
@@ -126,10 +127,36 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
     return {type(sub): fsdp_base_type(sub) for sub in m.modules() if isinstance(sub, FSDPModule)}
 
 
-class _FSDPRandomizedClippingMixin:
+class FSDPPrivateStep(PrivateStep):
+    """The :class:`~opacus_rc.grad_sample.private_step.PrivateStep` of an FSDP2 model: its
+    book-keeping clipped sums are reduce-scattered into the parameters' shards."""
+
+    def _write_clipped_sums(self, ready: list[Any], coef: torch.Tensor) -> None:
+        """Book-keeping under FSDP2: each rank's clipped sum, reduce-scattered into the shards.
+
+        For every trainable parameter, in the model's order (the same on every rank, so the
+        collectives line up; a parameter this rank's batch did not reach, or an empty batch,
+        contributes zeros), ``sum_i coef_i grad_p loss_i`` over this rank's samples is formed in
+        the parameter's global shape and redistributed from ``Partial`` (a sum over ranks) to
+        the parameter's placements: a reduce-scatter. ``p.grad`` then holds the shard of the
+        sum over all ranks' samples.
+
+        Raises:
+            ValueError: As the single-process clipped sum.
+        """
+        sums = compute_clipped_sums(
+            ready, coef, clipped_sums=self.clipped_sums, name_of=self.name_of
+        )
+        with torch.no_grad():
+            for p in _trainable(self.model):
+                _add_reduced(p, sums.pop(p, None))
+
+
+class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
     """The FSDP2 differences, before a randomized-clipping class in the bases."""
 
-    _first_pass_output_edges = True
+    FIRST_PASS_OUTPUT_EDGES = True
+    PRIVATE_STEP = FSDPPrivateStep
 
     def __init__(self, m: nn.Module, **kwargs: Any) -> None:
         if isinstance(m, FSDPModule):  # else check_fsdp_model says what to do
@@ -144,8 +171,8 @@ class _FSDPRandomizedClippingMixin:
             type(self).SKETCHED_NORM_SAMPLERS, fsdp_types
         )
         self.CLIPPED_SUM_FUNCTIONS = _with_fsdp_types(type(self).CLIPPED_SUM_FUNCTIONS, fsdp_types)
-        self.GRAD_SAMPLERS = _with_fsdp_types(type(self).GRAD_SAMPLERS, fsdp_types)  # type: ignore[attr-defined]
-        self.NORM_SAMPLERS = _with_fsdp_types(type(self).NORM_SAMPLERS, fsdp_types)  # type: ignore[attr-defined]
+        self.GRAD_SAMPLERS = _with_fsdp_types(type(self).GRAD_SAMPLERS, fsdp_types)
+        self.NORM_SAMPLERS = _with_fsdp_types(type(self).NORM_SAMPLERS, fsdp_types)
         exact = set(type(self).EXACT_NORM_TYPES)
         self.EXACT_NORM_TYPES = exact | {c for c, b in fsdp_types.items() if b in exact}
         # The sharded parameters, registered now (outside forward and backward): the ones the
@@ -155,10 +182,10 @@ class _FSDPRandomizedClippingMixin:
             for sub in m.modules()
             if any(True for _ in sub.parameters(recurse=False))
         }
-        super().__init__(m, **kwargs)  # type: ignore[call-arg]
-        functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]  # type: ignore[attr-defined]
+        super().__init__(m, **kwargs)
+        functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]
         if functorch:  # _refuse_functorch refuses these first; the routes are the reference
-            self.cleanup()  # type: ignore[attr-defined]
+            self.cleanup()
             raise NotImplementedError(_functorch_message(functorch, []))
         # Gradients are summed over ranks by FSDP2's reduce-scatter (two passes) as by the
         # book-keeping reduce-scatter; the optimizer divides by the expected batch size.
@@ -181,7 +208,7 @@ class _FSDPRandomizedClippingMixin:
                 freeze them.
         """
         sketched = type(self).SKETCHED_NORM_SAMPLERS
-        samplers = {**type(self).GRAD_SAMPLERS, **type(self).NORM_SAMPLERS}  # type: ignore[attr-defined]
+        samplers = {**type(self).GRAD_SAMPLERS, **type(self).NORM_SAMPLERS}
         bad = []
         for name, sub in m.named_modules():
             if not any(p.requires_grad for p in sub.parameters(recurse=False)):
@@ -223,47 +250,12 @@ class _FSDPRandomizedClippingMixin:
     def capture_activations_hook(self, module: nn.Module, *args: Any) -> None:
         """The randomized-clipping forward hook, on the sharded parameters."""
         with self._sharded_view(module):
-            super().capture_activations_hook(module, *args)  # type: ignore[misc]
+            self.private_step.forward_hook(module, *args)
 
     def capture_backprops_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """The randomized-clipping backward hook, on the sharded parameters."""
         with self._sharded_view(module):
-            super().capture_backprops_hook(module, *args, **kwargs)  # type: ignore[misc]
-
-    def apply_clipped_sum(self, coef: torch.Tensor) -> None:
-        """Book-keeping under FSDP2: each rank's clipped sum, reduce-scattered into the shards.
-
-        For every trainable parameter, in the model's order (the same on every rank, so the
-        collectives line up; a parameter this rank's batch did not reach, or an empty batch,
-        contributes zeros), ``sum_i coef_i grad_p loss_i`` over this rank's samples is formed in
-        the parameter's global shape and redistributed from ``Partial`` (a sum over ranks) to
-        the parameter's placements: a reduce-scatter. ``p.grad`` then holds the shard of the
-        sum over all ranks' samples.
-
-        Raises:
-            RuntimeError, ValueError: As the single-process :meth:`apply_clipped_sum`.
-        """
-        if not self._bookkeeping:  # type: ignore[attr-defined]
-            raise RuntimeError(
-                "apply_clipped_sum() needs book-keeping mode (module.bookkeeping is False): "
-                "run the second backward pass of sum_i c_i loss_i instead"
-            )
-        step = self.step_state  # type: ignore[attr-defined]
-        ready = step.take_stashes()
-        try:
-            sums = compute_clipped_sums(
-                ready,
-                coef,
-                clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
-                name_of=self._name_of,  # type: ignore[attr-defined]
-            )
-        finally:
-            ready.clear()
-        with torch.no_grad():
-            for p in _trainable(wrapped_module(self)):
-                g = sums.pop(p, None)
-                _add_reduced(p, g)
-        step.mark_applied()
+            self.private_step.backward_hook(module, *args, **kwargs)
 
 
 def _functorch_message(names: list[str], types: list[str]) -> str:

@@ -4,27 +4,10 @@
 ``GradSampleModuleFastGradientClipping`` (ghost clipping);
 :class:`GradSampleHooksRandomizedClipping` attaches the same hooks without wrapping
 (``wrap_model=False``). Both share :class:`_RandomizedClippingMixin`, which builds them (checks,
-routes, generators, hooks) and holds their public properties; the rest lives in one module each:
-
-* :mod:`~opacus_rc.grad_sample.capture`: the hooks that record a step (forward inputs,
-  per-sample norms, which parameters got a gradient);
-* :mod:`~opacus_rc.grad_sample.forward_inputs`: a hooked call's inputs bound for its backward
-  hook, and the explained errors of a forward that raised;
-* :mod:`~opacus_rc.grad_sample.private_step`: the one private backward and the
-  :class:`~opacus_rc.grad_sample.private_step.ClipResult` it returns;
-* :mod:`~opacus_rc.grad_sample.step`: the :class:`~opacus_rc.grad_sample.step.StepState` that
-  records one step, makes its clip factors and enforces its invariant (every gradient the
-  optimizer releases got a per-sample norm and a clip factor in this step's private backward);
-* :mod:`~opacus_rc.grad_sample.routing`: how each module's norm is computed (sketched, exact,
-  Opacus' per-sample gradients, functorch, or refused), decided once;
-* :mod:`~opacus_rc.grad_sample.tied`: the joint sketch of a weight tied between an input
-  embedding and an LM head; :mod:`~opacus_rc.grad_sample.bookkeeping`: the one-backward
-  clipped sum; :mod:`~opacus_rc.grad_sample.checks`: training mode, tied and late-trainable
-  parameters, parameters used outside their module's forward.
-
-What stays here (about 500 lines, one concept: building a grad-sample module and reading it) is
-the construction, whose checks must all run before the first hook is attached, and the public
-properties; about half of it is the constructor's documented arguments and refusal messages.
+routes, generators, hooks) and holds their public properties. Everything about one step lives in
+the :class:`~opacus_rc.grad_sample.private_step.PrivateStep` each holds as ``private_step``
+(composition: Opacus' hook methods are one-line delegations to it);
+:mod:`~opacus_rc.grad_sample.routing` decides once how each module's norm is computed.
 
 Sketch randomness: one ``torch.Generator`` per device, created lazily on the device of the
 tensors it draws for and seeded from the operating system's CSPRNG (:mod:`secrets`), unless the
@@ -41,12 +24,15 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP  # noqa: N817
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from opacus_rc._compat.opacus import (
     WRAPPED_MODULE_ATTR,
@@ -54,7 +40,7 @@ from opacus_rc._compat.opacus import (
     wrapped_module_if_built,
 )
 from opacus_rc.config import RandomizedClippingConfig
-from opacus_rc.grad_sample.capture import NORM_SAMPLED_PATHS, CaptureHooksMixin
+from opacus_rc.grad_sample import private_step as private_step_module
 from opacus_rc.grad_sample.checkpointing import NoEarlyStop, modules_above
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
@@ -65,11 +51,11 @@ from opacus_rc.grad_sample.checks import (
     check_training_mode,
     strip_grad_sample_hooks,
 )
-from opacus_rc.grad_sample.distributed import ReducerOff
+from opacus_rc.grad_sample.distributed import ReducerOff, ddp_modules
 from opacus_rc.grad_sample.forward_inputs import ForwardInputBinder, explain_forward_error
 from opacus_rc.grad_sample.functorch import FunctorchGradSampler
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
-from opacus_rc.grad_sample.private_step import PrivateBackwardMixin
+from opacus_rc.grad_sample.private_step import NORM_SAMPLED_PATHS, PrivateStep
 from opacus_rc.grad_sample.registry import (
     CLIPPED_SUM_FUNCTIONS,
     EXACT_NORM_TYPES,
@@ -88,7 +74,6 @@ from opacus_rc.grad_sample.routing import (
     refuse_unsupported,
     resolve_norm_routes,
 )
-from opacus_rc.grad_sample.step import StepState
 from opacus_rc.grad_sample.tied import TiedSketches
 from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
 
@@ -117,8 +102,9 @@ def _module_device(m: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
-    """Shared hooks of the wrapping and the hooks-only randomized-clipping classes.
+class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
+    """Construction and public properties of the wrapping and the hooks-only
+    randomized-clipping classes; the step itself is their :attr:`private_step`.
 
     Must come before an Opacus ``...FastGradientClipping`` class in the bases.
     """
@@ -134,17 +120,15 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
     #: How one forward call is stored for the backward hook, by exact type (nn.EmbeddingBag).
     FORWARD_INPUT_ADAPTERS: dict[type[nn.Module], ForwardInputAdapter] = FORWARD_INPUT_ADAPTERS
 
-    # Class defaults for hooks that could fire before __init__ ends.
-    _bookkeeping: bool = False
-    _reducer_off: ReducerOff | None = None
+    #: The class of :attr:`private_step` (FSDP2 writes its clipped sums differently).
+    PRIVATE_STEP: type[PrivateStep] = PrivateStep
     #: Reach a module whose inputs carry no gradient through its output's graph edge, not its
     #: parameters, in the book-keeping first pass (FSDP2: the registered parameters are shards
     #: that are not in the autograd graph).
-    _first_pass_output_edges: bool = False
-    _step: StepState | None = None
-    _tied: TiedSketches | None = None
-    #: The keyword arguments of hooked calls and their binding (forward pre-hook).
-    _inputs: ForwardInputBinder | None = None
+    FIRST_PASS_OUTPUT_EDGES: bool = False
+    #: The step's owner (built by the constructor).
+    private_step: PrivateStep
+    _reducer_off: ReducerOff | None = None
 
     def __init__(
         self,
@@ -172,7 +156,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
         check_peft_dora(m)
         check_parametrizations(m)  # weight_norm, spectral_norm: computed outside the forward
         names = {id(sub): name for name, sub in m.named_modules()}
-        hooked = list(self.iterate_submodules(m))  # type: ignore[attr-defined]
+        hooked = list(self.iterate_submodules(m))
         tied_groups = find_tied_groups(hooked, names=names)  # embedding tied to an LM head
         routes = resolve_norm_routes(
             hooked,
@@ -180,8 +164,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
             sketched=self.SKETCHED_NORM_SAMPLERS,
             exact_types=self.EXACT_NORM_TYPES,
             clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
-            grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
-            norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
+            grad_samplers=self.GRAD_SAMPLERS,
+            norm_samplers=self.NORM_SAMPLERS,
             force_functorch=config.force_functorch,
             tied=tied_groups,
         )
@@ -200,7 +184,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
             supported={id(g.weight) for g in tied_groups},
         )
         try:
-            super().__init__(  # type: ignore[call-arg]
+            super().__init__(
                 m,
                 batch_first=config.batch_first,
                 loss_reduction=config.loss_reduction,
@@ -229,37 +213,29 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
                     UserWarning,
                     stacklevel=3,
                 )
-            self._estimator = estimator  # also a cut unit's norm (opacus_rc/units/split.py)
-            self._step = StepState(name_of=self._name_of)
-            self._tied = TiedSketches(tied_groups, name_of=self._name_of)
-            self._norms = ModuleNorms(
+            tied = TiedSketches(tied_groups, name_of=self._name_of)
+            norms = ModuleNorms(
                 sketched=self.SKETCHED_NORM_SAMPLERS,
-                grad_samplers=self.GRAD_SAMPLERS,  # type: ignore[attr-defined]
-                norm_samplers=self.NORM_SAMPLERS,  # type: ignore[attr-defined]
+                grad_samplers=self.GRAD_SAMPLERS,
+                norm_samplers=self.NORM_SAMPLERS,
                 estimator=estimator,
                 sketch_dim=config.sketch_dim,
-                generator_for=self.generator_for,
-                tied=self._tied,
+                generator_for=self._generators.for_device,
+                tied=tied,
                 name_of=self._name_of,
                 stash_grad_samplers=self.STASH_GRAD_SAMPLERS,
                 functorch=functorch,
             )
-            for _, p in trainable_parameters(m):
-                self.autograd_grad_sample_hooks.append(
-                    p.register_post_accumulate_grad_hook(self._record_gradient)
-                )
-            self._uses = ParameterUseCheck(
-                m, name_of=self._name_of, active=lambda: self.hooks_enabled
-            )
-            self._uses.register(self.autograd_grad_sample_hooks)
-            self._inputs = ForwardInputBinder(
+            uses = ParameterUseCheck(m, name_of=self._name_of, active=lambda: self.hooks_enabled)
+            uses.register(self.autograd_grad_sample_hooks)
+            inputs = ForwardInputBinder(
                 name_of=self._name_of,
                 adapters=self.FORWARD_INPUT_ADAPTERS,
                 batch_first=config.batch_first,
             )
             for sub in hooked:
                 self.autograd_grad_sample_hooks.append(
-                    sub.register_forward_pre_hook(self._inputs.record_call_kwargs, with_kwargs=True)
+                    sub.register_forward_pre_hook(inputs.record_call_kwargs, with_kwargs=True)
                 )
             # Early stop off in the forward of the model and of every module above a hooked one,
             # so that a submodule called directly (model.body(x), then model.head(h)) records
@@ -269,14 +245,67 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
                 self.autograd_grad_sample_hooks,
                 active=lambda: self.hooks_enabled,
             )
-            self._trainable = TrainableSetGuard(m, name_of=self._name_of)
+            trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()
             self._reducer_off = ReducerOff(m)  # the DP optimizer all-reduces the clipped sum
-            self._bookkeeping = self._resolve_bookkeeping(m, requested=bool(config.bookkeeping))
-            self._told_checkpointing = False
+            self.private_step = self.PRIVATE_STEP(
+                self,
+                model=m,
+                config=config,
+                routes=routes,
+                norms=norms,
+                tied=tied,
+                uses=uses,
+                trainable=trainable,
+                inputs=inputs,
+                ddp_modules=self._reducer_off.modules,
+                bookkeeping=self._resolve_bookkeeping(m, requested=bool(config.bookkeeping)),
+                name_of=self._name_of,
+                generators=self._generators,
+                estimator=estimator,
+                clipped_sums=self.CLIPPED_SUM_FUNCTIONS,
+                adapters=self.FORWARD_INPUT_ADAPTERS,
+                output_edges=self.FIRST_PASS_OUTPUT_EDGES,
+                distributed=_is_distributed(m),
+            )
+            for p in self.private_step.params:
+                self.autograd_grad_sample_hooks.append(
+                    p.register_post_accumulate_grad_hook(self.private_step.record_gradient)
+                )
         except BaseException:
             self.cleanup()
             raise
+
+    # ------------------------------------------------------------------------------------------
+    # Opacus' hooks and readers: one-line delegations to the step
+    # ------------------------------------------------------------------------------------------
+
+    #: Opacus' forward and backward hooks: delegations to :attr:`private_step`, defined with
+    #: it (:func:`~opacus_rc.grad_sample.private_step.capture_activations_hook`).
+    capture_activations_hook = private_step_module.capture_activations_hook
+    capture_backprops_hook = private_step_module.capture_backprops_hook
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Per-sample (per-unit) clip factors ``min(1, C / (n_hat_i + 1e-6))`` of this step, at
+        this module's ``max_grad_norm`` (Opacus' API; :meth:`PrivateStep.issue_clip_factors`).
+
+        Returns:
+            Tensor of shape ``(B,)``, or ``(U,)`` with ``units=``.
+
+        Raises:
+            FloatingPointError, RuntimeError: See :meth:`PrivateStep.issue_clip_factors`.
+        """
+        self.private_step.uses.clear()  # no private backward consumes this forward's spans
+        return self.private_step.issue_clip_factors(max_grad_norm=self.max_grad_norm)
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-sample (per-unit) whole-model norm estimates (:meth:`PrivateStep.norm_sample`);
+        ``(B,)`` or ``(U,)`` float64. Not privatized.
+
+        Raises:
+            RuntimeError: No norms were computed since the last step.
+        """
+        return self.private_step.norm_sample()
 
     # ------------------------------------------------------------------------------------------
     # Public properties
@@ -296,17 +325,6 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
         return self._config.sketch_spec
 
     @property
-    def step_state(self) -> StepState:
-        """The :class:`~opacus_rc.grad_sample.step.StepState` of the current step."""
-        assert self._step is not None
-        return self._step
-
-    @property
-    def parameter_use_check(self) -> ParameterUseCheck:
-        """The check of parameters used outside their module's forward (its forward spans)."""
-        return self._uses
-
-    @property
     def norm_routes(self) -> dict[str, NormRoute]:
         """``{module name: NormRoute}``: how each hooked module's norm is computed."""
         return {r.name: r for r in self._routes.values()}
@@ -322,7 +340,8 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
         Raises:
             AttributeError: If no clip factors were computed since the last forward pass.
         """
-        norms = None if self._step is None else self._step.per_sample_gradient_norms
+        step = getattr(self, "private_step", None)
+        norms = None if step is None else step.per_sample_gradient_norms
         if norms is None:
             raise AttributeError(
                 "per_sample_gradient_norms is not set: they exist from the private backward "
@@ -332,16 +351,17 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
 
     @per_sample_gradient_norms.setter
     def per_sample_gradient_norms(self, value: Any) -> None:
-        # Opacus' base __init__ assigns it; the value lives in the step state.
-        if self._step is not None and value is not None:
-            self._step.per_sample_gradient_norms = value
+        # Opacus' base __init__ assigns it (None); the value lives in the step.
+        step = getattr(self, "private_step", None)
+        if step is not None and value is not None:
+            step.per_sample_gradient_norms = value
 
     @property
     def norm_samples(self) -> dict[str, torch.Tensor]:
         """``{parameter name: (B,) norm}``: this step's per-parameter norms (after its backward),
         or those of the last clip factors (until the next forward); ``(U,)``, one per unit, with
         ``units=``. Not privatized."""
-        return {self._name_of(p): t for p, t in self.step_state.norm_samples.items()}
+        return {self._name_of(p): t for p, t in self.private_step.norm_samples.items()}
 
     def generator_for(self, device: torch.device | str) -> torch.Generator:
         """The sketch generator for tensors on ``device``
@@ -364,7 +384,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
         :mod:`~opacus_rc.grad_sample.norms`); ``bookkeeping="always"`` keeps the inputs and
         output gradients everywhere.
         """
-        return self._bookkeeping
+        return self.private_step.bookkeeping
 
     @property
     def step_smaller_stash(self) -> bool:
@@ -373,7 +393,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
         checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`bookkeeping`).
         Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
         D: the step is accounted with the same sketch spec)."""
-        return self._step is not None and self._step.smaller_stash
+        return self.private_step.smaller_stash
 
     # ------------------------------------------------------------------------------------------
     # Construction-time decisions
@@ -399,7 +419,7 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
             )
 
     def _resolve_bookkeeping(self, m: nn.Module, *, requested: bool) -> bool:
-        """Whether book-keeping can be used; logs once (INFO) why not if it was requested.
+        """Whether book-keeping can be used; warns once why not if it was requested.
 
         Available iff every route supports it (:attr:`NormRoute.supports_bookkeeping`). Under
         DDP/DPDDP each rank forms its clipped sum from its own samples and the distributed
@@ -415,17 +435,21 @@ class _RandomizedClippingMixin(PrivateBackwardMixin, CaptureHooksMixin):
 
     def cleanup(self) -> None:
         """Remove all hooks and every attribute Opacus or this class added to the model."""
-        if self._step is not None:
-            self._step.consume()  # frees every stored tensor
-        if self._tied is not None:
-            self._tied.clear()
+        step = getattr(self, "private_step", None)
+        if step is not None:
+            step.abort()  # frees every stored tensor (and an open unit)
         if self._reducer_off is not None:
             self._reducer_off.restore()
-        from opacus_rc.units.split import drop_open_unit  # units.split imports grad_sample
-
-        drop_open_unit(self)
-        super().cleanup()  # type: ignore[misc]
+        super().cleanup()
         strip_grad_sample_hooks(wrapped_module(self))
+
+
+def _is_distributed(m: nn.Module) -> bool:
+    """Whether ``m`` is data-parallel over an initialised process group (the ranks of a step
+    then agree after each first pass): Opacus' DPDDP, torch DDP or FSDP2, as the engine
+    decides it."""
+    parallel = isinstance(m, (DPDDP, FSDPModule)) or bool(ddp_modules(m))
+    return parallel and dist.is_available() and dist.is_initialized()
 
 
 class GradSampleModuleRandomizedClipping(
@@ -438,8 +462,8 @@ class GradSampleModuleRandomizedClipping(
     ``GradSampleModuleFastGradientClipping``: with
     :class:`~opacus_rc.optimizers.RandomizedClipOptimizer` and
     :class:`~opacus_rc.optimizers.DPLossRandomizedClipping`, whose ``backward()`` calls
-    :meth:`private_backward` (one backward pass if :attr:`bookkeeping`, else two). (Opacus' own
-    ``DPLossFastGradientClipping`` always runs both passes; it works too.)
+    ``module.private_step.backward`` (one backward pass if :attr:`bookkeeping`, else two) and
+    hands its clip result to the optimizer.
 
     Args:
         m: The model (in training mode).
@@ -454,7 +478,8 @@ class GradSampleModuleRandomizedClipping(
         bookkeeping: Read-only; whether book-keeping (a single backward pass) is used: only if
             requested and every route supports it.
         norm_routes: How each hooked module's norm is computed.
-        step_state: The step protocol's state.
+        private_step: The :class:`~opacus_rc.grad_sample.private_step.PrivateStep` that owns
+            each step.
         clipping_config: The validated options.
 
     Raises:
@@ -477,7 +502,7 @@ class GradSampleModuleRandomizedClipping(
         except BaseException as err:
             # A forward that raised half-way (e.g. an empty batch a model cannot take) must not
             # leave recorded inputs behind for the next step.
-            self.discard_recorded()
+            self.private_step.reset()
             batch_first = self.clipping_config.batch_first
             model = wrapped_module(self)
             explained = explain_forward_error(

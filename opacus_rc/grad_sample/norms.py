@@ -5,7 +5,7 @@
 stored activations and its output gradient (batch first, rescaled to per-sample losses). It
 computes the norms of the module's trainable parameters by the route's
 :class:`~opacus_rc.grad_sample.routing.NormPath` and records them, and with book-keeping what the
-clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.step.StepState`:
+clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.private_step.PrivateStep`:
 
 * sketched or exact: the project's sampler
   (:data:`~opacus_rc.grad_sample.registry.SKETCHED_NORM_SAMPLERS`), drawing fresh probes from the
@@ -55,7 +55,6 @@ from torch import nn
 from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
-from opacus_rc.grad_sample.step import StepState
 from opacus_rc.sketching import autocast_off
 
 __all__ = [
@@ -77,6 +76,10 @@ STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torc
 
 #: Routes whose clipped sum may come from a per-sample-gradient stash in a checkpointed step.
 _MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)
+
+
+#: Paths that materialise per-sample gradients (``NormPath.per_sample_gradients``).
+_PER_SAMPLE_GRADIENT_PATHS = frozenset({NormPath.GRAD_SAMPLER, NormPath.FUNCTORCH})
 
 
 def prefers_grad_sample_stash(
@@ -174,7 +177,7 @@ class ModuleNorms:
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
         *,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
         smaller_stash: bool = False,
     ) -> None:
@@ -195,7 +198,7 @@ class ModuleNorms:
         Raises:
             RuntimeError: If a sampler gives no norm for one of ``params``.
         """
-        if route.path.per_sample_gradients:
+        if route.path in _PER_SAMPLE_GRADIENT_PATHS:
             self._from_grad_samples(
                 module, route, params, activations, backprops, step, bookkeeping
             )
@@ -218,7 +221,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
     ) -> None:
         """Book-keeping with the per-sample-gradient stash (a checkpointed step).
 
@@ -244,7 +247,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
     ) -> None:
         """Sketched, exact (project sampler), ghost (Opacus) or tied norms. A tied weight's
@@ -280,14 +283,20 @@ class ModuleNorms:
         module: nn.Module,
         params: tuple[nn.Parameter, ...],
         norms: Mapping[nn.Parameter, torch.Tensor],
-        step: StepState,
+        step: Any,
         *,
         what: str,
         deferred: frozenset[int] = frozenset(),
     ) -> None:
         """Check that ``norms`` covers every parameter of this use (but those ``deferred`` to
         the other module of a tied group), count the use, and record the norms."""
-        missing = [p for p in params if p not in norms and id(p) not in deferred]
+        missing = []
+        recorded = {}
+        for p in params:
+            if p in norms:
+                recorded[p] = norms[p]
+            elif id(p) not in deferred:
+                missing.append(p)
         if missing:
             raise RuntimeError(
                 f"the {what} for '{self._name_of(module)}' ({type(module).__name__}) returned "
@@ -296,7 +305,7 @@ class ModuleNorms:
             )
         for p in params:
             count_down_use(p)
-        step.record_norms({p: norms[p] for p in params if p in norms})
+        step.record_norms(recorded)
 
     def _from_grad_samples(
         self,
@@ -305,7 +314,7 @@ class ModuleNorms:
         params: tuple[nn.Parameter, ...],
         activations: list[torch.Tensor],
         backprops: torch.Tensor,
-        step: StepState,
+        step: Any,
         bookkeeping: bool,
     ) -> None:
         """Exact norms from per-sample gradients (Opacus' grad sampler, or functorch).

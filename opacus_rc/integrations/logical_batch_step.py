@@ -94,15 +94,10 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
         _check_batch_independence(trainer, model, inputs)
     if inputs.num_examples == 0:
         # No record is in the batch: the step is the noise alone, noised and accounted by
-        # the Trainer's optimizer.step() (RandomizedClipOptimizer.noise_only_step, split).
-        private.module.step_state.mark_empty_batch()
-        optimizer.discard_gradients()
-        # Under DDP: this rank's part of the agreement the other ranks' last backward
-        # issues (in one process, no collective).
-        if not optimizer.all_ranks_ok(True):
-            raise RuntimeError(
-                "the randomized-clipping backward failed on another rank; no rank takes this step"
-            )
+        # the Trainer's optimizer.step(). Under DDP the empty batch takes this rank's part in
+        # the agreement the other ranks' last backward issues (in one process, none).
+        step = private.module.private_step
+        optimizer.accept_clip_result(step.empty_batch(max_grad_norm=optimizer.max_grad_norm))
         fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
         return torch.tensor(fill, device=device)
     record = getattr(private.module, "unit_batch_record", None)

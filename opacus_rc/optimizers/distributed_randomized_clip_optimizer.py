@@ -100,7 +100,7 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
-    def all_ranks_ok(self, ok: bool) -> bool:
+    def _all_ranks_ok(self, ok: bool) -> bool:
         """Whether every rank reports ``ok``, agreed on at logical-step boundaries.
 
         At the last physical batch of a logical step (always, without BatchMemoryManager) this
@@ -109,8 +109,9 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
         different numbers of physical batches, so no collective is issued there and ``ok`` is
         returned unchanged (a failure then raises on its own rank only).
 
-        Used by the loss's ``backward()`` and by :meth:`check_step_allowed` so that a failure
-        on one rank makes every rank raise at the same point.
+        Used by :meth:`check_step_allowed`, so that a refusal on one rank makes every rank
+        raise at the same point (the private backward agrees on its own,
+        :meth:`~opacus_rc.grad_sample.private_step.PrivateStep.backward`).
         """
         if next_step_skipped(self):
             return ok
@@ -131,7 +132,7 @@ class DistributedRandomizedClipOptimizer(RandomizedClipOptimizer):
             super().check_step_allowed()
         except (RuntimeError, FloatingPointError) as err:
             error = err
-        if not self.all_ranks_ok(error is None):
+        if not self._all_ranks_ok(error is None):
             if error is not None:
                 raise error
             raise RuntimeError(

@@ -7,7 +7,7 @@ is that loss with a single-backward mode and four guarantees added
 
 The loss is thin: its ``backward()`` reduces the per-sample losses, checks its own arguments,
 calls the grad-sample module's one private backward
-(:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`, which runs
+(:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.backward`, which runs
 the first pass, the clip factors, the rank agreement and the clipped sum or second pass) and
 hands the :class:`~opacus_rc.grad_sample.private_step.ClipResult` it returns to the optimizer
 (:meth:`~opacus_rc.optimizers.RandomizedClipOptimizer.accept_clip_result`).
@@ -63,6 +63,8 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
+from opacus_rc._compat.opacus import next_step_skipped
+from opacus_rc.grad_sample.private_step import StepProtocolError
 from opacus_rc.units.criterion import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
@@ -131,7 +133,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 as for any failed backward.
             ValueError: If ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
             Exception: What the private backward raises
-                (:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`).
+                (:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.backward`).
         """
         if self.loss_reduction == "mean":
             reduced_loss = torch.mean(self.loss_per_sample, dim=0)
@@ -142,15 +144,29 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
                 f"loss_reduction = {self.loss_reduction}. Only 'sum' and 'mean' losses are "
                 "supported"
             )
+        optimizer, step = self.optimizer, self.module.private_step
+        if not optimizer.backward_allowed:  # two backwards, or one after a failure
+            step.reset()  # this forward's records; the earlier clipped gradients are kept
+            optimizer.check_backward_allowed()  # raises, saying which
+            raise StepProtocolError("a private backward is not allowed now")
         # An argument error is raised by the private backward, where it fails the step and
-        # every rank raises with it (as for any other error of the backward).
-        result = self.module.private_backward(
-            self.loss_per_sample,
-            reduced_loss=reduced_loss,
-            peer=self.optimizer,
-            refused=backward_arguments_error(gradient, retain_graph, create_graph, inputs),
-        )
-        self.optimizer.accept_clip_result(result)
+        # every rank raises with it (as for any other error of the backward). Inside a
+        # logical step split by BatchMemoryManager the ranks' batches do not line up: no
+        # agreement there.
+        try:
+            result = step.backward(
+                self.loss_per_sample,
+                reduced_loss=reduced_loss,
+                max_grad_norm=optimizer.max_grad_norm,
+                agree_ranks=not next_step_skipped(optimizer),
+                refused=None
+                if gradient is None and not retain_graph and not create_graph and inputs is None
+                else backward_arguments_error(gradient, retain_graph, create_graph, inputs),
+            )
+        except BaseException:
+            optimizer.backward_failed()
+            raise
+        optimizer.accept_clip_result(result)
 
     def __iter__(self) -> Iterator[Any]:
         """Refuse iteration: the DP loss is one scalar, and the caller is almost always
@@ -237,7 +253,7 @@ def _keep_class(name: str) -> Any:
         except TypeError:
             # Raised between a forward and its backward: drop the forward's records (nothing
             # reached a gradient yet), so the next forward starts the step afresh.
-            self.module.discard_recorded()
+            self.module.private_step.reset()
             raise
         out = base(self, *args)
         return DPTensorRandomizedClipping(

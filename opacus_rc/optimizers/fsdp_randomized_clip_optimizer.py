@@ -29,7 +29,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.optim import Optimizer
 
 from opacus_rc._compat.opacus import last_step_skipped, next_step_skipped
-from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
+from opacus_rc.grad_sample.private_step import StepProtocolError
 from opacus_rc.optimizers.distributed_randomized_clip_optimizer import (
     DistributedRandomizedClipOptimizer,
 )
@@ -81,10 +81,7 @@ class FSDPRandomizedClipOptimizer(
             RuntimeError, FloatingPointError: As
                 :meth:`DistributedRandomizedClipOptimizer.check_step_allowed`.
         """
-        if not next_step_skipped(self) and self._step_state.phase in (
-            StepPhase.IDLE,
-            StepPhase.RECORDED,
-        ):
+        if not next_step_skipped(self) and self._pending is None and not self._failed:
             raise StepProtocolError(
                 f"rank {self.rank}: optimizer.step() without a forward and private backward on "
                 "this rank since the last step. Under FSDP2 every rank must run forward and "
@@ -118,7 +115,8 @@ class FSDPRandomizedClipOptimizer(
             else:
                 state["summed_grad"] = torch.clone(grad)
             p.summed_grad = state["summed_grad"]  # for Opacus' processed-flag checks
-        self._step_state.consume()
+        self._pending, self._pending_grads = None, []
+        self.backward_allowed = not self._failed
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Opacus' FSDP ``zero_grad`` (clears ``grad_state``), ending the step."""

@@ -3,14 +3,16 @@ docs/privacy/mechanism.md#mechanism-reduction).
 
 One step releases ``sum_i c_i g_i + N(0, sigma^2 C^2 I)`` with ``c_i = min(1, C / n_hat_i)``,
 divided by the expected batch size under ``loss_reduction="mean"``. The clip factors are applied
-before the optimizer runs, by the grad-sample module's private backward, which the DP loss
-(:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`) calls once per batch
-(:meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`: it either
-backpropagates ``sum_i c_i loss_i``, exactly as Opacus' ghost clipping does, or, with
-book-keeping, writes ``sum_i c_i grad loss_i`` from the first pass's tensors) and whose
-:class:`~opacus_rc.grad_sample.private_step.ClipResult` the loss hands to this optimizer.
-This optimizer adds the noise, scales, runs post-processing hooks, emits the step's DP event
-(:meth:`RandomizedClipOptimizer.dp_event`) and steps the wrapped optimizer.
+before the optimizer runs, by the module's private step, which the DP loss
+(:class:`~opacus_rc.optimizers.DPLossRandomizedClipping`) runs once per batch
+(:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.backward`: it either backpropagates
+``sum_i c_i loss_i``, exactly as Opacus' ghost clipping does, or, with book-keeping, writes
+``sum_i c_i grad loss_i`` from the first pass's tensors) and whose frozen
+:class:`~opacus_rc.grad_sample.private_step.ClipResult` the loss hands to this optimizer
+(:meth:`RandomizedClipOptimizer.accept_clip_result`): the only thing that crosses, the
+optimizer holds no reference to the grad-sample module. ``step()`` refuses without a pending
+clip result and consumes it; it adds the noise, scales, runs post-processing hooks, emits the
+step's DP event (:meth:`RandomizedClipOptimizer.dp_event`) and steps the wrapped optimizer.
 
 Formal guarantee (docs/privacy/threat_models.md#threat-models): with per-sample Gaussian sketches
 that are fresh every step and secret, the step's sensitivity is ``S = C W^{-1/2}`` with ``W`` in the
@@ -39,17 +41,52 @@ from opacus_rc._compat.opacus import (
     next_step_skipped,
     wrapped_module,
 )
+from opacus_rc._compat.torch import tensor_version
 from opacus_rc.accountants.events import RandomizedClipDpEvent, step_event
 from opacus_rc.config import RandomizedClippingConfig, validate_noise_multiplier
-from opacus_rc.grad_sample.private_step import ClipResult
-from opacus_rc.grad_sample.step import StepState
+from opacus_rc.grad_sample.private_step import (
+    ClipResult,
+    StepProtocolError,
+    empty_clip_result,
+)
 from opacus_rc.mechanism import Mechanism
 from opacus_rc.optimizers.dp_loss import LOSS_SCALING_REFUSED
 from opacus_rc.optimizers.noise import add_gaussian_noise
 from opacus_rc.optimizers.post_processing import _PostProcessingChain
 from opacus_rc.sketching import SketchSpec
+from opacus_rc.units.split import check_no_open_unit
 
 __all__ = ["RandomizedClipOptimizer"]
+
+_TWO_BACKWARDS = (
+    "backward() was called twice without optimizer.step() or optimizer.zero_grad() in between: "
+    "the randomized-clipping loss cannot accumulate gradients over backward calls (the first "
+    "batch's clipped gradients would be dropped, Opacus issue 683). Step after every backward, "
+    "and use opacus.utils.batch_memory_manager.BatchMemoryManager to split a logical batch "
+    "into physical ones (with a UnitDataLoader, units=: "
+    "opacus_rc.units.UnitBatchMemoryManager, which keeps units whole or, with "
+    "split_units=True, cuts them and yields each batch's unit_split=)."
+)
+_FAILED = (
+    "the last backward() of the randomized-clipping loss raised; its gradients may be "
+    "unclipped, so no step is taken and nothing is accounted. Call optimizer.zero_grad() and "
+    "continue with a new batch (note that skipping a batch because of one sample's data is "
+    "itself outside the DP guarantee)."
+)
+_NO_FACTORS = (
+    "optimizer.step() was called but no clip factors were computed for them (the gradients "
+    "it would release): {why}. No step is taken "
+    "and nothing is accounted. Use loss = criterion(model(x), y); loss.backward(); "
+    "optimizer.step(), with optimizer.zero_grad() before each batch, and the criterion "
+    "returned by make_private."
+)
+_NO_RESULT = (
+    "no private backward ran since the last step or zero_grad() (step() before backward(), "
+    "step() twice, or zero_grad() between backward() and step()), or the loss did not come "
+    "from the criterion returned by make_private (a plain loss.backward(), or Opacus' own "
+    "DPLossFastGradientClipping: use opacus_rc.optimizers.DPLossRandomizedClipping, which "
+    "hands the step's ClipResult to the optimizer)"
+)
 
 #: ``expected_batch_size`` not given: the mechanism's divisor (required without a mechanism).
 FROM_MECHANISM: Any = object()
@@ -119,8 +156,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             max_grad_norm=max_grad_norm,
         )
         config = getattr(grad_sample_module, "clipping_config", None)
-        if not isinstance(config, RandomizedClippingConfig) or not isinstance(
-            getattr(grad_sample_module, "step_state", None), StepState
+        if not isinstance(config, RandomizedClippingConfig) or not hasattr(
+            grad_sample_module, "private_step"
         ):
             raise TypeError(
                 "grad_sample_module must be a GradSampleModuleRandomizedClipping or "
@@ -128,13 +165,13 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             )
         noise_multiplier = validate_noise_multiplier(noise_multiplier)
         if max_grad_norm is None:
-            max_grad_norm = grad_sample_module.max_grad_norm
+            max_grad_norm = config.max_grad_norm
         if loss_reduction is None:
             loss_reduction = config.loss_reduction
-        if grad_sample_module.max_grad_norm != max_grad_norm:
+        if config.max_grad_norm != max_grad_norm:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} differs from the grad-sample module's "
-                f"max_grad_norm={grad_sample_module.max_grad_norm}: clipping and noise must use "
+                f"max_grad_norm={config.max_grad_norm}: clipping and noise must use "
                 "the same bound"
             )
         if config.loss_reduction != loss_reduction:
@@ -142,18 +179,27 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 f"loss_reduction={loss_reduction!r} differs from the grad-sample module's "
                 f"{config.loss_reduction!r}"
             )
-        self._grad_sample_module = grad_sample_module
-        self._step_state: StepState = grad_sample_module.step_state
-        # The sketch the module clips with, fixed by its frozen config: handed over once here,
-        # and every private backward's ClipResult is checked against it (accept_clip_result).
-        self._sketch_spec: SketchSpec = grad_sample_module.sketch_spec
+        # The module is read here and not held: the plain model (an optimizer parameter
+        # outside it is refused) and the sketch the clip factors come from, fixed by its
+        # frozen config (every ClipResult is checked against it, accept_clip_result).
+        self._model: torch.nn.Module = wrapped_module(grad_sample_module)
+        self._sketch_spec: SketchSpec = config.sketch_spec
         if mechanism is not None and mechanism.sketch_spec != self._sketch_spec:
             raise ValueError(
                 f"the mechanism accounts the sketch {mechanism.sketch_spec}, the grad-sample "
                 f"module clips with {self._sketch_spec}: build both from one make_private call"
             )
         self._mechanism = mechanism
+        self._accounted_rate = None if mechanism is None else mechanism.accounted_rate
+        self._events: dict[tuple[float, float, int], RandomizedClipDpEvent] = {}
+        #: The last ClipResult handed over; _pending: that of the gradients step() releases.
         self._clip_result: ClipResult | None = None
+        self._pending: ClipResult | None = None
+        self._pending_grads: list[tuple[Any, Any, int]] = []
+        self._failed = False
+        #: Whether a private backward may run now (no clip result pending, no failed backward
+        #: since zero_grad()): the DP loss reads it before each backward.
+        self.backward_allowed = True
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -166,7 +212,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
 
     @property
     def max_grad_norm(self) -> float:
-        """``C``: the clip bound of the module and the noise scale of this optimizer."""
+        """``C``: the clip bound the DP loss hands to each private backward and the noise
+        scale of this optimizer (one value: set it here, e.g. by an Opacus clip scheduler)."""
         return self._max_grad_norm
 
     @max_grad_norm.setter
@@ -178,7 +225,6 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 f"randomized clipping needs one finite max_grad_norm > 0, got {value!r}"
             )
         self._max_grad_norm = value
-        self._grad_sample_module.max_grad_norm = value
 
     @property
     def sketch_spec(self) -> SketchSpec:
@@ -191,11 +237,15 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         return self._sketch_spec
 
     def accept_clip_result(self, result: ClipResult) -> None:
-        """Take what the private backward of a (physical) batch returned.
+        """Take what the private backward of a (physical) batch returned: the step's pending
+        clip result, which the next ``step()`` requires and consumes.
 
         Called by the DP loss after
-        :meth:`~opacus_rc.grad_sample.private_step.PrivateBackwardMixin.private_backward`; the
-        clipped gradient sum is in ``p.grad``. The result is kept as :attr:`last_clip_result`.
+        :meth:`~opacus_rc.grad_sample.private_step.PrivateStep.backward` (the clipped gradient
+        sum is in ``p.grad``), or by a training loop with the result of
+        :meth:`~opacus_rc.grad_sample.private_step.PrivateStep.empty_batch`. The result is kept
+        as :attr:`last_clip_result`; the gradients it covers are remembered, so that a
+        gradient changed before ``step()`` (a later hooked backward) is refused.
 
         Args:
             result: The batch's :class:`~opacus_rc.grad_sample.private_step.ClipResult`.
@@ -204,7 +254,8 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             RuntimeError: If its clip factors came from a sketch other than :attr:`sketch_spec`
                 (a loss built with another grad-sample module than this optimizer's): this
                 optimizer would account the step for a sketch that did not produce its clip
-                factors (its own step state holds no clip factors, so ``step()`` refuses too).
+                factors (the result is not taken, so ``step()`` refuses too).
+            StepProtocolError: A clip result is pending already (two backwards without a step).
         """
         if result.sketch_spec != self._sketch_spec:
             raise RuntimeError(
@@ -213,7 +264,38 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "and the optimizer belong to different grad-sample modules. Build the criterion "
                 "from this optimizer's module (make_private returns matching ones)"
             )
+        if self._pending is not None or self._failed:
+            self.check_backward_allowed()  # raises, saying which
         self._clip_result = result
+        self._pending = result
+        self.backward_allowed = False
+        self._pending_grads = []
+        for p in self.params:
+            self._pending_grads.append((p, p.grad, tensor_version(p.grad)))
+
+    def check_backward_allowed(self) -> None:
+        """Refuse a private backward while this optimizer holds a pending clip result or the
+        last backward failed (the DP loss asks before it backpropagates anything).
+
+        Raises:
+            StepProtocolError: A clip result is pending (call ``step()`` first), or the last
+                backward failed (call ``zero_grad()`` first).
+        """
+        if self._failed:
+            raise StepProtocolError(
+                "the last backward() of the randomized-clipping loss raised; call "
+                "optimizer.zero_grad() before the next batch's forward and backward"
+            )
+        if self._pending is not None:
+            raise StepProtocolError(_TWO_BACKWARDS)
+
+    def backward_failed(self) -> None:
+        """The DP loss's private backward raised: no gradient is kept and ``step()`` refuses
+        until ``zero_grad()``."""
+        self._pending = None
+        self._pending_grads = []
+        self._failed = True
+        self.backward_allowed = False
 
     @property
     def last_clip_result(self) -> ClipResult | None:
@@ -270,15 +352,26 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 rate would account another mechanism than the run's).
             TypeError: Without a mechanism, if ``sample_rate`` is None.
         """
-        mechanism = getattr(self, "mechanism", None)
+        mechanism = getattr(self, "_mechanism", None)
         if mechanism is not None:
-            if sample_rate is not None and sample_rate != mechanism.accounted_rate:
+            if sample_rate is not None and sample_rate != self._accounted_rate:
                 raise ValueError(
                     f"the accountant's hook was attached at sample_rate={sample_rate}, but the "
-                    f"run's mechanism accounts each step at {mechanism.accounted_rate} "
+                    f"run's mechanism accounts each step at {self._accounted_rate} "
                     "(engine.mechanism.accounted_rate): attach it at that rate"
                 )
-            return mechanism.step_event(accumulated_iterations=self.accumulated_iterations)
+            # Built once per (sigma, C, accumulated iterations) and reused: an event is
+            # validated when it is built, not at every step.
+            key = (self.noise_multiplier, self._max_grad_norm, self.accumulated_iterations)
+            event = self._events.get(key)
+            if event is None:
+                if key[:2] != (mechanism.noise_multiplier, mechanism.max_grad_norm):
+                    mechanism = dataclasses.replace(
+                        mechanism, noise_multiplier=key[0], max_grad_norm=key[1]
+                    )
+                event = mechanism.step_event(accumulated_iterations=key[2])
+                self._events[key] = event
+            return event
         if sample_rate is None:
             raise TypeError("dp_event needs sample_rate for an optimizer without a mechanism")
         return step_event(
@@ -287,11 +380,6 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             # the public property (a plain twin of this optimizer has it)
             sketch_spec=self.sketch_spec,
         )
-
-    @property
-    def grad_sample_module(self) -> Any:
-        """The randomized-clipping grad-sample module this optimizer is tied to."""
-        return self._grad_sample_module
 
     def attach_step_hook(self, fn: Any) -> None:
         """Attach the (accountant) step hook, keeping any post-processing hooks before it."""
@@ -313,11 +401,15 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad.add_(grad)
             else:
                 p.summed_grad = copy.deepcopy(grad)
-        self._step_state.consume()
+        self._pending, self._pending_grads = None, []
+        self.backward_allowed = not self._failed
 
     def clipped_sums(self) -> list[torch.Tensor]:
         """Each parameter's clipped gradient sum, in :attr:`params` order (``p.summed_grad``)."""
-        return [p.summed_grad for p in self.params]
+        sums = []
+        for p in self.params:
+            sums.append(p.summed_grad)
+        return sums
 
     def add_noise(self) -> None:
         """``p.grad = clipped sum + N(0, sigma^2 C^2)``, drawn as :attr:`noise_placement` says.
@@ -333,7 +425,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         add_gaussian_noise(
             self.params,
             self.clipped_sums(),
-            std=sigma * self.max_grad_norm,
+            std=sigma * self._max_grad_norm,
             placement=self.noise_placement,
             generator=self.generator,
             secure_mode=self.secure_mode,
@@ -341,34 +433,26 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         )
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Opacus' ``zero_grad``; also ends the step (issued clip factors, a failed backward).
-
-        What a forward or backward recorded but no clip factor used yet is kept, so that
-        Opacus' own two-pass loss (which calls ``zero_grad()`` between its passes) works.
-        """
+        """Opacus' ``zero_grad``; also ends the step (a pending clip result, a failed
+        backward)."""
         super().zero_grad(set_to_none)
-        self._step_state.consume(keep_pending=True)
-
-    def discard_gradients(self) -> None:
-        """Drop every parameter's ``.grad`` (first-pass or failed gradients) without ending the
-        step: Opacus' ``zero_grad(set_to_none=True)`` (``p.summed_grad`` of virtual steps kept)."""
-        DPOptimizerFastGradientClipping.zero_grad(self, set_to_none=True)
-
-    def all_ranks_ok(self, ok: bool) -> bool:
-        """Whether every rank's backward succeeded; in one process, ``ok`` itself."""
-        return ok
+        self._pending, self._pending_grads, self._failed = None, [], False
+        self.backward_allowed = True
 
     def check_step_allowed(self) -> None:
         """Raise unless the gradients about to be noised are clipped, finite and in sync.
 
         Called first in :meth:`pre_step`, before anything is accumulated, noised or accounted.
-        The step invariant is the step state's
-        (:meth:`~opacus_rc.grad_sample.step.StepState.check_step`); finiteness is one reduction
-        over all gradients (one host synchronisation).
+        The step invariant: a clip result is pending (handed over by the DP loss since the last
+        step), made at this optimizer's ``max_grad_norm``, covering every gradient, none of
+        which changed since; finiteness is one reduction over all gradients (one host
+        synchronisation).
 
         Raises:
-            StepProtocolError: See :meth:`~opacus_rc.grad_sample.step.StepState.check_step`
-                (a ``RuntimeError``).
+            StepProtocolError: The last private backward failed, no clip result is pending
+                (step before backward, a second step, a zero_grad in between, a loss that did
+                not come from the DP criterion), a gradient changed after the private backward,
+                or a parameter holds a gradient that got no clip factor (a ``RuntimeError``).
             RuntimeError: If the optimizer holds a parameter that is not the private model's
                 (e.g. a learnable temperature added with ``add_param_group`` after
                 ``make_private``): no per-sample norm covers it, so its gradient would be
@@ -384,22 +468,58 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             for name in ("found_inf", "grad_scale"):
                 self.__dict__.pop(name, None)
             raise RuntimeError(LOSS_SCALING_REFUSED)
-        outside = self._outside_parameters()
-        if outside:
-            raise RuntimeError(_outside_message(outside))
-        self._step_state.check_step(self.params)
-        if self._grad_sample_module.max_grad_norm != self._max_grad_norm:
+        inside = set()
+        for p in self._model.parameters():
+            inside.add(id(p))
+        for p in self.params:
+            if id(p) not in inside:
+                raise RuntimeError(_outside_message(self._outside_parameters()))
+        if self._failed:
+            raise StepProtocolError(_FAILED)
+        result = self._pending
+        if result is None:
+            raise StepProtocolError(_NO_FACTORS.format(why=_NO_RESULT))
+        if result.max_grad_norm != self._max_grad_norm:
             raise RuntimeError(
-                f"the grad-sample module clips at {self._grad_sample_module.max_grad_norm} but "
-                f"the optimizer noises for {self._max_grad_norm}; set optimizer.max_grad_norm "
-                "(it updates both)"
+                f"the clip factors of this step were made at max_grad_norm="
+                f"{result.max_grad_norm} but the optimizer noises for {self._max_grad_norm}: "
+                "set optimizer.max_grad_norm before the backward, not between it and step()"
             )
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and not _all_finite(grads):
+        stray, changed = [], []
+        for p, grad, version in self._pending_grads:
+            if p.grad is not grad or (grad is not None and tensor_version(grad) != version):
+                changed.append(tuple(p.shape))
+            elif grad is not None and id(p) not in result.clipped:
+                stray.append(tuple(p.shape))
+        if stray:
+            raise StepProtocolError(
+                f"parameters of shapes {stray[:5]} hold a gradient but got no per-sample norm "
+                "or clip factor in this step's private backward (made trainable, tied or "
+                "replaced after make_private?); they would be released unclipped. Call "
+                "make_private again on the plain model after changing which parameters train."
+            )
+        grads, flags = [], []
+        for p in self.params:  # one reduction, one host synchronisation
+            g = p.grad
+            if g is not None:
+                grads.append(g)
+                # A sharded (FSDP2 DTensor) gradient: this rank's shard; the ranks then agree
+                # (DistributedRandomizedClipOptimizer.check_step_allowed).
+                local = g.to_local() if isinstance(g, DTensor) else g
+                flags.append(torch.isfinite(local).all().to(grads[0].device))
+        if flags and not bool(torch.stack(flags).all()):
             bad = sum(1 for g in grads if not _all_finite([g]))
             raise FloatingPointError(
                 f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"
+            )
+        if changed:
+            raise StepProtocolError(
+                f"{len(changed)} gradient(s) (shapes {changed[:5]}) changed after the private "
+                "backward handed its clip factors over (a later backward, e.g. a plain "
+                "loss.backward() or a hooked backward that failed, or an in-place change): "
+                "they may hold unclipped parts: no step is taken and nothing is accounted. "
+                "Call optimizer.zero_grad() and run the batch again"
             )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -410,8 +530,11 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 (see :meth:`check_step_allowed`); the group is not added.
         """
         super().add_param_group(param_group)
-        if getattr(self, "_grad_sample_module", None) is None:
+        if getattr(self, "_model", None) is None:
             return  # called while Opacus builds the optimizer
+        for p in self.param_groups[-1]["params"]:
+            if not hasattr(p, "summed_grad"):
+                p.summed_grad = None  # as Opacus' constructor sets it on the first groups
         outside = self._outside_parameters(groups=[len(self.param_groups) - 1])
         if outside:
             self.param_groups.pop()
@@ -420,7 +543,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
     def _outside_parameters(self, *, groups: list[int] | None = None) -> list[str]:
         """The optimizer's parameters (of ``groups``, default all) that are not the private
         model's, described by position."""
-        inside = {id(p) for p in wrapped_module(self._grad_sample_module).parameters()}
+        inside = {id(p) for p in self._model.parameters()}
         indices = range(len(self.param_groups)) if groups is None else groups
         return [
             f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
@@ -450,11 +573,22 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
             What ``step()`` returns.
 
         Raises:
-            StepProtocolError: If a forward or backward ran since the last step (see
-                :meth:`~opacus_rc.grad_sample.step.StepState.mark_empty_batch`).
+            StepProtocolError: If a private backward's clip result is pending or the last
+                backward failed (an empty-batch step must replace the batch's forward and
+                backward; the optimizer sees no forward, so a training loop that ran one hands
+                over ``module.private_step.empty_batch()``'s result instead, which checks it).
         """
-        self._step_state.mark_empty_batch()
-        self.discard_gradients()
+        if self._pending is not None or self._failed:
+            phase = "failed" if self._failed else "applied"
+            raise StepProtocolError(
+                f"an empty-batch step was requested in phase {phase!r}: it must "
+                "replace the batch's forward and backward (call optimizer.zero_grad() first, "
+                "and do not run the model on the batch)"
+            )
+        DPOptimizerFastGradientClipping.zero_grad(self, set_to_none=True)
+        self.accept_clip_result(
+            empty_clip_result(sketch_spec=self._sketch_spec, max_grad_norm=self._max_grad_norm)
+        )
         return self.step(closure)
 
     def pre_step(self, closure: Any = None) -> bool | None:
@@ -469,9 +603,9 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         """
         self.check_step_allowed()
         # A unit cut across physical batches must be closed by the batch that ends the step.
-        from opacus_rc.units.split import check_no_open_unit  # imports grad_sample
-
-        check_no_open_unit(self._grad_sample_module, step_ends=not next_step_skipped(self))
+        result = self._pending
+        if result is not None and result.open_unit is not None:
+            check_no_open_unit(result.open_unit, step_ends=not next_step_skipped(self))
         return super().pre_step(closure)
 
 

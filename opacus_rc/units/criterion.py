@@ -4,8 +4,8 @@
 calls with the per-sequence losses: it checks ``units=`` and ``unit_split=`` against the batch
 the loader yielded (:class:`~opacus_rc.units.record.UnitBatchRecord`), builds the batch's
 :class:`~opacus_rc.units.layout.UnitLayout`, checks a cut against the open unit
-(:mod:`opacus_rc.units.split`) and records the layout in the module's step state, so that the
-backward hooks pack per unit (docs/privacy/units.md).
+(:mod:`opacus_rc.units.split`) and records the layout in the module's step
+(``module.private_step``), so that the backward hooks pack per unit (docs/privacy/units.md).
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def unit_layout_for_loss(
             :meth:`opacus_rc.units.record.UnitBatchRecord.check`).
         TypeError, ValueError: A malformed ``units`` (see :class:`UnitLayout`), one of another
             length than the losses, per-token losses without ``shape=``, ``batch_first=False``,
-            or a step whose other criterion calls disagree (:meth:`StepState.set_units`); a
-            ``split`` that disagrees with the open unit (:func:`_check_split`).
+            or a step whose other criterion calls disagree
+            (:meth:`~opacus_rc.grad_sample.private_step.PrivateStep.set_units`); a ``split``
+            that disagrees with the open unit (:func:`_check_split`).
         NotImplementedError: A trainable module that is not token-wise
             (:func:`check_unit_routes`); a cut unit without book-keeping, with a sketched
             module whose norm cannot be taken from a summed gradient, or with a distributed
@@ -71,15 +72,15 @@ def unit_layout_for_loss(
     record = getattr(module, "unit_batch_record", None)
     if record is not None and units is None:
         record.check(units, split)
-    state = getattr(module, "step_state", None)
+    step = getattr(module, "private_step", None)
     if units is None:
         if split is not None:
             raise ValueError("unit_split= needs units= (the unit of each sequence)")
-        _check_split(module, None, None)
-        if state is not None:
-            state.set_units(None)
+        if step is not None:
+            _check_split(step, None)
+            step.set_units(None)
         return None
-    if state is None:
+    if step is None:
         raise TypeError(
             "units= needs the randomized-clipping module (make_private(..., clipping='randomized'))"
         )
@@ -115,6 +116,6 @@ def unit_layout_for_loss(
                 "whole units: DistributedUnitDataLoader without UnitBatchMemoryManager, "
                 "or split units in one process (docs/privacy/units.md#units-distributed)"
             )
-    _check_split(module, layout, state)
-    state.set_units(layout)
+    _check_split(step, layout)
+    step.set_units(layout)
     return layout

@@ -21,11 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opacus_rc._compat.opacus import wrapped_module
-from opacus_rc.grad_sample.bookkeeping import add_to_grads, compute_clipped_sums
-from opacus_rc.grad_sample.clip import apply_clip_factors, clip_factors
-from opacus_rc.grad_sample.routing import NormPath
-from opacus_rc.grad_sample.step import StepProtocolError
+from opacus_rc.errors import StepProtocolError
 from opacus_rc.sketching import autocast_off, hutchinson_sqnorm
 from opacus_rc.units.layout import UnitLayout
 
@@ -45,7 +41,8 @@ _KIND_SKETCHED, _KIND_TIED, _KIND_EXACT = "sketched", "tied", "exact"
 class OpenUnit:
     """The unit whose sequences are not all in yet: its unclipped summed gradient so far.
 
-    One per grad-sample module (:func:`open_unit_of`); at most one unit is open at a time,
+    One per step owner (``module.private_step.open_unit``, :func:`open_unit_of`); at most one
+    unit is open at a time,
     since the physical batches cut a logical batch of contiguous units.
 
     Attributes:
@@ -83,29 +80,28 @@ class OpenUnit:
         self.buffer, self.batches = None, 0
 
 
-def open_unit_of(module: Any) -> OpenUnit:
-    """The :class:`OpenUnit` of a grad-sample module (created on first use)."""
-    state = getattr(module, "_open_unit", None)
-    if state is None:
-        state = OpenUnit()
-        module._open_unit = state
-    return state
+def open_unit_of(step: Any) -> OpenUnit:
+    """The :class:`OpenUnit` of a :class:`~opacus_rc.grad_sample.private_step.PrivateStep`
+    (created on first use)."""
+    if step.open_unit is None:
+        step.open_unit = OpenUnit()
+    return step.open_unit
 
 
-def drop_open_unit(module: Any) -> None:
-    """Forget the open unit of ``module`` (a failed backward, cleanup); no-op if none."""
-    state = getattr(module, "_open_unit", None)
-    if state is not None:
-        state.drop()
+def drop_open_unit(step: Any) -> None:
+    """Forget the open unit of a step (a failed backward, cleanup); no-op if none."""
+    if step.open_unit is not None:
+        step.open_unit.drop()
 
 
-def check_no_open_unit(module: Any, *, step_ends: bool) -> None:
+def check_no_open_unit(open_unit: OpenUnit | None, *, step_ends: bool) -> None:
     """Refuse to end a logical step while a unit cut across its physical batches is open.
 
-    Called by the optimizer's ``step()`` before anything is accumulated, noised or accounted.
+    Called by the optimizer's ``step()`` before anything is accumulated, noised or accounted,
+    with the ``open_unit`` of the step's :class:`~opacus_rc.grad_sample.private_step.ClipResult`.
 
     Args:
-        module: The grad-sample module.
+        open_unit: The unit left open by the last physical batch, or None.
         step_ends: Whether this ``step()`` ends the logical batch (not a skipped virtual step).
 
     Raises:
@@ -113,7 +109,6 @@ def check_no_open_unit(module: Any, *, step_ends: bool) -> None:
             came, so it has no clip factor); the open unit is dropped (its gradient reaches
             nothing) and nothing is noised or accounted.
     """
-    open_unit = getattr(module, "_open_unit", None)
     if not step_ends or open_unit is None or not open_unit.is_open:
         return
     batches = open_unit.batches
@@ -146,9 +141,11 @@ def unit_norm_kinds(model: nn.Module, routes: Mapping[int, Any]) -> dict[int, st
         for p in m.parameters(recurse=False):
             if not p.requires_grad:
                 continue
-            if route.path is NormPath.TIED and p is getattr(m, "weight", None):
+            # NormPath is a str enum (opacus_rc.grad_sample.routing), compared by value here:
+            # units/ imports nothing of grad_sample, which calls into it.
+            if route.path == "tied" and p is getattr(m, "weight", None):
                 kinds[id(p)] = _KIND_TIED
-            elif route.path is NormPath.SKETCHED:
+            elif route.path == "sketched":
                 if type(m) is nn.Linear and p is m.weight:
                     kinds[id(p)] = _KIND_SKETCHED
                 elif type(m) is nn.Linear:
@@ -158,7 +155,7 @@ def unit_norm_kinds(model: nn.Module, routes: Mapping[int, Any]) -> dict[int, st
     return kinds
 
 
-def _check_split(module: Any, layout: UnitLayout | None, state: Any) -> None:
+def _check_split(step: Any, layout: UnitLayout | None) -> None:
     """Refuse a physical batch that does not continue the open unit as its cut says.
 
     Raises:
@@ -167,7 +164,7 @@ def _check_split(module: Any, layout: UnitLayout | None, state: Any) -> None:
         NotImplementedError: A cut unit without book-keeping, or with a trainable sketched
             module whose norm cannot be taken from a summed gradient.
     """
-    open_unit = getattr(module, "_open_unit", None)
+    open_unit = step.open_unit
     is_open = open_unit is not None and open_unit.is_open
     split = None if layout is None else layout.split
     continued = split is not None and split.continued
@@ -191,7 +188,7 @@ def _check_split(module: Any, layout: UnitLayout | None, state: Any) -> None:
         return
     if layout.batch_size == 0:
         raise ValueError("unit_split says a unit is cut, but the batch is empty")
-    if not module.bookkeeping:
+    if not step.bookkeeping:
         raise NotImplementedError(
             "a unit cut across physical batches (unit_split=) needs book-keeping (one backward "
             "pass: the unit's part is kept from the stored tensors until its last sequence is "
@@ -199,11 +196,11 @@ def _check_split(module: Any, layout: UnitLayout | None, state: Any) -> None:
             "a clipped-sum function). Use bookkeeping=True, or UnitBatchMemoryManager("
             "split_units=False) with a max_physical_batch_size that holds the largest unit"
         )
-    kinds = unit_norm_kinds(wrapped_module(module), module._routes)
-    params = [p for _, p in wrapped_module(module).named_parameters() if p.requires_grad]
+    kinds = unit_norm_kinds(step.model, step.routes)
+    params = [p for _, p in step.model.named_parameters() if p.requires_grad]
     odd = [p for p in params if id(p) not in kinds]
     if odd:
-        names = [module._name_of(p) for p in odd[:5]]
+        names = [step.name_of(p) for p in odd[:5]]
         raise NotImplementedError(
             f"a unit cut across physical batches needs each parameter's norm from the unit's "
             f"summed gradient; {names} are on a sketched path of a type other than nn.Linear, "
@@ -258,16 +255,15 @@ def _summed_gradient_norm(
 
 
 def write_split_clipped_sums(
-    module: Any,
+    step: Any,
     stashes: list[Any],
     coef: torch.Tensor,
     layout: UnitLayout,
     *,
-    clipped_sums: Mapping[type[nn.Module], Any],
     max_grad_norm: float,
-    estimator: Callable[..., torch.Tensor],
-    sketch_dim: int,
-    generator_for: Callable[[torch.device], torch.Generator],
+    compute_clipped_sums: Callable[..., dict[nn.Parameter, torch.Tensor]],
+    clip_factors: Callable[..., torch.Tensor],
+    apply_clip_factors: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """The clipped sum of a physical batch that cuts a unit (book-keeping; module docstring).
 
@@ -280,17 +276,23 @@ def write_split_clipped_sums(
     the buffer again; the other units get their clipped sum with their own factors.
 
     Args:
-        module: The grad-sample module (owns the open unit).
+        step: The :class:`~opacus_rc.grad_sample.private_step.PrivateStep` (owns the open
+            unit, the clipped-sum functions, the estimator, ``sketch_dim`` and the sketch
+            generators).
         stashes: The step's book-keeping stashes (consumed).
         coef: ``(U,)`` clip factors of the batch (those of the buffered units are not used);
             updated in place to the factors used (the closed unit's from its whole norm, NaN
             for a unit still open), which the step's ``ClipResult`` reports.
         layout: The batch's layout, with a split.
-        clipped_sums: The clipped-sum registry.
         max_grad_norm: ``C``.
-        estimator: The module's squared-norm estimator.
-        sketch_dim: ``k``.
-        generator_for: Device -> sketch generator.
+        compute_clipped_sums: The step's clipped sums
+            (:func:`~opacus_rc.grad_sample.bookkeeping.compute_clipped_sums`).
+        clip_factors: The one clip-factor formula
+            (:func:`~opacus_rc.grad_sample.clip.clip_factors`).
+        apply_clip_factors: The one application of a clip factor
+            (:func:`~opacus_rc.grad_sample.clip.apply_clip_factors`). The three are handed
+            over by the step (:mod:`opacus_rc.grad_sample`, which calls this function):
+            :mod:`opacus_rc.units` imports nothing of it.
 
     Returns:
         ``(U,)`` float64 norms to report: the closed unit's from its summed gradient, NaN for
@@ -299,14 +301,24 @@ def write_split_clipped_sums(
     Raises:
         FloatingPointError: If the closed unit's norm is NaN or inf.
     """
-    open_unit = open_unit_of(module)
+    open_unit = open_unit_of(step)
     U = layout.num_units
-    norms = module.step_state.per_sample_gradient_norms.clone()
-    kinds = unit_norm_kinds(wrapped_module(module), module._routes)
-    name_of = module._name_of
+    norms = step.per_sample_gradient_norms.clone()
+    kinds = unit_norm_kinds(step.model, step.routes)
+    name_of = step.name_of
+    clipped_sums = step.clipped_sums
 
     def part(weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         return compute_clipped_sums(stashes, weights, clipped_sums=clipped_sums, name_of=name_of)
+
+    def add_to_grads(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, g in sums.items():
+                g = g.to(device=p.device, dtype=p.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
     def one_hot(u: int) -> torch.Tensor:
         w = torch.zeros_like(coef)
@@ -324,9 +336,9 @@ def write_split_clipped_sums(
             norm = _summed_gradient_norm(
                 buffer,
                 kinds=kinds,
-                estimator=estimator,
-                sketch_dim=sketch_dim,
-                generator_for=generator_for,
+                estimator=step.estimator,
+                sketch_dim=step.config.sketch_dim,
+                generator_for=step.generator_for,
             )
             if not bool(torch.isfinite(norm)):
                 raise FloatingPointError(

@@ -65,3 +65,18 @@ def test_registered_submodule() -> None:
     assert compat.registered_submodule(seq, "1") is None
     bare = nn.Module.__new__(nn.Module)  # before nn.Module.__init__: no _modules yet
     assert compat.registered_submodule(bare, "0") is None
+
+
+def test_tensor_version() -> None:
+    """An autograd accumulation into an existing ``.grad`` is in place and moves its version
+    counter (what the optimizer's check of a changed gradient relies on)."""
+    from opacus_rc._compat.torch import tensor_version
+
+    w = torch.ones(3, requires_grad=True)
+    (2 * w).sum().backward()
+    grad = w.grad
+    before = tensor_version(grad)
+    (3 * w).sum().backward()
+    assert w.grad is grad and tensor_version(grad) > before
+    assert torch.equal(grad, torch.full((3,), 5.0))
+    assert tensor_version(None) == -1

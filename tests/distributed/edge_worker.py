@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 from worker_common import WORLD, D, FlatMLP, SeqMLP, T, free_port, gather  # noqa: E402
 
-from opacus_rc.grad_sample.step import StepProtocolError
+from opacus_rc.grad_sample.private_step import StepProtocolError
 from opacus_rc.privacy_engine import PrivacyEngine
 
 H = 7

@@ -278,7 +278,7 @@ def scenario_view_warning(rank: int) -> dict[str, Any]:
         assert "BackwardHookFunction is a view" in str(err), err
     else:
         raise AssertionError("an in-place op on the root's output did not raise")
-    gsm.discard_recorded()
+    gsm.private_step.reset()
     inplace, _, _ = fsdp_pieces(ViewNet(H, inplace=True), C=C, sigma=0.0)
     try:
         inplace(mine)

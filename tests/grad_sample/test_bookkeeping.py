@@ -127,20 +127,6 @@ def build(
     return gsm, opt, crit
 
 
-def record_coefficients(gsm: Any) -> list[torch.Tensor]:
-    """Spy on the module's clip factors (instance attribute shadowing the method)."""
-    seen: list[torch.Tensor] = []
-    original = gsm.get_clipping_coef
-
-    def recording() -> torch.Tensor:
-        coef = original()
-        seen.append(coef.detach().clone())
-        return coef
-
-    gsm.get_clipping_coef = recording
-    return seen
-
-
 def one_step(
     base: nn.Module,
     x: torch.Tensor,
@@ -153,7 +139,7 @@ def one_step(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
     """One backward of the DP loss; returns (clip factors, norms, {name: grad}, module)."""
     model = copy.deepcopy(base)
-    gsm, _, crit = build(
+    gsm, opt, crit = build(
         model,
         bookkeeping=bookkeeping,
         max_grad_norm=max_grad_norm,
@@ -161,16 +147,16 @@ def one_step(
         wrap=wrap,
     )
     assert gsm.bookkeeping is bookkeeping
-    coefs = record_coefficients(gsm)
     out = gsm(x) if wrap else model(x)
     crit(out, y).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    assert len(coefs) == 1
-    return coefs[0], gsm.per_sample_gradient_norms.clone(), grads, gsm
+    result = opt.last_clip_result  # the factors the private backward applied
+    assert result is not None and result.bookkeeping is bookkeeping
+    return result.clip_factors, gsm.per_sample_gradient_norms.clone(), grads, gsm
 
 
 def assert_no_stash(model: nn.Module, gsm: Any) -> None:
-    assert not gsm.step_state.has_stashes, "book-keeping tensors left in the step state"
+    assert not gsm.private_step.has_stashes, "book-keeping tensors left in the step state"
     for name, sub in model.named_modules():
         assert not any(isinstance(v, torch.Tensor) for v in vars(sub).get("activations", [])), name
 
@@ -408,7 +394,7 @@ def test_bookkeeping_false_is_silent_and_off(caplog: pytest.LogCaptureFixture) -
     with pytest.raises(AttributeError):
         gsm.bookkeeping = True  # read-only
     with pytest.raises(RuntimeError, match="needs book-keeping mode"):
-        gsm.apply_clipped_sum(torch.ones(2))
+        gsm.private_step.apply_clipped_sum(torch.ones(2))
     gsm.cleanup()
 
 
@@ -566,20 +552,21 @@ def test_double_backward_raises_and_stash_is_never_reused() -> None:
         crit(gsm(x), y).backward()
     assert_no_stash(model, gsm)
     with pytest.raises(RuntimeError, match="no stored tensors for this step"):
-        gsm.apply_clipped_sum(torch.ones(4))
+        gsm.private_step.apply_clipped_sum(torch.ones(4))
     opt.zero_grad()
     # Manual protocol: one backward, clip factors, clipped sum once; a second call raises.
     gsm(x).sum().backward()
     coef = gsm.get_clipping_coef()
-    gsm.apply_clipped_sum(coef)
+    gsm.private_step.apply_clipped_sum(coef)
     with pytest.raises(RuntimeError, match="no stored tensors for this step"):
-        gsm.apply_clipped_sum(coef)
+        gsm.private_step.apply_clipped_sum(coef)
     assert_no_stash(model, gsm)
 
 
 def test_opacus_two_pass_loss_still_works_and_stash_does_not_survive() -> None:
     """Opacus' own DPLossFastGradientClipping never calls apply_clipped_sum: its second pass
-    gives the same gradients, and the unconsumed stash is dropped by the next forward."""
+    gives the same gradients, and the unconsumed stash is dropped by the next forward. It
+    hands the optimizer no clip result, so ``step()`` refuses (issue 31)."""
     torch.manual_seed(0)
     base = TinyTransformer()
     x = make_input("tokens", 5)
@@ -592,10 +579,12 @@ def test_opacus_two_pass_loss_still_works_and_stash_does_not_survive() -> None:
     for name, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, g_2p[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert gsm.step_state.has_stashes
+    assert gsm.private_step.has_stashes
+    with pytest.raises(RuntimeError, match="DPLossRandomizedClipping"):
+        opt.step()
     gsm(x)  # the next step's forward
-    assert not gsm.step_state.has_stashes
-    gsm.discard_recorded()
+    assert not gsm.private_step.has_stashes
+    gsm.private_step.reset()
 
 
 @pytest.mark.parametrize("kind", ["transformer", "rank2"])
@@ -626,17 +615,17 @@ def test_cleanup_removes_the_stash(assert_no_hooks: Callable) -> None:
     model = TinyTransformer()
     gsm = GradSampleModuleRandomizedClipping(model, max_grad_norm=1.0, sketch_dim=4)
     gsm(make_input("tokens", 3)).sum().backward()
-    assert gsm.step_state.has_stashes
+    assert gsm.private_step.has_stashes
     gsm.cleanup()
-    assert not gsm.step_state.has_stashes
+    assert not gsm.private_step.has_stashes
     assert_no_hooks(model)
 
     hooks = GradSampleHooksRandomizedClipping(model, max_grad_norm=1.0, sketch_dim=4)
     model(make_input("tokens", 3)).sum().backward()
     hooks.get_clipping_coef()  # handed over, never consumed
-    assert hooks.step_state.has_stashes
+    assert hooks.private_step.has_stashes
     hooks.cleanup()
-    assert not hooks.step_state.has_stashes
+    assert not hooks.private_step.has_stashes
     assert_no_hooks(model)
 
 

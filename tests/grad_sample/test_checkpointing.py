@@ -49,8 +49,8 @@ from opacus_rc.grad_sample.bookkeeping import (
     write_clipped_sums,
 )
 from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
+from opacus_rc.grad_sample.private_step import StepPhase
 from opacus_rc.grad_sample.routing import NormPath
-from opacus_rc.grad_sample.step import StepPhase
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from tests.grad_sample import layer_oracle
 
@@ -553,9 +553,9 @@ def test_module_shared_across_checkpointed_segments_is_refused(
     with pytest.raises(RuntimeError, match="no step is taken and nothing is accounted"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(theta, model.parameters(), strict=True))
-    assert gsm.step_state.phase is StepPhase.FAILED
+    assert gsm.private_step.phase is StepPhase.IDLE and not gsm.private_step.has_stashes
     opt.zero_grad()
-    assert gsm.step_state.phase is StepPhase.IDLE
+    assert gsm.private_step.phase is StepPhase.IDLE
 
 
 # ------------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def test_parameter_use_check_leaves_ordinary_models_alone() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(x)
         crit(out.float(), y).backward()
-        assert not module.parameter_use_check.has_spans
+        assert not module.private_step.uses.has_spans
         opt.step()
     assert len(engine.accountant) == 2
 

@@ -48,7 +48,7 @@ class Net(nn.Module):
 
 def stored(gsm: GradSampleModuleRandomizedClipping, module: nn.Module) -> list[torch.Tensor]:
     acts = module.activations[-1]
-    gsm.discard_recorded()
+    gsm.private_step.reset()
     return acts
 
 
@@ -65,7 +65,7 @@ def test_keywords_are_stored_at_their_positions_and_defaults_are_not() -> None:
     (b,) = model.scaled.activations[-1]  # scale=2.0 left at its default: not stored
     torch.testing.assert_close(b, h)
     assert out.shape == (2, 3)
-    gsm.discard_recorded()
+    gsm.private_step.reset()
     gsm.cleanup()
 
 

@@ -1,12 +1,11 @@
-"""The private backward as one owner (issue 21, item 3): one method runs it and returns a frozen
-:class:`ClipResult`, the DP loss is thin, and the optimizer's DP event is built from what it was
-handed, not read from the grad-sample module.
+"""The private step as one owner (issue 21, item 3; issue 31, items 1 and 2): one object,
+``module.private_step``, runs the private backward and returns a frozen :class:`ClipResult`,
+the only thing that crosses to the optimizer; the DP loss is thin; the optimizer holds the
+pending result, refuses ``step()`` without one and holds no reference to the grad-sample module.
 
-Every test here fails on the code before the refactor: there the loss's ``backward()`` made
-ten calls into the module and the optimizer (``begin_private_backward``,
-``check_parameter_uses``, ``take_first_pass_inputs``, ``discard_gradients``,
-``get_clipping_coef``, ``all_ranks_ok``, ``apply_clipped_sum`` ...), returned nothing, and
-``dp_event`` read the sketch from the module at every step.
+The issue-31 tests fail on the code before it: there the private backward called back into the
+optimizer (``StepPeer``: ``discard_gradients``, ``all_ranks_ok``), the optimizer held the module
+and drove its step state, and Opacus' own two-pass loss stepped without any clip result.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
@@ -84,8 +84,12 @@ def test_private_backward_returns_the_factors_it_applied(bookkeeping: bool) -> N
     out = gsm(x)
     loss = crit(out, y)
     reduced = torch.mean(loss.loss_per_sample)
-    result = gsm.private_backward(loss.loss_per_sample, reduced_loss=reduced, peer=opt)
+    result = gsm.private_step.backward(
+        loss.loss_per_sample, reduced_loss=reduced, max_grad_norm=MAX_GRAD_NORM
+    )
     assert isinstance(result, ClipResult)
+    assert result.max_grad_norm == MAX_GRAD_NORM and result.open_unit is None
+    assert result.clipped == frozenset(id(p) for p in net.parameters())
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.num_records = 0  # type: ignore[misc]
     assert result.num_records == B and not result.per_unit
@@ -107,35 +111,138 @@ def test_private_backward_returns_the_factors_it_applied(bookkeeping: bool) -> N
 
 
 def test_the_loss_calls_one_method_of_each_collaborator() -> None:
-    """The DP loss reduces, checks its arguments and calls ``module.private_backward`` once,
-    then hands its result to ``optimizer.accept_clip_result``: nothing else of either is
-    called (stubs with only these two methods suffice). An argument error is passed to the
-    private backward, which raises it where it fails the step."""
+    """The DP loss reduces, checks its arguments, reads whether the optimizer allows a
+    backward (``backward_allowed``), runs ``module.private_step.backward`` once with the
+    optimizer's ``C``, and hands its result to ``optimizer.accept_clip_result`` (stubs with
+    only these methods suffice). An
+    argument error is passed to the private backward, which raises it where it fails the
+    step; the optimizer is then told (``backward_failed``)."""
     calls: list[tuple[str, Any]] = []
     sentinel = object()
 
-    class Module:
-        def private_backward(self, losses: Any, **kwargs: Any) -> Any:
-            calls.append(("private_backward", (losses, kwargs)))
+    class Step:
+        def backward(self, losses: Any, **kwargs: Any) -> Any:
+            calls.append(("backward", (losses, kwargs)))
+            if kwargs["refused"] is not None:
+                raise kwargs["refused"]
             return sentinel
 
+    class Module:
+        private_step = Step()
+
     class Optimizer:
+        max_grad_norm = 0.5
+        backward_allowed = True
+
+        def _check_skip_next_step(self, pop_next: bool) -> bool:
+            return False
+
         def accept_clip_result(self, result: Any) -> None:
             calls.append(("accept_clip_result", result))
+
+        def backward_failed(self) -> None:
+            calls.append(("backward_failed", None))
 
     losses = torch.tensor([1.0, 3.0], requires_grad=True)
     loss = DPTensorRandomizedClipping(Module(), Optimizer(), losses, "mean")
     loss.backward()
-    assert [name for name, _ in calls] == ["private_backward", "accept_clip_result"]
+    assert [name for name, _ in calls] == ["backward", "accept_clip_result"]
     got_losses, kwargs = calls[0][1]
     assert got_losses is losses and kwargs["refused"] is None
-    assert isinstance(kwargs["peer"], Optimizer)
-    assert float(kwargs["reduced_loss"]) == 2.0  # the mean of the per-sample losses
+    assert kwargs["max_grad_norm"] == 0.5 and kwargs["agree_ranks"] is True
+    assert float(kwargs["reduced_loss"].detach()) == 2.0  # the mean of the per-sample losses
     assert calls[1][1] is sentinel
     calls.clear()
-    loss.backward(retain_graph=True)
-    refused = calls[0][1][1]["refused"]
-    assert isinstance(refused, TypeError) and "retain_graph=True" in str(refused)
+    with pytest.raises(TypeError, match="retain_graph=True"):
+        loss.backward(retain_graph=True)
+    assert [name for name, _ in calls] == ["backward", "backward_failed"]
+
+
+def test_the_optimizer_holds_no_reference_to_the_module() -> None:
+    """Issue 31: the optimizer's state (its attributes and the containers among them) holds
+    neither the grad-sample module nor its step (only the plain model, whose parameters it
+    checks); a step still runs."""
+    net = model()
+    x, y = batch()
+    gsm, opt, crit = private(net)
+    crit(gsm(x), y).backward()
+    opt.step()
+    held = list(vars(opt).values())
+    for value in list(held):
+        if isinstance(value, dict):
+            held.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            held.extend(value)
+    for value in held:
+        assert value is not gsm and value is not gsm.private_step
+
+
+def test_step_without_a_clip_result_is_refused() -> None:
+    """Opacus' own two-pass loss clips the gradients but hands the optimizer no clip result:
+    ``step()`` refuses (naming the DP loss to use) and nothing is noised or accounted; the
+    accountant's hook never runs."""
+    net = model()
+    x, y = batch()
+    gsm, opt, _ = private(net)
+    hooked: list[int] = []
+    opt.attach_step_hook(lambda o: hooked.append(1))
+    theta = [p.detach().clone() for p in net.parameters()]
+    DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss())(gsm(x), y).backward()
+    assert all(p.grad is not None for p in net.parameters())
+    with pytest.raises(RuntimeError, match="DPLossRandomizedClipping"):
+        opt.step()
+    assert not hooked
+    assert all(torch.equal(a, p) for a, p in zip(theta, net.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("how", ["plain backward", "in place"])
+def test_a_gradient_changed_after_the_private_backward_is_refused(how: str) -> None:
+    """Issue 31: the optimizer cannot read the module, so it checks the gradients its clip
+    result covers: a plain (hooked) backward after the private one adds an unclipped gradient
+    into ``p.grad`` in place, and ``step()`` refuses; ``zero_grad()`` recovers."""
+    net = model()
+    x, y = batch()
+    gsm, opt, crit = private(net)
+    crit(gsm(x), y).backward()
+    if how == "plain backward":
+        nn.functional.cross_entropy(gsm(x), y).backward()
+    else:
+        with torch.no_grad():
+            next(net.parameters()).grad.mul_(2.0)
+    theta = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="changed after the private backward"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(theta, net.parameters(), strict=True))
+    opt.zero_grad()
+    crit(gsm(x), y).backward()
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(theta, net.parameters(), strict=True))
+
+
+def test_an_empty_batch_is_one_path() -> None:
+    """An empty batch run without a forward (a model that cannot take ``B = 0``) yields a
+    ClipResult with no record from the step (``private_step.empty_batch()``), which the
+    optimizer steps like any other: the step is noised and accounted. It is refused after a
+    forward of the same step."""
+    net = model()
+    x, y = batch()
+    gsm, opt, crit = private(net)
+    hooked: list[int] = []
+    opt.attach_step_hook(lambda o: hooked.append(1))
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)  # stale gradients are dropped
+    result = gsm.private_step.empty_batch()
+    assert result.num_records == 0 and result.clip_factors.shape == (0,)
+    assert result.clipped == frozenset() and all(p.grad is None for p in net.parameters())
+    opt.accept_clip_result(result)
+    theta = [p.detach().clone() for p in net.parameters()]
+    opt.step()
+    assert hooked == [1]
+    assert all(not torch.equal(a, p) for a, p in zip(theta, net.parameters(), strict=True))
+    opt.zero_grad()
+    gsm(x)
+    with pytest.raises(RuntimeError, match="empty-batch step was requested in phase"):
+        gsm.private_step.empty_batch()
 
 
 def test_dp_event_does_not_read_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,23 +283,22 @@ def test_a_clip_result_of_another_sketch_is_refused() -> None:
     gsm_other.cleanup()
 
 
-def test_the_step_flags_live_in_the_step_state() -> None:
-    """How a step's backward runs (checkpointed forward, smaller stash) is step state: set
-    during the step, kept while it lasts (a forward recomputed inside its backward does not
-    reset it), and reset by the first hooked forward of the next step; the module's property
-    reads it from there."""
+def test_the_step_flags_live_in_the_private_step() -> None:
+    """How a step's backward runs (checkpointed forward, smaller stash) is the private step's:
+    set during the step, kept while it lasts (a reset of its records keeps it), and reset by
+    the first hooked forward of the next step; the module's property reads it from there."""
     net = model()
     gsm, opt, crit = private(net)
-    step = gsm.step_state
+    step = gsm.private_step
     x, y = batch()
     out = gsm(x)
-    step.mark_checkpointed()
-    step.plan_backward(full_first_pass=True, smaller_stash=True)
-    assert step.checkpointed and step.full_first_pass and gsm.step_smaller_stash
-    gsm.discard_recorded()
+    step.checkpointed = True
+    step.smaller_stash = True
+    assert gsm.step_smaller_stash
+    step.reset()
     opt.zero_grad()
     assert step.checkpointed and gsm.step_smaller_stash
     out = gsm(x)  # the next step's first hooked forward
     assert not step.checkpointed and not gsm.step_smaller_stash
     crit(out, y).backward()  # and its private backward plans afresh
-    assert not step.full_first_pass and not gsm.step_smaller_stash
+    assert not gsm.step_smaller_stash

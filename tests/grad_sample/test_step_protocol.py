@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_rc import PrivacyEngine
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
+from opacus_rc.grad_sample.private_step import StepPhase, StepProtocolError
 from opacus_rc.grad_sample.routing import NormPath, UnsupportedModuleError
-from opacus_rc.grad_sample.step import StepPhase, StepProtocolError
 
 D, H, C, T = 4, 6, 3, 5
 
@@ -209,7 +209,7 @@ def test_out_of_order_calls_raise_and_leave_nothing_half_done(bookkeeping: bool)
     torch.manual_seed(0)
     model = TwoLayer()
     engine, module, opt, crit = _private(model, bookkeeping=bookkeeping)
-    state = module.step_state
+    state = module.private_step
     x, y = _batch()
     theta = _params(model)
 
@@ -222,7 +222,8 @@ def test_out_of_order_calls_raise_and_leave_nothing_half_done(bookkeeping: bool)
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(StepProtocolError, match="backward\\(\\) was called twice"):
         crit(module(x), y).backward()
-    assert state.phase is StepPhase.APPLIED
+    # the refused forward's records are dropped; the first batch's result stays pending
+    assert state.phase is StepPhase.IDLE and opt.last_clip_result is not None
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
     # zero_grad() between backward and step
     opt.zero_grad()
@@ -235,7 +236,7 @@ def test_out_of_order_calls_raise_and_leave_nothing_half_done(bookkeeping: bool)
     bad[0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError):
         crit(module(bad), y).backward()
-    assert state.phase is StepPhase.FAILED and not state.has_stashes
+    assert state.phase is StepPhase.IDLE and not state.has_stashes
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(StepProtocolError, match="call optimizer.zero_grad\\(\\) before"):
         crit(module(x), y).backward()
@@ -248,7 +249,7 @@ def test_out_of_order_calls_raise_and_leave_nothing_half_done(bookkeeping: bool)
     assert state.phase is StepPhase.IDLE
     crit(module(x), y).backward()
     opt.step()
-    assert state.phase is StepPhase.IDLE
+    assert state.phase is StepPhase.APPLIED  # the step's records are kept until the next forward
     assert len(engine.accountant) == 1
     # a second step after one backward
     with pytest.raises(StepProtocolError, match="step\\(\\) twice"):

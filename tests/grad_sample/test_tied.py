@@ -443,7 +443,7 @@ def test_second_use_of_a_tied_module_raises(twice: str) -> None:
     name = {"emb": r"'emb' \(Embedding\)", "head": r"'head' \(Linear\)"}[twice]
     with pytest.raises(NotImplementedError, match=rf"module {name} ran more than once"):
         gsm(torch.tensor([[1, 2, 3]]))
-    assert gsm.step_state.phase.value == "idle"
+    assert gsm.private_step.phase.value == "idle"
     gsm.cleanup()
 
 

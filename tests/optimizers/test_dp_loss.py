@@ -113,7 +113,7 @@ def test_criterion_without_ignore_index_warns_once() -> None:
                 crit(logits.reshape(-1, private_mlp.CLASSES), per_token.reshape(-1), shape=(4, 3))
         hits = [w for w in caught if "has no ignore_index attribute" in str(w.message)]
         assert len(hits) == (1 if warns else 0)
-        module.discard_recorded()
+        module.private_step.reset()
 
 
 def clipped_sum_oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:

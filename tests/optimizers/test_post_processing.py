@@ -8,11 +8,14 @@ import pytest
 import torch
 from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizer
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.optimizers import RandomizedClipOptimizer, attach_post_processing_hook
+from opacus_rc.optimizers import (
+    DPLossRandomizedClipping,
+    RandomizedClipOptimizer,
+    attach_post_processing_hook,
+)
 
 
 def rc_parts(sigma: float = 0.0) -> tuple[nn.Module, Any, RandomizedClipOptimizer, Any]:
@@ -26,7 +29,7 @@ def rc_parts(sigma: float = 0.0) -> tuple[nn.Module, Any, RandomizedClipOptimize
         max_grad_norm=1e6,
         expected_batch_size=8,
     )
-    crit = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss())
+    crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
     return model, gsm, opt, crit
 
 

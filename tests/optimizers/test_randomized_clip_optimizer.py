@@ -55,7 +55,7 @@ def rc_setup(
     loss_reduction: str = "mean",
     lr: float = 0.5,
     expected_batch_size: int = B,
-) -> tuple[Any, RandomizedClipOptimizer, DPLossFastGradientClipping]:
+) -> tuple[Any, RandomizedClipOptimizer, DPLossRandomizedClipping]:
     gsm = GradSampleModuleRandomizedClipping(
         model,
         max_grad_norm=max_grad_norm,
@@ -72,7 +72,7 @@ def rc_setup(
         loss_reduction=loss_reduction,
         generator=torch.Generator().manual_seed(7),
     )
-    crit = DPLossFastGradientClipping(
+    crit = DPLossRandomizedClipping(
         gsm, opt, nn.CrossEntropyLoss(reduction=loss_reduction), loss_reduction
     )
     return gsm, opt, crit
@@ -174,14 +174,22 @@ def test_sketch_spec_is_the_modules_and_reaches_the_step_hook() -> None:
 
 
 def test_max_grad_norm_stays_in_sync() -> None:
+    """C comes from one place, the optimizer: the DP loss hands it to each private backward
+    (issue 31: the optimizer no longer writes into the module). Changed between a backward
+    and its step, the step is refused."""
     gsm, opt, crit = rc_setup(SeqClassifier(), max_grad_norm=1.0, sketch_dim=4)
     opt.max_grad_norm = 2.5  # what an Opacus clip scheduler does
-    assert gsm.max_grad_norm == 2.5
+    x, y = data(0)
+    crit(gsm(x), y).backward()
+    result = opt.last_clip_result
+    assert result.max_grad_norm == 2.5
+    want = (2.5 / (result.per_sample_norms + 1e-6)).clamp(max=1.0)
+    torch.testing.assert_close(result.clip_factors.double(), want, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="max_grad_norm > 0"):
         opt.max_grad_norm = 0.0
-    gsm.max_grad_norm = 3.0  # changed behind the optimizer's back
-    with pytest.raises(RuntimeError, match="clips at 3.0 but the optimizer noises for 2.5"):
-        params_after_one_step(gsm, crit, opt, *data(0))
+    opt.max_grad_norm = 3.0  # changed between the backward and the step
+    with pytest.raises(RuntimeError, match="made at max_grad_norm=2.5 but the optimizer noises"):
+        opt.step()
 
 
 def test_constructor_validation() -> None:

@@ -182,7 +182,7 @@ def test_a_split_that_says_cut_on_a_whole_unit_batch_is_refused() -> None:
 def test_two_backwards_with_units_name_the_unit_manager() -> None:
     """Opacus' BatchMemoryManager is refused for a UnitDataLoader: the advice for two
     backward passes without a step names UnitBatchMemoryManager."""
-    from opacus_rc.grad_sample.step import StepProtocolError
+    from opacus_rc.grad_sample.private_step import StepProtocolError
 
     engine, model, m, opt, crit, dl = private(unit_loader())
     ((x, index, units),) = list(dl)

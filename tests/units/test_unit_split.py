@@ -33,7 +33,7 @@ from torch.utils.data import TensorDataset
 
 from opacus_rc import PrivacyEngine, UnitDataLoader
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
-from opacus_rc.grad_sample.step import StepProtocolError
+from opacus_rc.grad_sample.private_step import StepProtocolError
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.sketching import hutchinson_sqnorm
 from opacus_rc.units import UnitBatchMemoryManager, UnitSplit, split_at_size
