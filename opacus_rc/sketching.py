@@ -332,7 +332,8 @@ def hutchinson_sqnorm(
         ValueError: If ``sketch_dim < 1``, the shapes are inconsistent, or ``probes`` has the
             wrong shape.
     """
-    validate_sketch_dim(sketch_dim)
+    if type(sketch_dim) is not int or sketch_dim < 1:  # the validator raises (or passes numpy's)
+        validate_sketch_dim(sketch_dim)
     B, _, d, p = _check_factors(activations, backprops)
     side = _resolve_side(side, p, d, probes)
     # The input side of M = G^T A is the output side of M^T = A^T G: swap the factors.
@@ -453,5 +454,6 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
     Raises:
         ValueError: If ``name`` is not a key of :data:`ESTIMATORS`; the message lists them.
     """
-    validate_choice("sketch", name, tuple(ESTIMATORS))
+    if name not in ESTIMATORS:  # the validator raises, listing the names
+        validate_choice("sketch", name, tuple(ESTIMATORS))
     return ESTIMATORS[name]

@@ -143,6 +143,10 @@ class RCAccountant:
         self._warned_revealed = False
         self._warned_noiseless = False
         self._warned_exact_step = False
+        #: ``(event, threat_model, history entry)`` of the last :meth:`record`: the same
+        #: (frozen) event recorded again, with the history untouched since, is one more step
+        #: of that entry (what the slow path would merge it into), without re-deriving it.
+        self._last_record: tuple[Any, str, tuple[Any, ...]] | None = None
 
     def mark_revealed_warning_given(self) -> None:
         """Skip the one-time log warning of :meth:`step` for a sketch that is not secret.
@@ -242,8 +246,21 @@ class RCAccountant:
             ValueError: As :meth:`compose` (e.g. a ``"revealed"`` event for an accountant
                 that accounts its sketch under ``"hidden"``).
         """
+        last = self._last_record
+        if (
+            last is not None
+            and last[0] is event
+            and last[1] == self.threat_model
+            and self.history
+            and self.history[-1] is last[2]
+        ):
+            entry = last[2]
+            self.history[-1] = (*entry[:2], int(entry[2]) + 1, *entry[3:])
+            self._last_record = (event, self.threat_model, self.history[-1])
+            return
         if not isinstance(event, RandomizedClipDpEvent):
             raise TypeError(f"RCAccountant records RandomizedClipDpEvent, got {event!r}")
+        original = event
         accounted = self.threat_model_for(event.sketch_spec, warn=True)
         if accounted == "revealed" and event.threat_model == "hidden":
             event = dataclasses.replace(event, threat_model="revealed")
@@ -256,6 +273,7 @@ class RCAccountant:
             )
             self._warned_noiseless = True
         self.compose(event)
+        self._last_record = (original, self.threat_model, self.history[-1])
 
     def supports(self, event: Any) -> bool:
         """Whether :meth:`compose` accepts ``event``.
@@ -317,7 +335,11 @@ class RCAccountant:
         """
 
         def hook_fn(optim: Any) -> None:
-            self.record(optimizer_step_event(optim, sample_rate=sample_rate))
+            emit = getattr(optim, "dp_event", None)  # an optimizer that emits is asked directly
+            if emit is not None:
+                self.record(emit(sample_rate=sample_rate))
+            else:
+                self.record(optimizer_step_event(optim, sample_rate=sample_rate))
 
         return hook_fn
 

@@ -82,7 +82,8 @@ def add_gaussian_noise(
         raise ValueError(
             f"{len(params)} parameters but {len(summed_grads)} clipped sums: one per parameter"
         )
-    validate_choice("noise_placement", placement, NOISE_PLACEMENTS)
+    if placement not in NOISE_PLACEMENTS:  # the validator raises, listing the placements
+        validate_choice("noise_placement", placement, NOISE_PLACEMENTS)
     draws = placement != "ddp_rank0" or rank == 0
     context = implicit_replication if placement == "fsdp2_shard" else contextlib.nullcontext
     with context():

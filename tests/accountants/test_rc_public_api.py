@@ -102,3 +102,34 @@ def test_every_threat_model_choice_is_the_one_function(
     assert optimizer_step_event(emitter, sample_rate=0.5) == (emitted, 0.5)  # asked, not read
     with pytest.raises(ValueError, match="threat_model must be one of"):
         accounted_threat_model(spec, requested="secret")
+
+
+def test_recording_the_same_event_again_equals_composing_it() -> None:
+    """``record`` of the event object it recorded last (a run's optimizer emits one event object
+    per (sigma, C, iterations)) only counts one more step of that history entry: the history
+    must equal the one built from equal but distinct events (the full path), and a history
+    changed in between (another entry, a loaded state) must not be counted into."""
+    event = RandomizedClipDpEvent(
+        noise_multiplier=1.0, sample_rate=0.01, sketch_spec=SEEDED, threat_model="revealed"
+    )
+    other = RandomizedClipDpEvent(
+        noise_multiplier=2.0, sample_rate=0.01, sketch_spec=SECRET, threat_model="hidden"
+    )
+    fast, slow = RCAccountant(), RCAccountant()
+    for _ in range(3):
+        fast.record(event)
+        slow.record(RandomizedClipDpEvent(**vars(event)))  # equal, never the same object
+    assert fast.history == slow.history == [(1.0, 0.01, 3, SEEDED.to_dict())]
+    fast.record(other)  # another entry between two records of the same object
+    fast.record(event)
+    assert fast.history == [
+        (1.0, 0.01, 3, SEEDED.to_dict()),
+        (2.0, 0.01, 1, SECRET.to_dict()),
+        (1.0, 0.01, 1, SEEDED.to_dict()),
+    ]
+    fast.load_state_dict(slow.state_dict())  # a loaded state: the history is replaced
+    fast.record(event)
+    assert fast.history == [(1.0, 0.01, 4, SEEDED.to_dict())]
+    fast.history.append((2.0, 0.01, 1, SECRET.to_dict()))  # Opacus writes the history too
+    fast.record(event)
+    assert fast.history[-1] == (1.0, 0.01, 1, SEEDED.to_dict()) and len(fast) == 6
