@@ -19,23 +19,10 @@ import opacus_rc
 PACKAGE = "opacus_rc"
 ROOT = Path(opacus_rc.__file__).resolve().parent
 
-#: Known circles, ``frozenset(modules that import one another): reason``; any other circle (or
+#: Known circles, ``frozenset(modules that import one another): reason`` (none since the Trainer
+#: path's batch-shaping helpers moved to integrations/model_inputs.py); any other circle (or
 #: this one growing) fails the test, and so does an entry whose circle is gone.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset(
-        {
-            "opacus_rc.integrations.batch_check",
-            "opacus_rc.integrations.logical_batch_step",
-            "opacus_rc.integrations.transformers",
-        }
-    ): (
-        "the Trainer's first-batch check imports, inside functions, model_inputs and "
-        "unpadded_next_token_labels from logical_batch_step (which calls check_logical_batch) and "
-        "DPTrainerMixin from transformers (which imports logical_batch_step). Left while the "
-        "Trainer path is reworked (issue 31, items 1-3); the fix: those two batch-shaping "
-        "helpers in a module of their own, and the default-loss test without the mixin class"
-    ),
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 #: Known circles between the package's subpackages (``opacus_rc.<name>``, a module counting as

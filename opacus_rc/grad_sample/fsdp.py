@@ -56,6 +56,7 @@ from opacus_rc.grad_sample.grad_sample_module import (
     GradSampleModuleRandomizedClipping,
     _RandomizedClippingMixin,
 )
+from opacus_rc.grad_sample.norm_layers import register_loaded_transformers_norms
 from opacus_rc.grad_sample.private_step import PrivateStep
 from opacus_rc.grad_sample.routing import NormPath
 
@@ -165,6 +166,7 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
             force = config.force_functorch if config is not None else kwargs.get("force_functorch")
             self._refuse_functorch(m, force_functorch=bool(force))
         fsdp_types = check_fsdp_model(m)
+        register_loaded_transformers_norms()  # before the tables are copied below
         # FSDP2's per-module classes (FSDPLinear...) take their base type's samplers. Set on
         # the instance before the base class resolves the routes.
         self.SKETCHED_NORM_SAMPLERS = _with_fsdp_types(

@@ -54,6 +54,7 @@ from opacus_rc.grad_sample.checks import (
 from opacus_rc.grad_sample.distributed import ReducerOff, ddp_modules
 from opacus_rc.grad_sample.forward_inputs import ForwardInputBinder, explain_forward_error
 from opacus_rc.grad_sample.functorch import FunctorchGradSampler
+from opacus_rc.grad_sample.norm_layers import register_loaded_transformers_norms
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, ModuleNorms
 from opacus_rc.grad_sample.private_step import NORM_SAMPLED_PATHS, PrivateStep
 from opacus_rc.grad_sample.registry import (
@@ -152,6 +153,9 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
                 "nn.Module (call cleanup() on the previous hooks first)"
             )
         check_training_mode(m)
+        # The closed forms of the transformers RMSNorm classes imported since opacus_rc was, in
+        # the tables the routes are resolved from.
+        register_loaded_transformers_norms()
         check_modules(m)  # e.g. nn.Embedding(max_norm=...), refused before any forward
         check_peft_dora(m)
         check_parametrizations(m)  # weight_norm, spectral_norm: computed outside the forward

@@ -253,17 +253,11 @@ def register_module_check(
 def check_modules(module: nn.Module) -> None:
     """Run the registered check (:data:`MODULE_CHECKS`) of every submodule of ``module``.
 
-    Lookup is by exact type, as for the samplers. Runs before the norm routes are resolved, so
-    it first registers the closed-form samplers of the ``transformers`` normalisation classes
-    imported since ``opacus_rc`` was
-    (:func:`~opacus_rc.grad_sample.norm_layers.register_loaded_transformers_norms`).
+    Lookup is by exact type, as for the samplers.
 
     Raises:
         ValueError: From a registered check, naming the unsupported option and what to do.
     """
-    from opacus_rc.grad_sample.norm_layers import register_loaded_transformers_norms
-
-    register_loaded_transformers_norms()
     for sub in module.modules():
         check = MODULE_CHECKS.get(type(sub))
         if check is not None:

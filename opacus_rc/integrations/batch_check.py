@@ -21,7 +21,7 @@ and checks
 
 The forwards run in :func:`~opacus_rc.batch_independence.independence_forward` (no gradient,
 hooks disabled, dropout off in train mode, buffers and random states restored), with the inputs
-the training step gives the model (:func:`~opacus_rc.integrations.logical_batch_step.model_inputs`,
+the training step gives the model (:func:`~opacus_rc.integrations.model_inputs.model_inputs`,
 position ids from the attention mask). A mismatch raises
 :class:`~opacus_rc.batch_independence.BatchIndependenceError` before the logical batch's first
 backward: nothing is noised or accounted. While the check waits for a padded micro-batch, each
@@ -49,6 +49,11 @@ from opacus_rc.batch_independence import (
     per_record_inputs,
 )
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
+from opacus_rc.integrations.model_inputs import (
+    check_decoder_inputs,
+    model_inputs,
+    unpadded_next_token_labels,
+)
 from opacus_rc.integrations.per_sample_loss import per_token_targets
 
 __all__ = ["BatchCheckState", "check_logical_batch", "check_micro_batch"]
@@ -150,9 +155,7 @@ def check_micro_batch(
 
 
 def _is_default_loss(trainer: Any) -> bool:
-    from opacus_rc.integrations.transformers import DPTrainerMixin
-
-    return type(trainer).compute_private_loss is DPTrainerMixin.compute_private_loss
+    return trainer._default_private_loss
 
 
 def _forward(
@@ -164,12 +167,6 @@ def _forward(
     size: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The model's first tensor output and (with the default loss) per-example losses."""
-    from opacus_rc.integrations.logical_batch_step import (
-        check_decoder_inputs,
-        model_inputs,
-        unpadded_next_token_labels,
-    )
-
     kwargs, labels, shift_labels, _ = model_inputs(inputs, expand_positions=positions)
     if labels is not None and trainer._shift_labels and shift_labels is None:
         labels = unpadded_next_token_labels(labels, kwargs.get("attention_mask"))

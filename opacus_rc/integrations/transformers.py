@@ -408,6 +408,10 @@ class DPTrainerMixin(TrainerSeams):
         self.optimizer = self._private.optimizer
         self._shift_labels = causal_lm(self)
         self._positions = takes_position_ids(self.model)
+        # Whether each example's loss is the mixin's own (the batch check compares losses then).
+        self._default_private_loss = (
+            type(self).compute_private_loss is DPTrainerMixin.compute_private_loss
+        )
 
     # ------------------------------------------------------------------------------------------
     # Training

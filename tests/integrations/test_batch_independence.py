@@ -31,7 +31,7 @@ import trainer_helpers as th  # noqa: E402
 
 import opacus_rc  # noqa: E402
 from opacus_rc import BatchIndependenceError, PrivacyEngine  # noqa: E402
-from opacus_rc.integrations.logical_batch_step import (  # noqa: E402
+from opacus_rc.integrations.model_inputs import (  # noqa: E402
     model_inputs,
     unpadded_next_token_labels,
 )
