@@ -498,17 +498,23 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 "replaced after make_private?); they would be released unclipped. Call "
                 "make_private again on the plain model after changing which parameters train."
             )
-        grads, flags = [], []
-        for p in self.params:  # one reduction, one host synchronisation
+        grads, sums = [], []
+        for p in self.params:  # one pass over each gradient, one host synchronisation
             g = p.grad
             if g is not None:
                 grads.append(g)
                 # A sharded (FSDP2 DTensor) gradient: this rank's shard; the ranks then agree
                 # (DistributedRandomizedClipOptimizer.check_step_allowed).
                 local = g.to_local() if isinstance(g, DTensor) else g
-                flags.append(torch.isfinite(local).all().to(grads[0].device))
-        if flags and not bool(torch.stack(flags).all()):
+                # A sum is NaN or inf if an entry is; one memory-bound pass where isfinite().all()
+                # takes several. A finite sum decides; a non-finite one (an entry, or finite
+                # entries whose sum overflows) is decided entry by entry below.
+                sums.append(local.sum().float().to(grads[0].device))
+        if sums and not bool(torch.stack(sums).sum().isfinite()):
             bad = sum(1 for g in grads if not _all_finite([g]))
+        else:
+            bad = 0
+        if bad:
             raise FloatingPointError(
                 f"the clipped gradients of {bad} parameter(s) contain NaN or inf; no step "
                 "is taken and nothing is accounted (check the loss and inputs for NaN/inf)"

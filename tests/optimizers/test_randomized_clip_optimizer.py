@@ -16,6 +16,7 @@ from torch.utils.data import (
     DataLoader,
 )
 
+from opacus_rc.errors import StepProtocolError
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 from opacus_rc.privacy_engine import PrivacyEngine
@@ -316,17 +317,33 @@ def test_step_without_a_clipping_backward_is_refused(mistake: str) -> None:
     assert len(engine.accountant) == steps + 2
 
 
-def test_nan_gradient_reaching_the_optimizer_is_refused() -> None:
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_nan_gradient_reaching_the_optimizer_is_refused(value: float) -> None:
     """Last line of defence: a NaN/inf in a clipped gradient (however it got there) makes
     step() raise before noise is added or the step is accounted."""
     model = private_mlp.SeqMLP()
     engine, module, opt, crit, _ = private_mlp.private(model)
     crit(module(private_mlp.batch()[0]), private_mlp.batch()[1]).backward()
-    model.lin1.weight.grad[0, 0] = float("inf")
+    model.lin1.weight.grad[0, 0] = value
     theta = private_mlp.params(model)
-    with pytest.raises(FloatingPointError, match="contain NaN or inf; no step is taken"):
+    with pytest.raises(FloatingPointError, match="the clipped gradients of 1 parameter"):
         opt.step()
     assert len(engine.accountant) == 0 and torch.equal(private_mlp.params(model), theta)
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_refused_as_non_finite() -> None:
+    """The finiteness check sums each gradient (one pass) and decides entry by entry only when
+    a sum is not finite: finite entries whose float32 sum overflows to inf are finite. The
+    in-place edit is then refused as a changed gradient, the check after finiteness."""
+    model = private_mlp.SeqMLP()
+    engine, module, opt, crit, _ = private_mlp.private(model)
+    crit(module(private_mlp.batch()[0]), private_mlp.batch()[1]).backward()
+    model.lin1.weight.grad[0, :2] = 3e38  # finite in float32; their sum is not
+    assert torch.isfinite(model.lin1.weight.grad).all()
+    assert not torch.isfinite(model.lin1.weight.grad.sum())
+    with pytest.raises(StepProtocolError, match="changed after the private"):
+        opt.step()
+    assert len(engine.accountant) == 0
 
 
 @pytest.mark.parametrize("seq", [False, True])
