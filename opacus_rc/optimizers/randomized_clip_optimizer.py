@@ -510,7 +510,7 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
                 # takes several. A finite sum decides; a non-finite one (an entry, or finite
                 # entries whose sum overflows) is decided entry by entry below.
                 sums.append(local.sum().float().to(grads[0].device))
-        if sums and not bool(torch.stack(sums).sum().isfinite()):
+        if sums and not bool(torch.isfinite(torch.stack(sums)).all()):
             bad = sum(1 for g in grads if not _all_finite([g]))
         else:
             bad = 0
