@@ -88,15 +88,18 @@ def _with_fsdp_types(registry: Mapping[type, Any], fsdp_types: Mapping[type, typ
 def check_fsdp_model(m: nn.Module) -> dict[type, type]:
     """Check an FSDP2 model for randomized clipping; return ``{FSDP2 class: base type}``.
 
+    Every trainable parameter must be managed by an FSDP2 group (a ``DTensor`` once
+    ``fully_shard`` has run): the module's own group, or an enclosing one (a decoder layer's
+    group owning its RMSNorms, the root's owning a tied embedding and LM head). The hooks
+    map whatever parameters a group has registered (sharded or unsharded) back to the sharded
+    ones (see the module docstring), so a module need not be sharded on its own.
+
     Raises:
         RuntimeError: If ``torch.distributed`` is not initialised.
-        ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a module with trainable
-            parameters of its own is not ``fully_shard``-ed itself: its parameters would belong
-            to an enclosing group that may stay unsharded after forward, so the hooks would see
-            other parameter objects at forward and at backward time. The message names the
-            modules and their types and says to ``fully_shard`` each of them before the root
-            (Opacus' ``FSDP2Wrapper`` shards only the types Opacus has a grad sampler for, and
-            frozen modules), or to freeze them.
+        ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a trainable parameter is
+            managed by no FSDP2 group (``fully_shard(..., ignored_params=...)``): its gradient
+            would be neither sharded nor reduced across ranks. The message names the modules
+            and their types and says to let FSDP2 manage the parameters or to freeze them.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -108,21 +111,21 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
             "the model is not fully_shard-ed at its root: call fully_shard(model) after "
             "sharding its layers (or use opacus.utils.fsdp_utils.FSDP2Wrapper)"
         )
-    unsharded = [
+    unmanaged = [
         (name or "<root>", type(sub).__name__)
         for name, sub in m.named_modules()
-        if any(p.requires_grad and not isinstance(p, DTensor) for p in sub.parameters(recurse=False))
+        if any(
+            p.requires_grad and not isinstance(p, DTensor) for p in sub.parameters(recurse=False)
+        )
     ]
-    if unsharded:
-        types = sorted({t for _, t in unsharded})
+    if unmanaged:
+        types = sorted({t for _, t in unmanaged})
         raise ValueError(
-            f"{len(unsharded)} module(s) own trainable parameters but are not fully_shard-ed "
-            f"themselves: {[n for n, _ in unsharded[:5]]} (types {types}). Randomized clipping "
-            "under FSDP2 needs each of them sharded on its own: call "
-            "torch.distributed.fsdp.fully_shard(module) on every one of them, innermost "
-            "first, before fully_shard(model) (or before opacus.utils.fsdp_utils.FSDP2Wrapper"
-            "(model), which shards only the module types Opacus has a grad sampler for, and "
-            f"frozen modules, so it leaves {types} unsharded), or freeze their parameters"
+            f"{len(unmanaged)} module(s) own trainable parameters that no FSDP2 group manages: "
+            f"{[n for n, _ in unmanaged[:5]]} (types {types}), e.g. passed to fully_shard as "
+            "ignored_params. Their gradients would be neither sharded nor summed across ranks. "
+            "Let FSDP2 manage them (drop them from ignored_params; fully_shard(model) manages "
+            "every parameter no inner group does) or freeze them"
         )
     return {type(sub): fsdp_base_type(sub) for sub in m.modules() if isinstance(sub, FSDPModule)}
 
@@ -175,6 +178,15 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
         self.NORM_SAMPLERS = _with_fsdp_types(type(self).NORM_SAMPLERS, fsdp_types)
         exact = set(type(self).EXACT_NORM_TYPES)
         self.EXACT_NORM_TYPES = exact | {c for c, b in fsdp_types.items() if b in exact}
+        self.STASH_GRAD_SAMPLERS = _with_fsdp_types(type(self).STASH_GRAD_SAMPLERS, fsdp_types)
+        # Opacus prepares a functorch copy of every hooked module whose type has no grad sampler
+        # (a deepcopy, which FSDP2 refuses for a sharded module, and a copy of the shards for
+        # one in an enclosing group): a module of a sketched or exact type without one (e.g.
+        # LlamaRMSNorm) takes its per-sample gradient function, if it has one, or a stand-in;
+        # its route is sketched or exact, so neither is called for its norm.
+        for cls in {type(sub) for sub in m.modules()}:
+            if cls not in self.GRAD_SAMPLERS and cls in self.SKETCHED_NORM_SAMPLERS:
+                self.GRAD_SAMPLERS[cls] = self.STASH_GRAD_SAMPLERS.get(cls, _no_grad_sampler)
         # The sharded parameters, registered now (outside forward and backward): the ones the
         # optimizer holds and the step state is keyed by (see _sharded_view).
         self._sharded_params = {
@@ -274,6 +286,19 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
             self.private_step.backward_hook(module, *args, **kwargs)
 
 
+def _no_grad_sampler(layer: nn.Module, *_args: Any) -> dict[nn.Parameter, torch.Tensor]:
+    """The stand-in grad sampler of a sharded sketched type without a per-sample gradient
+    function (Opacus' table only; the module's norms take its sketched route).
+
+    Raises:
+        NotImplementedError: Always.
+    """
+    raise NotImplementedError(
+        f"{type(layer).__name__} has a sketched norm sampler but no per-sample gradient "
+        "function: its per-sample gradients cannot be formed under FSDP2"
+    )
+
+
 class _ShardedTrainableSet:
     """A :class:`~opacus_rc.grad_sample.checks.TrainableSetGuard` checked on the sharded
     parameters (an enclosing FSDP2 group registers unsharded ones during its forward)."""
@@ -303,36 +328,10 @@ def _functorch_message(names: list[str], types: list[str]) -> str:
         f"modules {names[:5]}{of} own trainable parameters but have no grad sampler or "
         "sketched norm sampler: in one process they take Opacus' functorch path, which "
         "evaluates the module with its parameters; under FSDP2 those are shards, so they are "
-        "refused. Freeze them (p.requires_grad_(False) for their parameters; FSDP2Wrapper "
-        "then shards them too), or register a grad sampler for their type "
-        "(opacus.grad_sample.register_grad_sampler) or a sketched norm sampler "
-        "(opacus_rc.grad_sample.register_sketched_norm_sampler) and fully_shard each "
-        "such module before the root"
+        "refused. Freeze them (p.requires_grad_(False) for their parameters), or register "
+        "a grad sampler for their type (opacus.grad_sample.register_grad_sampler) or a "
+        "sketched norm sampler (opacus_rc.grad_sample.register_sketched_norm_sampler)"
     )
-
-
-def _refuse_tied(m: nn.Module) -> None:
-    """Refuse a trainable parameter shared by several modules of an FSDP2 model.
-
-    Raises:
-        NotImplementedError: Naming the modules: untie, freeze, or use DDP/DPDDP.
-    """
-    owners: dict[int, list[str]] = {}
-    for name, sub in m.named_modules():
-        for p in sub.parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(id(p), []).append(
-                    f"'{name or '<root>'}' ({fsdp_base_type(sub).__name__})"
-                )
-    tied = [users for users in owners.values() if len(users) > 1]
-    if tied:
-        raise NotImplementedError(
-            f"a trainable parameter is tied between modules {', '.join(tied[0])}: tied "
-            "weights (e.g. an input embedding tied to an LM head) are not supported under "
-            "FSDP2 by randomized clipping. Untie them (HF: tie_word_embeddings=False), freeze "
-            "the shared weight, or train with DDP/DPDDP, where a tied embedding and LM head "
-            "are supported"
-        )
 
 
 def _trainable(m: nn.Module) -> Iterable[nn.Parameter]:
