@@ -12,8 +12,8 @@ sample's gradient alone (``per_sample_grads``):
 
 * the norms: each rank's per-sample norms equal a single process's on the rank's own samples
   drawn with the same sketch generator (the same probes, so any communication or sharding
-  error in a norm shows; relative 1e-5), and the norms of the exact layers (RMSNorm weights)
-  equal the oracle's (relative 1e-5);
+  error in a norm shows; relative 1e-5), and the norms of the exact layers (RMSNorm weights,
+  LayerNorm weight and bias) equal the oracle's (relative 1e-5);
 * the clip factors ``c_i = min(1, C / (n_i + 1e-6))`` of both ranks, gathered, and the update:
   ``theta_0 - lr sum_i c_i g_i / B`` over the global batch with the oracle's ``g_i`` (absolute
   2e-6; the update itself is ~1e-2), clipping active (at least 4 of 8 samples clipped).
@@ -222,6 +222,38 @@ def shard_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+class NormNet(nn.Module):
+    """An untied embedding, an ``nn.LayerNorm`` (weight and bias) and two ``nn.Linear`` with
+    biases, every weight trainable; an HF-style output (``.logits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(V, 8)
+        self.norm = nn.LayerNorm(8)
+        self.hidden, self.head = nn.Linear(8, 12), nn.Linear(12, V)
+        with torch.no_grad():  # not the identity affine map
+            self.norm.weight.normal_(1.0, 0.3)
+            self.norm.bias.normal_(0.0, 0.3)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        h = torch.tanh(self.hidden(self.norm(self.embed(input_ids))))
+        return CausalLMOutput(logits=self.head(h))
+
+
+def shard_norm_net(model: nn.Module, *, wrapper: bool) -> nn.Module:
+    """``wrapper``: Opacus' ``FSDP2Wrapper`` (every layer in a group of its own); else only
+    the root (one group owning every parameter)."""
+    if wrapper:
+        from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+        return FSDP2Wrapper(model)
+    fully_shard(model)
+    return model
+
+
 def scenario_tied(
     rank: int,
     *,
@@ -229,10 +261,12 @@ def scenario_tied(
     bookkeeping: bool = True,
     own: bool = False,
     lora: bool = False,
+    norm_net: str | None = None,
 ) -> dict[str, Any]:
-    """The tied Llama, every weight trainable (``lora``: LoRA adapters only), at sigma = 0
-    (see the module docstring)."""
-    base = lora_llama() if lora else tied_llama()
+    """The tied Llama, every weight trainable (``lora``: LoRA adapters only; ``norm_net``:
+    :class:`NormNet` sharded by ``"wrapper"`` or at the ``"root"`` only), at sigma = 0 (see the
+    module docstring)."""
+    base = lora_llama() if lora else NormNet() if norm_net else tied_llama()
     x = batch(5)
     mine = x[rank::WORLD]
     g = per_sample_grads(base, x[ORDER])
@@ -241,6 +275,8 @@ def scenario_tied(
     theta0 = full(base)
     if lora:
         model = shard_lora(copy.deepcopy(base))
+    elif norm_net:
+        model = shard_norm_net(copy.deepcopy(base), wrapper=norm_net == "wrapper")
     else:
         model = shard(checkpointed(copy.deepcopy(base), checkpointing), own=own)
     gsm = GradSampleModuleRandomizedClippingFSDP(
@@ -253,7 +289,7 @@ def scenario_tied(
     )
     assert gsm.bookkeeping is bookkeeping
     routes = {n: r.path.value for n, r in gsm.norm_routes.items()}
-    if not lora:
+    if not (lora or norm_net):
         assert routes["lm_head"] == routes["model.embed_tokens"] == "tied", routes
     opt, crit = step_pieces(gsm, C, per_rank=B // WORLD)
     crit(gsm(input_ids=mine).logits, mine).backward()
@@ -267,7 +303,9 @@ def scenario_tied(
     assert torch.equal(ranks[0], ranks[1]), "ranks diverged"
     # One process on this rank's samples, same probes (and checkpointing): the same norms.
     ref = GradSampleModuleRandomizedClipping(
-        copy.deepcopy(base) if lora else checkpointed(copy.deepcopy(base), checkpointing),
+        copy.deepcopy(base)
+        if lora or norm_net
+        else checkpointed(copy.deepcopy(base), checkpointing),
         max_grad_norm=C,
         sketch_dim=8,
         loss_reduction="mean",
@@ -289,7 +327,7 @@ def scenario_tied(
     ref.cleanup()
     vs_single = ((norms - ref_norms).abs() / ref_norms).max().item()
     assert vs_single < 1e-5, (norms, ref_norms)
-    # The exact layers (RMSNorm weights) against the oracle, for this rank's samples.
+    # The exact layers (RMSNorm, LayerNorm) against the oracle, for this rank's samples.
     mine_rows = torch.arange(rank * (B // WORLD), (rank + 1) * (B // WORLD))
     exact_gap = 0.0
     for name, v in layer_norms.items():
@@ -297,7 +335,8 @@ def scenario_tied(
             want = g[name][mine_rows].flatten(1).norm(dim=1)
             exact_gap = max(exact_gap, ((v - want).abs() / want).max().item())
     assert 0 < exact_gap < 1e-5 or exact_gap == 0, exact_gap
-    assert sum("norm" in n for n in layer_norms) == (0 if lora else 5), sorted(layer_norms)
+    expected = 0 if lora else 2 if norm_net else 5  # RMSNorm weights; LayerNorm weight, bias
+    assert sum("norm" in n for n in layer_norms) == expected, sorted(layer_norms)
     n_all = torch.cat(gather(norms))
     c = (C / (n_all + 1e-6)).clamp(max=1.0)
     clipped = int((c < 1).sum())
@@ -312,7 +351,7 @@ def scenario_tied(
     assert moved > 1e-3, moved
     return {
         "norms_vs_single_process": vs_single,
-        "rmsnorm_vs_oracle": exact_gap,
+        "norm_layers_vs_oracle": exact_gap,
         "update_vs_oracle": diff,
         "max_update": moved,
         "clipped_samples": clipped,
@@ -383,6 +422,8 @@ def run(rank: int, port: int | None, out: str) -> None:
             "tied_own_groups": lambda: scenario_tied(rank, own=True),
             "tied_own_groups_ckpt": lambda: scenario_tied(rank, own=True, checkpointing="torch"),
             "lora": lambda: scenario_tied(rank, lora=True),
+            "layernorm_root": lambda: scenario_tied(rank, norm_net="root"),
+            "layernorm_wrapper": lambda: scenario_tied(rank, norm_net="wrapper"),
             "refusals": lambda: scenario_refusals(rank),
         }
         results = {k: f() for k, f in scenarios.items() if not only or k in only}

@@ -10,7 +10,8 @@ global batch with each sample's gradient computed alone in float64; with book-ke
 passes, and under activation checkpointing (``torch.utils.checkpoint`` non-reentrant and HF's
 ``gradient_checkpointing_enable``, also reentrant); with every module with parameters in a
 group of its own (``fully_shard([embed, lm_head])`` for the tied weight); and with peft LoRA
-adapters (the base and the tied weight frozen). What is still refused has its message checked:
+adapters (the base and the tied weight frozen); and an ``nn.LayerNorm`` net with biases (the
+LayerNorm's exact norms against the oracle), in the root's group or under ``FSDP2Wrapper``. What is still refused has its message checked:
 no root group, a trainable parameter no group manages, a weight tied other than embedding / head.
 """
 
@@ -56,7 +57,10 @@ CASES = (
     "tied_own_groups",
     "tied_own_groups_ckpt",
     "lora",
+    "layernorm_root",
+    "layernorm_wrapper",
 )
+BIASES = {"lora": 0, "layernorm_root": 3, "layernorm_wrapper": 3}  # else 14
 
 
 def test_two_process_gloo_fsdp2_tied_llama(tmp_path: Path) -> None:
@@ -64,12 +68,12 @@ def test_two_process_gloo_fsdp2_tied_llama(tmp_path: Path) -> None:
     for key in CASES:
         r = res[key]
         assert r["norms_vs_single_process"] < 1e-5, (key, r)
-        assert r["rmsnorm_vs_oracle"] < 1e-5, (key, r)
+        assert r["norm_layers_vs_oracle"] < 1e-5, (key, r)
         assert r["update_vs_oracle"] < 2e-6 and r["max_update"] > 1e-3, (key, r)
         assert r["clipped_samples"] >= 4, (key, r)
         # checkpointed book-keeping steps keep the smaller stash (exact norms where smaller)
         assert r["smaller_stash"] is ("ckpt" in key), (key, r)
-        assert r["biases"] == (0 if key == "lora" else 14), (key, r)
+        assert r["biases"] == BIASES.get(key, 14), (key, r)
     refusals = res["refusals"]
     assert "not fully_shard-ed at its root" in refusals["no_root"]
     assert "no FSDP2 group manages" in refusals["ignored"]
