@@ -11,8 +11,9 @@ passes, and under activation checkpointing (``torch.utils.checkpoint`` non-reent
 ``gradient_checkpointing_enable``, also reentrant); with every module with parameters in a
 group of its own (``fully_shard([embed, lm_head])`` for the tied weight); and with peft LoRA
 adapters (the base and the tied weight frozen); and an ``nn.LayerNorm`` net with biases (the
-LayerNorm's exact norms against the oracle), in the root's group or under ``FSDP2Wrapper``. What is still refused has its message checked:
-no root group, a trainable parameter no group manages, a weight tied other than embedding / head.
+LayerNorm's exact norms against the oracle), in the root's group or under ``FSDP2Wrapper``.
+What is still refused has its message checked: no root group, a trainable parameter no group
+manages, a weight tied other than embedding / head.
 """
 
 from __future__ import annotations
