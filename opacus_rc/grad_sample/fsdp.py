@@ -23,13 +23,42 @@ FSDP2's own reduce-scatter of the second pass does the same; its divide factor i
 that it sums (the optimizer divides once, by the expected global batch size). Every rank issues
 the same collectives in the same order, an empty Poisson batch included (its sum is zero).
 
-**Differences from Opacus' FSDP class.** Opacus keeps its norms and forward counters on modules
-because its FSDP hooks do not rely on parameter identity; the randomized-clipping step state is
-keyed by parameter. Under ``fully_shard`` the parameters registered on a module outside its
-forward and backward are the sharded DTensors (the optimizer's parameters), and those are the
-ones the hooks see (each module's own ``fully_shard`` reshards after forward, the default that
-``FSDP2Wrapper`` uses; see :func:`check_fsdp_model`). FSDP2's per-module classes
-(``FSDPLinear``...) are mapped to their base type with Opacus' own ``_get_module_type``.
+**Which groups.** Every trainable parameter must belong to an FSDP2 group
+(:func:`check_fsdp_model`); a module need not be sharded on its own. A decoder layer's group may
+own its RMSNorms and biases, the root's the final norm, and one group must own a tied weight
+(torch refuses a parameter shared across groups): the root's, or
+``fully_shard([embedding, head])`` (FSDP2's ``FSDPEmbedding`` and ``FSDPLinear`` are matched as
+the embedding and the head, :func:`~opacus_rc.grad_sample.routing.find_tied_groups`). LoRA
+adapters may share a group with the frozen base weights.
+
+**Parameter identity.** The randomized-clipping step state is keyed by parameter (Opacus keeps
+its FSDP norms on modules instead). FSDP2 registers a group's unsharded parameters on its
+modules during the group's forward and backward (the root's from its forward to the end of the
+backward) and the sharded ``DTensor`` parameters (the optimizer's) outside them. Every hook
+therefore runs on the sharded ones (``_sharded_view``: the parameters registered at
+construction put back for the duration of the hook), and so does the check that the trainable
+set has not changed, which runs inside the root's forward. No hook reads parameter values: the
+norms and clipped sums come from activations and output gradients alone (the RMSNorm and
+LayerNorm closed forms recompute the normalised input from the layer input; functorch, which
+evaluates a module with its parameters, is refused), and the shapes they read are the
+``DTensor`` parameters' global shapes.
+
+**Tied weights.** The joint sketch of the tied embedding / LM head
+(:mod:`~opacus_rc.grad_sample.tied`) and the norms of every other layer need no collective: the
+head's input and output gradient and the embedding's ids and output gradient are those of the
+whole layer for the rank's own samples, so each rank's norms equal one process's on its
+samples with the same probes (tests/distributed/test_fsdp_llama.py). With book-keeping the
+head's and the embedding's clipped sums are added into one sum in the parameter's global shape,
+reduce-scattered once into the shared parameter's shard; with two passes FSDP2's reduce-scatter
+of the second pass sums both uses. FSDP2's per-module classes (``FSDPLinear``...) are mapped to
+their base type with Opacus' own ``_get_module_type``; a sharded module of a type with a
+project sampler but no Opacus grad sampler (a ``fully_shard``-ed ``LlamaRMSNorm``) is given its
+per-sample gradient function in Opacus' table, so that Opacus does not deep-copy it for
+functorch (FSDP2 refuses the copy).
+
+**Activation checkpointing** (``torch.utils.checkpoint``, reentrant or not, and HF's
+``gradient_checkpointing_enable``) needs nothing more: the recomputed forward runs inside the
+group's backward, whose hooks see the same sharded parameters.
 
 Denoising is refused under FSDP (the engine): post-processing must see the whole noisy
 gradient, which no rank holds.
@@ -246,10 +275,11 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
     def _sharded_view(self, module: nn.Module) -> Iterator[None]:
         """Register ``module``'s sharded parameters on it for the duration of a hook.
 
-        FSDP2 registers the unsharded parameters during a module's forward and backward and the
+        FSDP2 registers the unsharded parameters during the forward and backward of the group
+        owning the module (its own, or an enclosing one: a decoder layer's, the root's) and the
         sharded DTensors outside them (``unsafe_setattr_param`` on the module's registered
-        parameters);
-        which one a hook sees depends on the order of FSDP2's and Opacus' hooks. The step state
+        parameters); which one a hook sees depends on the order of FSDP2's and Opacus' hooks
+        and on the group. The step state
         is keyed by parameter, so every hook sees the sharded ones (the optimizer's). No hook
         of this class reads parameter values (functorch, which would, is refused): the norms
         come from activations and output gradients alone.
@@ -364,8 +394,8 @@ class GradSampleModuleRandomizedClippingFSDP(
     """:class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` for an FSDP2 model.
 
     Arguments, attributes and errors as the single-process class; in addition the model must
-    be ``fully_shard``-ed at its root and at every module owning trainable parameters
-    (:func:`check_fsdp_model`). Use with
+    be ``fully_shard``-ed at its root and every trainable parameter managed by an FSDP2 group
+    (:func:`check_fsdp_model`; a tied embedding / LM head in one group). Use with
     :class:`~opacus_rc.optimizers.FSDPRandomizedClipOptimizer`. See the module docstring.
     """
 
