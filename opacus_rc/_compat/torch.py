@@ -14,6 +14,7 @@ from torch import nn
 
 __all__ = [
     "autograd_sequence_nr",
+    "fsdp_unsharded_parameters",
     "in_backward",
     "non_reentrant_checkpoint_pack_hook_active",
     "registered_parameters",
@@ -94,3 +95,32 @@ def registered_submodule(module: nn.Module, name: str) -> nn.Module | None:
     if modules is None:
         return None
     return modules.get(name)
+
+
+def fsdp_unsharded_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
+    """``{id(unsharded parameter): sharded parameter}`` for the FSDP2 parameters of ``model``
+    that have been all-gathered at least once.
+
+    Under ``fully_shard`` the leaves of the autograd graph are FSDP2's *unsharded* parameters
+    (one ``nn.Parameter`` per sharded one, created at the first all-gather and kept, its
+    storage freed and re-allocated), not the sharded DTensors registered outside forward and
+    backward (the ones the optimizer holds). This maps the former to the latter.
+
+    Relies on ``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params`` and each
+    ``FSDPParam``'s ``_unsharded_param`` and ``sharded_param``. Test (2 processes):
+    ``test_torch_contract.py::test_fsdp_unsharded_parameters``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[int, nn.Parameter] = {}
+    for sub in model.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = sub._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            unsharded = fsdp_param.__dict__.get("_unsharded_param")
+            if unsharded is not None:
+                out[id(unsharded)] = fsdp_param.sharded_param
+    return out

@@ -274,6 +274,7 @@ class ParameterUseCheck:
         self._spans: dict[int, list[tuple[int, int]]] = {}
         self._open: dict[int, list[int]] = {}
         self._leaf = torch.zeros((), requires_grad=True)
+        self._leaf_aliases: Any = None
         self.owning_modules: list[nn.Module] = []
         for sub in m.modules():
             own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
@@ -282,6 +283,17 @@ class ParameterUseCheck:
             for p in own:
                 self._owners.setdefault(id(p), []).append(id(sub))
             self.owning_modules.append(sub)
+
+    def resolve_leaves_with(self, aliases: Any) -> None:
+        """Map the graph's leaves to the registered parameters before checking them.
+
+        Args:
+            aliases: A callable returning ``{id(leaf): parameter}`` at :meth:`check` time, for
+                leaves that are other objects than the registered parameters they stand for
+                (FSDP2's unsharded parameters,
+                :func:`opacus_rc._compat.torch.fsdp_unsharded_parameters`).
+        """
+        self._leaf_aliases = aliases
 
     def register(self, handles: list[Any]) -> None:
         """Attach the span hooks to the owning modules; their handles go into ``handles``."""
@@ -341,6 +353,7 @@ class ParameterUseCheck:
         if root is None:
             return False
         reentrant = root.name() == REENTRANT_NODE
+        aliases = self._leaf_aliases() if self._leaf_aliases is not None else {}
         outside: dict[int, str] = {}
         seen: dict[int, Any] = {id(root): root}  # values keep the nodes (and their ids) alive
         stack = [root]
@@ -352,6 +365,7 @@ class ParameterUseCheck:
                     continue
                 var = getattr(nxt, "variable", None)  # AccumulateGrad: a leaf tensor
                 if var is not None:
+                    var = aliases.get(id(var), var)
                     owners = self._owners.get(id(var))
                     if owners is None:
                         continue

@@ -78,7 +78,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
 from opacus_rc._compat.opacus import fsdp_base_type as _opacus_fsdp_base_type
-from opacus_rc._compat.torch import registered_parameters
+from opacus_rc._compat.torch import fsdp_unsharded_parameters, registered_parameters
 from opacus_rc.grad_sample.bookkeeping import compute_clipped_sums
 from opacus_rc.grad_sample.grad_sample_module import (
     GradSampleHooksRandomizedClipping,
@@ -232,6 +232,11 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
         self.private_step.trainable = _ShardedTrainableSet(
             self.private_step.trainable, self._sharded_model_view
         )
+        # The graph's leaves are FSDP2's unsharded parameters: the parameter-use check maps them
+        # to the sharded ones it knows, so a use outside the owning module's forward (possible
+        # for a module whose parameters an enclosing group holds unsharded) is refused as in
+        # one process, not trained unclipped (two passes) or silently dropped (book-keeping).
+        self.private_step.uses.resolve_leaves_with(lambda: fsdp_unsharded_parameters(m))
         functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]
         if functorch:  # _refuse_functorch refuses these first; the routes are the reference
             self.cleanup()

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
@@ -80,3 +87,29 @@ def test_tensor_version() -> None:
     assert w.grad is grad and tensor_version(grad) > before
     assert torch.equal(grad, torch.full((3,), 5.0))
     assert tensor_version(None) == -1
+
+
+def test_fsdp_unsharded_parameters(tmp_path: Path) -> None:
+    """``fsdp_unsharded_parameters`` maps each leaf FSDP2 created at its all-gather to the
+    registered sharded parameter, so that the parameter-use check refuses a use outside the
+    owning module's forward under FSDP2 (2 processes, gloo: the ``use_outside`` scenario of
+    ``tests/distributed/fsdp_llama_worker.py`` asserts the map inside each rank)."""
+    pytest.importorskip("transformers")
+    worker = Path(__file__).resolve().parents[1] / "distributed" / "fsdp_llama_worker.py"
+    out = tmp_path / "use_outside.json"
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env["FSDP_LLAMA_ONLY"] = "use_outside"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())["use_outside"]
+    assert set(res) == {"bookkeeping", "two_pass"}
+    assert all("['lin2.weight'] are used outside the forward" in m for m in res.values())

@@ -372,6 +372,65 @@ class TwoHeads(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class UseOutside(nn.Module):
+    """``lin2.weight`` also used through ``F.linear`` in the root's forward, outside ``lin2``'s
+    own forward: with ``lin2`` in the root's group the use runs on FSDP2's unsharded parameter
+    (sharded on its own, FSDP2 would refuse the resharded DTensor itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        return self.lin2(h) + 5 * nn.functional.linear(h, self.lin2.weight)
+
+
+def scenario_use_outside(rank: int) -> dict[str, Any]:
+    """A trainable weight used outside its module's forward under FSDP2 is refused at the
+    criterion's backward in both modes, as in one process. Before the check knew FSDP2's
+    unsharded parameters, two passes trained the outside use unclipped (sigma = 0, C = 0.01,
+    8 samples: an update of norm 0.016 > C) and book-keeping dropped it silently. Also the
+    contract of :func:`opacus_rc._compat.torch.fsdp_unsharded_parameters`: after a forward,
+    every leaf FSDP2 created maps to a registered sharded parameter."""
+    from opacus_rc._compat.torch import fsdp_unsharded_parameters
+
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(1)
+    x = 3 * torch.randn(B, 5, generator=g)
+    y = torch.randint(0, 3, (B,), generator=g)
+    for bookkeeping in (True, False):
+        torch.manual_seed(0)
+        model = UseOutside()
+        fully_shard(model.lin1)
+        fully_shard(model)
+        sharded = {id(p) for p in model.parameters()}
+        gsm = GradSampleModuleRandomizedClippingFSDP(
+            model, max_grad_norm=0.01, loss_reduction="mean", bookkeeping=bookkeeping
+        )
+        opt = FSDPRandomizedClipOptimizer(
+            torch.optim.SGD(gsm.parameters(), lr=1.0),
+            grad_sample_module=gsm,
+            noise_multiplier=0.0,
+            max_grad_norm=0.01,
+            expected_batch_size=B // WORLD,
+            loss_reduction="mean",
+        )
+        crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+        logits = gsm(x[rank::WORLD])
+        aliases = fsdp_unsharded_parameters(model)
+        assert len(aliases) == 4 and {id(p) for p in aliases.values()} == sharded, aliases
+        try:
+            crit(logits, y[rank::WORLD]).backward()
+        except RuntimeError as err:
+            out["bookkeeping" if bookkeeping else "two_pass"] = str(err)
+        else:
+            raise AssertionError("a use outside the module's forward was accepted")
+        assert all(p.grad is None for p in model.parameters())
+        gsm.cleanup()
+    return out
+
+
 def _refusal(model: nn.Module, error: type[BaseException]) -> str:
     try:
         GradSampleModuleRandomizedClippingFSDP(model, max_grad_norm=1.0, loss_reduction="mean")
@@ -425,6 +484,7 @@ def run(rank: int, port: int | None, out: str) -> None:
             "layernorm_root": lambda: scenario_tied(rank, norm_net="root"),
             "layernorm_wrapper": lambda: scenario_tied(rank, norm_net="wrapper"),
             "refusals": lambda: scenario_refusals(rank),
+            "use_outside": lambda: scenario_use_outside(rank),
         }
         results = {k: f() for k, f in scenarios.items() if not only or k in only}
         if dist.get_rank() == 0:

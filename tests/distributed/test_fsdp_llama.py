@@ -79,3 +79,6 @@ def test_two_process_gloo_fsdp2_tied_llama(tmp_path: Path) -> None:
     assert "not fully_shard-ed at its root" in refusals["no_root"]
     assert "no FSDP2 group manages" in refusals["ignored"]
     assert "tied between modules 'a' (FSDPLinear), 'b' (FSDPLinear)" in refusals["tied_two_linears"]
+    assert set(res["use_outside"]) == {"bookkeeping", "two_pass"}
+    for mode, message in res["use_outside"].items():  # refused in both modes, named
+        assert "['lin2.weight'] are used outside the forward" in message, (mode, message)
