@@ -1,0 +1,252 @@
+"""Per-record clipping inside packed rows, wired into the private step (issue 32, items 1-2):
+the DP criterion's ``record_ids=`` (opacus_rc/packed_loss.py).
+
+Oracle: each record's own gradient, float64, computed with the record alone and unpadded
+(each segment of a record cut across rows run alone at positions ``0..l-1``, no mask), its
+loss the mean of its counted next-token losses over all its segments; then clipped
+``min(1, C / (||g_r|| + 1e-6))`` and summed. The packed step runs once on the packed rows.
+
+GPT-2 (learned positions; ``Conv1D`` by functorch, embeddings, layer norms, the LM head
+frozen: every norm exact) is compared at ``1e-9``. The tied embedding and LM head of Llama and
+of ``gpt2-tied`` (the joint sketch) and Llama's ``nn.Linear`` norms are sketched: at ``k = 4096`` a
+Hutchinson estimate's relative standard deviation is at most ``sqrt(2 / k) = 0.022``, so the
+norms (square roots: half that) are compared at ``RTOL = 0.06`` (more than five standard
+deviations, as tests/units/test_unit_models.py), and the clipped update exactly against the
+factors made from the module's own reported norms (the clipped sum is exact given the factors).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_hf_models as hf  # noqa: E402
+
+from opacus_rc import PrivacyEngine  # noqa: E402
+from opacus_rc.batch_independence import BatchIndependenceError  # noqa: E402
+from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping  # noqa: E402
+from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer  # noqa: E402
+from opacus_rc.packing import (  # noqa: E402
+    IGNORE_INDEX,
+    block_diagonal_attention_mask,
+    pack_records,
+    record_segments,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:a sketch_generator was passed:UserWarning"),
+    pytest.mark.filterwarnings("ignore:noise_multiplier=0"),
+    pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
+]
+
+VOCAB = 40
+#: With max_length 16: several records per row, the 20-token record cut across two rows.
+LENGTHS = (5, 9, 3, 12, 7, 20, 2)
+MAX_LENGTH = 16
+#: Records grouped into units (a user's several records): units 0..3.
+UNITS = torch.tensor([2, 0, 1, 0, 3, 2, 1])
+K = 4096
+RTOL = 0.06
+
+
+def records(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def tiny(arch: str) -> nn.Module:
+    if arch == "llama":
+        model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
+    elif arch == "gpt2-tied":
+        model = hf.gpt2(vocab=VOCAB, tie=True, bos_token_id=1, eos_token_id=2)
+    else:  # every norm exact: the LM head (an nn.Linear, sketched) untied and frozen
+        model = hf.gpt2(vocab=VOCAB, tie=False, bos_token_id=1, eos_token_id=2)
+        model.lm_head.weight.requires_grad_(False)
+    return model.double().train()
+
+
+def record_grads(model: nn.Module, packed: Any, groups: torch.Tensor) -> torch.Tensor:
+    """``(G, P)`` float64: each group's summed per-record gradient, every record alone."""
+    ref = copy.deepcopy(model).double()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    segs = record_segments(packed.record_ids)
+    rows = []
+    for u in range(int(groups.max()) + 1):
+        total = torch.zeros((), dtype=torch.float64)
+        for r in torch.nonzero(groups == u).flatten().tolist():
+            loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+            for rec, row, start, end in segs:
+                if rec != r:
+                    continue
+                ids = packed.input_ids[row, start:end][None]
+                labels = packed.labels[row, start:end][None]
+                logits = ref(input_ids=ids, position_ids=torch.arange(end - start)[None]).logits
+                target = labels[:, 1:]
+                keep = target != IGNORE_INDEX
+                tok = nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, VOCAB),
+                    target.clamp(min=0).reshape(-1),
+                    reduction="none",
+                )
+                loss_sum = loss_sum + tok[keep.reshape(-1)].sum()
+                count += int(keep.sum())
+            total = total + loss_sum / max(count, 1)
+        grads = torch.autograd.grad(total, params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
+def packed_step(
+    model: nn.Module,
+    packed: Any,
+    *,
+    c: float,
+    units: torch.Tensor | None = None,
+    bookkeeping: Any = True,
+    k: int = K,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One private step on the packed rows at ``sigma = 0``, SGD at ``lr = 1``: ``(norms,
+    clipped sum (flat, float64), clip result count)``."""
+    model = copy.deepcopy(model)
+    if units is None:
+        engine = PrivacyEngine(accountant="rc")
+        loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m, opt, crit, _ = engine.make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                criterion=nn.CrossEntropyLoss(),
+                data_loader=loader,
+                noise_multiplier=0.0,
+                max_grad_norm=c,
+                clipping="randomized",
+                sketch_dim=k,
+                sketch_generator=torch.Generator().manual_seed(3),
+                bookkeeping=bookkeeping,
+                poisson_sampling=False,
+            )
+    else:  # units of records: the module by hand (the engine needs a unit loader)
+        m = GradSampleModuleRandomizedClipping(
+            model,
+            max_grad_norm=c,
+            sketch_dim=k,
+            sketch_generator=torch.Generator().manual_seed(3),
+            bookkeeping=bookkeeping,
+        )
+        opt = RandomizedClipOptimizer(
+            torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
+            grad_sample_module=m,
+            noise_multiplier=0.0,
+            expected_batch_size=4,
+        )
+        crit = DPLossRandomizedClipping(m, opt, nn.CrossEntropyLoss(), "mean")
+    inputs = packed.model_inputs(padding_free=padding_free, dtype=torch.float64)
+    labels = inputs.pop("labels")
+    logits = m(**inputs).logits
+    R, T = labels.shape
+    loss = crit(
+        logits[:, :-1].reshape(-1, VOCAB),
+        labels[:, 1:].reshape(-1),
+        shape=(R, T - 1),
+        record_ids=packed.record_ids,
+        units=units,
+    )
+    before = [p.detach().clone() for p in m.parameters() if p.requires_grad]
+    loss.backward()
+    n = loss.loss_per_sample.numel()
+    norms = m.private_step.per_sample_gradient_norms.clone()
+    opt.step()
+    after = [p.detach() for p in m.parameters() if p.requires_grad]
+    divisor = opt.expected_batch_size
+    grad = torch.cat([((b - a) * divisor).double().flatten() for b, a in zip(before, after)])
+    return norms, grad, n
+
+
+def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, **kw: Any) -> None:
+    model = tiny(arch)
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    assert int(packed.segments.max()) == 2 and packed.input_ids.shape[0] < len(LENGTHS)
+    groups = torch.arange(len(LENGTHS)) if units is None else units
+    G = record_grads(model, packed, groups)
+    oracle = G.norm(dim=1)
+    c = float(oracle.min()) / 2 if active else float(oracle.max()) * 10
+    norms, grad, n = packed_step(model, packed, c=c, units=units, **kw)
+    assert n == G.shape[0]
+    exact = arch == "gpt2"
+    torch.testing.assert_close(norms, oracle, rtol=1e-9 if exact else RTOL, atol=0)
+    factors = (c / (norms + 1e-6)).clamp(max=1.0)
+    if active:
+        assert bool((factors < 1).all())
+    want = (factors[:, None] * G).sum(0)
+    # Llama's attention takes its softmax in float32 even in a float64 model (its records
+    # inside and alone differ by ~2e-8, opacus_rc/packing.py): 1e-6 of the largest entry.
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt2-tied", "llama"])
+@pytest.mark.parametrize("active", [True, False])
+def test_packed_update_equals_sum_of_clipped_records(arch: str, active: bool) -> None:
+    check(arch, active=active)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_update_records_grouped_into_units(arch: str) -> None:
+    check(arch, units=UNITS)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_update_two_passes(arch: str) -> None:
+    check(arch, bookkeeping=False)
+
+
+def test_pack_whose_attention_crosses_records_is_refused() -> None:
+    model = tiny("llama")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    crossing = packed.record_ids.clone()
+    crossing[crossing >= 0] = 0  # a causal mask over each whole row
+    mask = block_diagonal_attention_mask(crossing, dtype=torch.float64)
+    packed_bad = type(packed)(**{**packed.__dict__})
+    with pytest.raises(BatchIndependenceError, match="crosses records"):
+        _run_with_mask(model, packed_bad, mask)
+
+
+def _run_with_mask(model: nn.Module, packed: Any, mask: torch.Tensor) -> None:
+    model = copy.deepcopy(model)
+    engine = PrivacyEngine(accountant="rc")
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, opt, crit, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            sketch_dim=4,
+            poisson_sampling=False,
+        )
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    inputs["attention_mask"] = mask
+    logits = m(**inputs).logits
+    R, T = labels.shape
+    crit(
+        logits[:, :-1].reshape(-1, VOCAB),
+        labels[:, 1:].reshape(-1),
+        shape=(R, T - 1),
+        record_ids=packed.record_ids,
+    )
