@@ -250,3 +250,189 @@ def _run_with_mask(model: nn.Module, packed: Any, mask: torch.Tensor) -> None:
         shape=(R, T - 1),
         record_ids=packed.record_ids,
     )
+
+
+def _private(model: nn.Module, **kw: Any) -> tuple[Any, Any, Any]:
+    engine = PrivacyEngine(accountant="rc")
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, opt, crit, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            sketch_dim=4,
+            poisson_sampling=False,
+            **kw,
+        )
+    return m, opt, crit
+
+
+def _loss(m: nn.Module, crit: Any, inputs: dict, labels: torch.Tensor, **kw: Any) -> Any:
+    logits = m(**inputs).logits
+    R, T = labels.shape
+    return crit(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), shape=(R, T - 1), **kw
+    )
+
+
+def test_padding_free_position_ids_give_each_record_its_clipped_gradient() -> None:
+    # TRL's padding_free=True: one row of concatenated whole records, no padding, no mask,
+    # position ids restarting at each record; the criterion derives the records from them.
+    model = tiny("gpt2")
+    short = [r for r in records() if r.numel() <= MAX_LENGTH]
+    packed = pack_records(short, max_length=sum(r.numel() for r in short), pad_token_id=0)
+    assert packed.input_ids.shape[0] == 1 and bool((packed.record_ids >= 0).all())
+    G = record_grads(model, packed, torch.arange(len(short)))
+    oracle = G.norm(dim=1)
+    c = float(oracle.min()) / 2
+    m, opt, crit = _private(copy.deepcopy(model))
+    opt.max_grad_norm = c
+    inputs = packed.model_inputs(padding_free=True, dtype=torch.float64)
+    labels = inputs.pop("labels")
+    assert "attention_mask" not in inputs
+    loss = _loss(m, crit, inputs, labels, position_ids=inputs["position_ids"])
+    assert loss.loss_per_sample.shape == (len(short),)
+    loss.backward()
+    torch.testing.assert_close(m.private_step.per_sample_gradient_norms, oracle, rtol=1e-9, atol=0)
+    grad = torch.cat([p.grad.double().flatten() for p in m.parameters() if p.requires_grad])
+    want = ((c / (oracle + 1e-6)).clamp(max=1.0)[:, None] * G).sum(0)
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
+def test_padding_free_pack_whose_positions_do_not_restart_is_refused() -> None:
+    # No mask and positions 0..T-1 over the row: the model's causal attention crosses records.
+    model = tiny("llama")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, _, crit = _private(model)
+    inputs = packed.model_inputs(padding_free=True, dtype=torch.float64)
+    labels = inputs.pop("labels")
+    inputs["position_ids"] = torch.arange(labels.shape[1]).expand_as(labels)
+    with pytest.raises(BatchIndependenceError, match="other logits alone"):
+        _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+
+
+def test_crossing_mask_is_refused_at_every_batch() -> None:
+    # The logits check runs at the first packed batch; the mask's structure at every batch.
+    model = tiny("llama")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, opt, crit = _private(model)
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
+    opt.step()
+    opt.zero_grad()
+    assert m.packed_attention_guard.full_checked
+    whole_rows = packed.record_ids.clamp(max=0)  # -1 at padding, 0 elsewhere: a causal row
+    inputs["attention_mask"] = block_diagonal_attention_mask(whole_rows, dtype=torch.float64)
+    with pytest.raises(BatchIndependenceError, match="crosses records"):
+        _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+
+
+def test_target_predicted_across_records_is_refused() -> None:
+    model = tiny("gpt2")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, _, crit = _private(model)
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    labels = torch.where(packed.record_ids >= 0, packed.input_ids, labels)  # no ignore at starts
+    with pytest.raises(ValueError, match="across a record boundary"):
+        _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+
+
+class ConvLM(nn.Module):
+    """An embedding, a convolution over positions (not token-wise), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.conv = nn.Conv1d(8, 8, kernel_size=3, padding=1)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.conv(self.emb(input_ids).transpose(1, 2)).transpose(1, 2)
+        return type("Out", (), {"logits": self.head(h)})()
+
+
+def test_module_that_is_not_tokenwise_is_refused() -> None:
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, _, crit = _private(ConvLM(), check_batch_independence=False)
+    labels = packed.labels
+    with pytest.raises(NotImplementedError, match="record_ids=.*'conv' \\(Conv1d\\)"):
+        _loss(m, crit, {"input_ids": packed.input_ids}, labels, record_ids=packed.record_ids)
+
+
+def test_record_ids_refusals() -> None:
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, _, crit = _private(tiny("gpt2"))
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    logits = m(**inputs).logits
+    R, T = labels.shape
+    flat = (logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    rid = packed.record_ids
+    with pytest.raises(ValueError, match="needs a per-token loss"):
+        crit(*flat, record_ids=rid)
+    with pytest.raises(TypeError, match="not both"):
+        crit(*flat, shape=(R, T - 1), record_ids=rid, position_ids=inputs["position_ids"])
+    with pytest.raises(ValueError, match="record_ids of shape"):
+        crit(*flat, shape=(R, T - 1), record_ids=rid[:, :-3])
+    gap = torch.where(rid == 2, torch.full_like(rid, len(LENGTHS)), rid)
+    with pytest.raises(ValueError, match="without gaps"):
+        crit(*flat, shape=(R, T - 1), record_ids=gap)
+    with pytest.raises(ValueError, match="units has 3 entries for 7 records"):
+        crit(*flat, shape=(R, T - 1), record_ids=rid, units=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="unit_split= is not supported"):
+        crit(*flat, shape=(R, T - 1), record_ids=rid, unit_split=(False, True))
+
+
+def _norms_with_probes(model: nn.Module, inputs: dict, labels: torch.Tensor, **kw: Any) -> Any:
+    model = copy.deepcopy(model)
+    engine = PrivacyEngine(accountant="rc")
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, _, crit, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            clipping="randomized",
+            sketch_dim=4,
+            sketch_generator=torch.Generator().manual_seed(11),
+            poisson_sampling=False,
+        )
+    _loss(m, crit, inputs, labels, **kw).backward()
+    return m.private_step.per_sample_gradient_norms
+
+
+def test_sketched_record_norms_are_each_records_hutchinson_estimate_with_the_same_probes() -> None:
+    # Each whole record as its own right-padded row draws the same probes (the same generator,
+    # layers in the same order, N samples of the same length max T_r): the packed step's
+    # sketched per-record norms must be those estimates, up to rounding. At k = 4 they are far
+    # from the exact norms, so equality is not a consequence of both being accurate.
+    model = tiny("llama")
+    short = [r for r in records() if r.numel() <= MAX_LENGTH]
+    packed = pack_records(short, max_length=MAX_LENGTH, pad_token_id=0)
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    assert packed.input_ids.shape[0] < len(short)  # several records per row
+    packed_norms = _norms_with_probes(model, inputs, labels, record_ids=packed.record_ids)
+    longest = max(r.numel() for r in short)
+    ids = torch.zeros(len(short), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(short):
+        ids[i, : r.numel()], mask[i, : r.numel()] = r, 1
+    rows = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(longest)}
+    rows["position_ids"] = rows["position_ids"].expand_as(ids).contiguous()
+    row_labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    alone_norms = _norms_with_probes(model, rows, row_labels)
+    torch.testing.assert_close(packed_norms, alone_norms, rtol=1e-6, atol=0)
+    exact = record_grads(model, packed, torch.arange(len(short))).norm(dim=1)
+    assert float(((alone_norms - exact).abs() / exact).max()) > 0.05
