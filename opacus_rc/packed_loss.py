@@ -91,6 +91,9 @@ class PackedRecordLayout:
         ValueError: As :meth:`RecordLayout.from_record_ids`.
     """
 
+    #: Marks the layout for the step's two packed-row branches (norms, clipped sums).
+    packed_rows = True
+
     def __init__(self, record_ids: torch.Tensor, *, num_records: int) -> None:
         self.records = RecordLayout.from_record_ids(record_ids, num_records=num_records)
         self.record_ids = self.records.record_ids
@@ -98,6 +101,121 @@ class PackedRecordLayout:
         self.num_units = int(num_records)
         self.split = None
         self.buffered: list[int] = []
+        #: ids of the modules whose book-keeping stash holds token rows (the fast path).
+        self._token_rows: set[int] = set()
+
+    def record_norms(
+        self,
+        step: Any,
+        module: nn.Module,
+        route: Any,
+        params: tuple[nn.Parameter, ...],
+        activations: list[Any],
+        backprops: torch.Tensor,
+        loss_reduction: str,
+    ) -> bool:
+        """The sketched per-record norms of an ``nn.Linear`` straight from the packed rows.
+
+        The chunked estimator
+        :func:`~opacus_rc.grad_sample.packed.linear_record_sketched_sqnorms` (one fresh probe
+        per record from the step's sketch generator, the same draw as the per-sample sampler
+        on ``N`` samples; ``O(T_r k (p + d))`` per record, no row padded to
+        the longest record) and the bias's exact norm (each record's summed output gradient);
+        with book-keeping the layer keeps its input and output gradient as ``R T`` token rows,
+        clipped by their record's factor (:meth:`write_clipped_sums`): one ``(p x R T) @ (R T
+        x d)`` product, as in the backward pass.
+
+        Taken for a trainable ``nn.Linear`` on the sketched route with the Hutchinson
+        estimator, 3-D ``(R, T, d)`` input, outside an activation-checkpointed step and
+        FSDP2; anything else returns False and goes through :meth:`pack` and the module's
+        usual norm path.
+
+        Returns:
+            Whether the norms were recorded here.
+        """
+        from opacus_rc._compat.opacus import count_down_use
+        from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
+        from opacus_rc.grad_sample.packed import linear_record_sketched_sqnorms
+        from opacus_rc.grad_sample.routing import NormPath
+        from opacus_rc.sketching import hutchinson_sqnorm
+
+        R, T = self.record_ids.shape
+        A = activations[0] if len(activations) == 1 else None
+        if not (
+            type(module) is nn.Linear
+            and route.path is NormPath.SKETCHED
+            and step.estimator is hutchinson_sqnorm
+            and type(step).__name__ == "PrivateStep"  # not FSDP2's reduce-scattered sums
+            and not step.smaller_stash
+            and module.weight.requires_grad
+            and isinstance(A, torch.Tensor)
+            and A.dim() == 3
+            and tuple(A.shape[:2]) == (R, T)
+            and backprops.dim() == 3
+            and tuple(backprops.shape[:2]) == (R, T)
+        ):
+            return False
+        n = self.num_units
+        G = backprops
+        if loss_reduction == "mean":  # as pack_for_units: to the per-record losses' gradient
+            G = G * (n / getattr(module, "max_batch_len", R))
+        module.max_batch_len = n
+        dtype = torch.float64 if torch.float64 in (A.dtype, G.dtype) else torch.float32
+        sq = linear_record_sketched_sqnorms(
+            A,
+            G,
+            layout=self.records,
+            sketch_dim=step.config.sketch_dim,
+            generator=step.generator_for(G.device),
+        )
+        norms = {module.weight: sq.clamp(min=0).sqrt().to(dtype)}
+        if module.bias is not None and module.bias.requires_grad:
+            where = self.record_ids.to(G.device).reshape(-1)
+            keep = (where >= 0).unsqueeze(1)
+            rows = G.reshape(R * T, -1).to(dtype).masked_fill(~keep, 0)
+            g_sum = rows.new_zeros(n, rows.shape[1]).index_add(0, where.clamp(min=0), rows)
+            norms[module.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(dtype)
+        for p in params:
+            count_down_use(p)
+        step.record_norms(norms)
+        if step.bookkeeping:
+            d, p_out = A.shape[2], G.shape[2]
+            step.stash(
+                BookkeepingStash(
+                    module,
+                    params,
+                    activations=[A.reshape(R * T, 1, d)],
+                    backprops=G.reshape(R * T, 1, p_out),
+                )
+            )
+            self._token_rows.add(id(module))
+        if not getattr(module, "activations", None):  # its last use (the hook returns here)
+            del module.max_batch_len
+        return True
+
+    def write_clipped_sums(
+        self, ready: list[Any], coef: torch.Tensor, *, clipped_sums: Any, name_of: Any
+    ) -> None:
+        """``p.grad += sum_r c_r grad_p loss_r``: the stashes of :meth:`record_norms` hold
+        token rows, clipped by ``coef[record_ids]`` (0 at padding); the others (re-laid per
+        record by :meth:`pack`) by ``coef``.
+
+        Args:
+            ready: The step's stashes.
+            coef: ``(N,)`` clip factors.
+            clipped_sums: Module type -> clipped-sum function.
+            name_of: Qualified names, for errors.
+        """
+        from opacus_rc.grad_sample.bookkeeping import write_clipped_sums
+
+        tokens = [s for s in ready if id(s.module) in self._token_rows]
+        others = [s for s in ready if id(s.module) not in self._token_rows]
+        if others:
+            write_clipped_sums(others, coef, clipped_sums=clipped_sums, name_of=name_of)
+        if tokens:
+            rid = self.record_ids.to(coef.device).reshape(-1)
+            per_token = torch.where(rid >= 0, coef[rid.clamp(min=0)], coef.new_zeros(()))
+            write_clipped_sums(tokens, per_token, clipped_sums=clipped_sums, name_of=name_of)
 
     def same_as(self, other: Any) -> bool:
         """Whether ``other`` is a packed layout of the same tokens and records."""
