@@ -115,9 +115,9 @@ def packed_step(
     bookkeeping: Any = True,
     k: int = K,
     padding_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Any]:
+) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
     """One private step on the packed rows at ``sigma = 0``, SGD at ``lr = 1``: ``(norms,
-    clipped sum (flat, float64), clip result count)``."""
+    clipped sum (flat, float64), number of clipped records, the step's layout)``."""
     model = copy.deepcopy(model)
     if units is None:
         engine = PrivacyEngine(accountant="rc")
@@ -167,11 +167,12 @@ def packed_step(
     loss.backward()
     n = loss.loss_per_sample.numel()
     norms = m.private_step.per_sample_gradient_norms.clone()
+    layout = m.private_step.units
     opt.step()
     after = [p.detach() for p in m.parameters() if p.requires_grad]
     divisor = opt.expected_batch_size
     grad = torch.cat([((b - a) * divisor).double().flatten() for b, a in zip(before, after)])
-    return norms, grad, n
+    return norms, grad, n, layout
 
 
 def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, **kw: Any) -> None:
@@ -182,8 +183,12 @@ def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, 
     G = record_grads(model, packed, groups)
     oracle = G.norm(dim=1)
     c = float(oracle.min()) / 2 if active else float(oracle.max()) * 10
-    norms, grad, n = packed_step(model, packed, c=c, units=units, **kw)
+    norms, grad, n, layout = packed_step(model, packed, c=c, units=units, **kw)
     assert n == G.shape[0]
+    if arch == "llama" and kw.get("bookkeeping", True):
+        # Every nn.Linear but the tied head (the joint sketch) took the packed-row path.
+        linears = [x for x in model.modules() if type(x) is nn.Linear]
+        assert len(layout._token_rows) == len(linears) - 1 > 0
     exact = arch == "gpt2"
     torch.testing.assert_close(norms, oracle, rtol=1e-9 if exact else RTOL, atol=0)
     factors = (c / (norms + 1e-6)).clamp(max=1.0)
@@ -252,7 +257,7 @@ def _run_with_mask(model: nn.Module, packed: Any, mask: torch.Tensor) -> None:
     )
 
 
-def _private(model: nn.Module, **kw: Any) -> tuple[Any, Any, Any]:
+def _private(model: nn.Module, *, sketch_dim: int = 4, **kw: Any) -> tuple[Any, Any, Any]:
     engine = PrivacyEngine(accountant="rc")
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
     with warnings.catch_warnings():
@@ -265,7 +270,7 @@ def _private(model: nn.Module, **kw: Any) -> tuple[Any, Any, Any]:
             noise_multiplier=0.0,
             max_grad_norm=1.0,
             clipping="randomized",
-            sketch_dim=4,
+            sketch_dim=sketch_dim,
             poisson_sampling=False,
             **kw,
         )
@@ -436,3 +441,52 @@ def test_sketched_record_norms_are_each_records_hutchinson_estimate_with_the_sam
     torch.testing.assert_close(packed_norms, alone_norms, rtol=1e-6, atol=0)
     exact = record_grads(model, packed, torch.arange(len(short))).norm(dim=1)
     assert float(((alone_norms - exact).abs() / exact).max()) > 0.05
+
+
+class TokenMLP(nn.Module):
+    """Embedding -> Linear (bias) -> tanh -> RMSNorm -> Linear (bias): token-wise only, so a
+    record's tokens give the same gradients wherever they lie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 12)
+        self.hidden = nn.Linear(12, 10)
+        self.norm = nn.RMSNorm(10)
+        self.head = nn.Linear(10, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        h = self.norm(torch.tanh(self.hidden(self.emb(input_ids))))
+        return type("Out", (), {"logits": self.head(h)})()
+
+
+def test_linear_biases_and_rmsnorm_of_a_tokenwise_model() -> None:
+    # Sketched weights (k = 4096, RTOL), exact biases, embedding and RMSNorm, through the
+    # packed-row path of nn.Linear; the update exactly against the module's own norms.
+    model = TokenMLP().double().train()
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    G = record_grads(model, packed, torch.arange(len(LENGTHS)))
+    oracle = G.norm(dim=1)
+    c = float(oracle.min()) / 2
+    m, opt, crit = _private(copy.deepcopy(model), sketch_dim=K, check_batch_independence=False)
+    opt.max_grad_norm = c
+    labels = packed.labels
+    loss = _loss(m, crit, {"input_ids": packed.input_ids}, labels, record_ids=packed.record_ids)
+    loss.backward()
+    norms = m.private_step.per_sample_gradient_norms
+    assert len(m.private_step.units._token_rows) == 2  # both nn.Linear from the packed rows
+    offsets, at = {}, 0
+    for name, p in model.named_parameters():
+        offsets[name], at = slice(at, at + p.numel()), at + p.numel()
+    by_name = {n.removeprefix("_module."): p for n, p in m.named_parameters()}
+    for name in ("hidden.bias", "head.bias", "emb.weight", "norm.weight"):  # exact norms
+        torch.testing.assert_close(
+            m.private_step.last_norm_samples[by_name[name]].double(),
+            G[:, offsets[name]].norm(dim=1),
+            rtol=1e-9,
+            atol=0,
+        )
+    torch.testing.assert_close(norms, oracle, rtol=RTOL, atol=0)
+    grad = torch.cat([p.grad.double().flatten() for p in m.parameters() if p.requires_grad])
+    want = ((c / (norms + 1e-6)).clamp(max=1.0)[:, None] * G).sum(0)
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-9)
