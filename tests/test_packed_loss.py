@@ -364,9 +364,13 @@ def test_target_predicted_across_records_is_refused() -> None:
     m, _, crit = _private(model)
     inputs = packed.model_inputs(dtype=torch.float64)
     labels = inputs.pop("labels")
+    good = labels
     labels = torch.where(packed.record_ids >= 0, packed.input_ids, labels)  # no ignore at starts
     with pytest.raises(ValueError, match="across a record boundary"):
         _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+    # The refused forward's records were dropped: the next step runs.
+    _loss(m, crit, inputs, good, record_ids=packed.record_ids).backward()
+    assert m.private_step.per_sample_gradient_norms.shape == (len(LENGTHS),)
 
 
 class ConvLM(nn.Module):
