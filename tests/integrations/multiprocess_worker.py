@@ -6,7 +6,7 @@ parameters, the examples per step and micro-batches per step of this rank's shar
 multiplier, epsilon, the accountant's history, the world size the Trainer saw, the token counts
 logged and the attributes left on the parameters after ``train()``; a run saved
 and resumed from a checkpoint beside the same run uninterrupted; and the error
-that building a DP trainer with FSDP through the Trainer raised.
+that building a DP trainer with FSDP through the Trainer raised after them in the process.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def resume(out: Path) -> dict[str, Any]:
 
 
 def fsdp_refusal(out: Path) -> dict[str, Any]:
-    """The error a DP trainer raises for FSDP through the Trainer (accelerate's FSDP2)."""
+    """The error a DP trainer raises for FSDP through the Trainer (accelerate's FSDP2) in a
+    process whose accelerate state was made without FSDP (by the trainers before it)."""
     try:
         args = th.training_args(out, fsdp=True, fsdp_config={"fsdp_version": 2})
         DPTrainer(

@@ -22,8 +22,9 @@ seed the ranks' shares partition the single process' Poisson batches, so:
 
 A checkpoint written at step 2 (by rank 0, with every rank's sketch-generator state) resumes
 on both ranks (``resume_exact=True``) to the uninterrupted run's epsilon and weights; the
-default (fresh) resume takes rank 0's nonce on both ranks. FSDP through the Trainer is
-refused on every rank with a message that says what to use.
+default (fresh) resume takes rank 0's nonce on both ranks. FSDP through the Trainer after a
+trainer without FSDP in the same process is refused on every rank with a message that says what
+to do (FSDP2 through the Trainer: test_dp_trainer_fsdp.py).
 """
 
 from __future__ import annotations
@@ -136,12 +137,16 @@ def test_ddp_token_count_is_the_global_one_and_no_hook_is_left(launch: list, sin
 
 
 @pytest.mark.slow
-def test_ddp_fsdp_through_the_trainer_is_refused(launch: list) -> None:
+def test_ddp_fsdp_after_a_non_fsdp_trainer_is_refused(launch: list) -> None:
+    """FSDP2 through the Trainer runs (test_dp_trainer_fsdp.py), but not in a process whose
+    accelerate state was made earlier without FSDP (the DDP trainers before it): accelerate
+    would train unsharded; refused on every rank, saying what to do."""
     for r in launch:
         assert r["fsdp"]["error"] == "NotImplementedError"
         message = r["fsdp"]["message"]
-        assert "FSDP through the Trainer" in message and "torchrun --nproc-per-node N" in message
-        assert "docs/distributed.md" in message
+        assert "accelerate's state has no FSDP plugin" in message
+        assert "made earlier in this process without FSDP" in message
+        assert "Build the FSDP trainer first in the process" in message
 
 
 def test_rank_shares_partition_the_single_process_batches() -> None:
