@@ -111,8 +111,7 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
     unsharded = [
         (name or "<root>", type(sub).__name__)
         for name, sub in m.named_modules()
-        if any(p.requires_grad for p in sub.parameters(recurse=False))
-        and not isinstance(sub, FSDPModule)
+        if any(p.requires_grad and not isinstance(p, DTensor) for p in sub.parameters(recurse=False))
     ]
     if unsharded:
         types = sorted({t for _, t in unsharded})
@@ -160,13 +159,12 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
     PRIVATE_STEP = FSDPPrivateStep
 
     def __init__(self, m: nn.Module, **kwargs: Any) -> None:
+        register_loaded_transformers_norms()  # before the refusals and the tables below
         if isinstance(m, FSDPModule):  # else check_fsdp_model says what to do
-            _refuse_tied(m)
             config = kwargs.get("config")
             force = config.force_functorch if config is not None else kwargs.get("force_functorch")
             self._refuse_functorch(m, force_functorch=bool(force))
         fsdp_types = check_fsdp_model(m)
-        register_loaded_transformers_norms()  # before the tables are copied below
         # FSDP2's per-module classes (FSDPLinear...) take their base type's samplers. Set on
         # the instance before the base class resolves the routes.
         self.SKETCHED_NORM_SAMPLERS = _with_fsdp_types(
@@ -184,7 +182,15 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
             for sub in m.modules()
             if any(True for _ in sub.parameters(recurse=False))
         }
+        self._owning_modules = [
+            sub for sub in m.modules() if any(True for _ in sub.parameters(recurse=False))
+        ]
         super().__init__(m, **kwargs)
+        # Inside the root's forward and backward (and an enclosing group's), the modules it
+        # owns register unsharded parameters: the trainable-set check runs on the sharded ones.
+        self.private_step.trainable = _ShardedTrainableSet(
+            self.private_step.trainable, self._sharded_model_view
+        )
         functorch = [r.name for r in self._routes.values() if r.path is NormPath.FUNCTORCH]
         if functorch:  # _refuse_functorch refuses these first; the routes are the reference
             self.cleanup()
@@ -249,6 +255,14 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
             for name, current in swapped.items():
                 registered[name] = current
 
+    @contextlib.contextmanager
+    def _sharded_model_view(self) -> Iterator[None]:
+        """:meth:`_sharded_view` for every module of the model at once."""
+        with contextlib.ExitStack() as stack:
+            for sub in self._owning_modules:
+                stack.enter_context(self._sharded_view(sub))
+            yield
+
     def capture_activations_hook(self, module: nn.Module, *args: Any) -> None:
         """The randomized-clipping forward hook, on the sharded parameters."""
         with self._sharded_view(module):
@@ -258,6 +272,29 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
         """The randomized-clipping backward hook, on the sharded parameters."""
         with self._sharded_view(module):
             self.private_step.backward_hook(module, *args, **kwargs)
+
+
+class _ShardedTrainableSet:
+    """A :class:`~opacus_rc.grad_sample.checks.TrainableSetGuard` checked on the sharded
+    parameters (an enclosing FSDP2 group registers unsharded ones during its forward)."""
+
+    def __init__(self, guard: Any, view: Any) -> None:
+        self._guard = guard
+        self._view = view
+
+    @property
+    def parameter_ids(self) -> frozenset[int]:
+        """As the guard's."""
+        return self._guard.parameter_ids
+
+    def check(self) -> None:
+        """The guard's check, with every module's sharded parameters registered.
+
+        Raises:
+            RuntimeError: As the guard's.
+        """
+        with self._view():
+            self._guard.check()
 
 
 def _functorch_message(names: list[str], types: list[str]) -> str:

@@ -1,0 +1,282 @@
+"""Two-process randomized clipping of a tiny FSDP2 Llama (gloo, CPU), run by test_fsdp_llama.py.
+
+``python fsdp_llama_worker.py OUT.json`` spawns 2 processes; each runs every scenario and
+asserts; rank 0 writes a JSON summary. A script, not a pytest module (spawned children import
+it as ``__mp_main__``).
+
+The model: a 2-layer ``LlamaForCausalLM`` with the input embedding tied to the LM head
+(``tie_word_embeddings=True``), every weight trainable, the RMSNorm weights included; each
+decoder layer ``fully_shard``-ed, then the root (which then owns the tied weight and the final
+norm). Every sample's clipped gradient is compared with a float64 oracle that computes each
+sample's gradient alone (``per_sample_grads``):
+
+* the norms: each rank's per-sample norms equal a single process's on the rank's own samples
+  drawn with the same sketch generator (the same probes, so any communication or sharding
+  error in a norm shows; relative 1e-5), and the norms of the exact layers (RMSNorm weights)
+  equal the oracle's (relative 1e-5);
+* the clip factors ``c_i = min(1, C / (n_i + 1e-6))`` of both ranks, gathered, and the update:
+  ``theta_0 - lr sum_i c_i g_i / B`` over the global batch with the oracle's ``g_i`` (absolute
+  2e-6; the update itself is ~1e-2), clipping active (at least 4 of 8 samples clipped).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
+from worker_common import WORLD, B, free_port, gather  # noqa: E402  (the script's folder)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tiny_hf_models as hf  # noqa: E402
+
+import opacus_rc  # noqa: E402,F401  (registers the "rc" accountant)
+from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping  # noqa: E402
+from opacus_rc.grad_sample.fsdp import GradSampleModuleRandomizedClippingFSDP  # noqa: E402
+from opacus_rc.optimizers import (  # noqa: E402
+    DPLossRandomizedClipping,
+    FSDPRandomizedClipOptimizer,
+    RandomizedClipOptimizer,
+)
+
+V, T = 29, 7
+LR = 0.5
+ORDER = torch.cat([torch.arange(r, B, WORLD) for r in range(WORLD)])
+
+
+class SeqCE(nn.Module):
+    """Each sample's mean next-token cross-entropy (``reduction="none"``: ``(B,)``)."""
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        per = nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none"
+        ).mean(1)
+        if self.reduction == "none":
+            return per
+        return per.mean() if self.reduction == "mean" else per.sum()
+
+
+class Checkpointed(nn.Module):
+    """A decoder layer under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+def tied_llama(seed: int = 0) -> nn.Module:
+    model = hf.llama(vocab=V, tie=True, layers=2, intermediate_size=24, seed=seed).train()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.requires_grad for p in model.parameters())
+    return model
+
+
+def checkpointed(model: nn.Module, checkpointing: str | None) -> nn.Module:
+    """``model`` with activation checkpointing: ``"torch"`` (each decoder layer wrapped in
+    :class:`Checkpointed`) or ``"hf"`` (``gradient_checkpointing_enable``, non-reentrant)."""
+    layers = model.model.layers
+    if checkpointing == "torch":
+        for i in range(len(layers)):
+            layers[i] = Checkpointed(layers[i])
+    elif checkpointing == "hf":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """Each decoder layer ``fully_shard``-ed, then the root (which owns the tied weight and the
+    final norm)."""
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded (a collective for sharded ones), by its plain name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[plain(name)] = t.detach().double().clone()
+    return out
+
+
+def plain(name: str) -> str:
+    for junk in ("_module.", "layer.", "base_model.model."):
+        name = name.replace(junk, "")
+    return name
+
+
+def batch(seed: int) -> torch.Tensor:
+    """The global batch of ids ``(B, T)``; sample 2 repeats its tokens (a large cross term)."""
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    x[2] = torch.tensor([5, 9, 5, 9, 5, 9, 5])
+    return x
+
+
+def per_sample_grads(base: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: (B, *shape)}``: each sample's float64 gradient of its own loss, computed alone
+    (autograd sums the tied weight's two uses)."""
+    ref = copy.deepcopy(base).double()
+    named = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in named}
+    for i in range(len(x)):
+        ref.zero_grad()
+        SeqCE()(ref(input_ids=x[i : i + 1]).logits, x[i : i + 1]).backward()
+        for n, p in named.items():
+            rows[n].append(p.grad.clone())
+    return {plain(n): torch.stack(r) for n, r in rows.items()}
+
+
+def step_pieces(gsm: nn.Module, C: float, *, per_rank: int) -> tuple[Any, Any]:
+    opt = FSDPRandomizedClipOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=LR),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        expected_batch_size=per_rank,
+        loss_reduction="mean",
+    )
+    return opt, DPLossRandomizedClipping(gsm, opt, SeqCE(), "mean")
+
+
+def check_update(
+    theta0: dict[str, torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    g: dict[str, torch.Tensor],
+    c: torch.Tensor,
+) -> float:
+    """max |theta - (theta_0 - lr sum_i c_i g_i / B)| over the trainable parameters."""
+    worst = 0.0
+    for name, gi in g.items():
+        want = theta0[name] - LR * torch.einsum("b,b...->...", c, gi) / B
+        worst = max(worst, (theta[name] - want).abs().max().item())
+    return worst
+
+
+def scenario_tied(
+    rank: int, *, checkpointing: str | None = None, bookkeeping: bool = True
+) -> dict[str, Any]:
+    """The tied Llama, every weight trainable, at sigma = 0 (see the module docstring)."""
+    base = tied_llama()
+    x = batch(5)
+    mine = x[rank::WORLD]
+    g = per_sample_grads(base, x[ORDER])
+    exact_norm = torch.cat([v.flatten(1) for v in g.values()], 1).norm(dim=1)
+    C = 0.6 * float(exact_norm.median())
+    theta0 = full(base)
+    model = shard(checkpointed(copy.deepcopy(base), checkpointing))
+    gsm = GradSampleModuleRandomizedClippingFSDP(
+        model,
+        max_grad_norm=C,
+        sketch_dim=8,
+        loss_reduction="mean",
+        bookkeeping=bookkeeping,
+        sketch_generator=torch.Generator().manual_seed(10 + rank),
+    )
+    assert gsm.bookkeeping is bookkeeping
+    routes = {n: r.path.value for n, r in gsm.norm_routes.items()}
+    assert routes["lm_head"] == routes["model.embed_tokens"] == "tied", routes
+    opt, crit = step_pieces(gsm, C, per_rank=B // WORLD)
+    crit(gsm(input_ids=mine).logits, mine).backward()
+    norms = gsm.per_sample_gradient_norms.double()
+    layer_norms = {plain(n): v.double() for n, v in gsm.norm_samples.items()}
+    opt.step()
+    opt.zero_grad()
+    theta = full(gsm)
+    ranks = gather(torch.cat([v.flatten() for v in theta.values()]))
+    assert torch.equal(ranks[0], ranks[1]), "ranks diverged"
+    # One process on this rank's samples, same probes (and checkpointing): the same norms.
+    ref = GradSampleModuleRandomizedClipping(
+        checkpointed(copy.deepcopy(base), checkpointing),
+        max_grad_norm=C,
+        sketch_dim=8,
+        loss_reduction="mean",
+        sketch_generator=torch.Generator().manual_seed(10 + rank),
+        bookkeeping=bookkeeping,
+    )
+    ref_opt = RandomizedClipOptimizer(
+        torch.optim.SGD(ref.parameters(), lr=LR),
+        grad_sample_module=ref,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        expected_batch_size=B // WORLD,
+        loss_reduction="mean",
+    )
+    DPLossRandomizedClipping(ref, ref_opt, SeqCE(), "mean")(
+        ref(input_ids=mine).logits, mine
+    ).backward()
+    ref_norms = ref.per_sample_gradient_norms.double()
+    ref.cleanup()
+    vs_single = ((norms - ref_norms).abs() / ref_norms).max().item()
+    assert vs_single < 1e-5, (norms, ref_norms)
+    # The exact layers (RMSNorm weights) against the oracle, for this rank's samples.
+    mine_rows = torch.arange(rank * (B // WORLD), (rank + 1) * (B // WORLD))
+    exact_gap = 0.0
+    for name, v in layer_norms.items():
+        if "norm" in name.split(".")[-2]:
+            want = g[name][mine_rows].flatten(1).norm(dim=1)
+            exact_gap = max(exact_gap, ((v - want).abs() / want).max().item())
+    assert 0 < exact_gap < 1e-5 or exact_gap == 0, exact_gap
+    assert sum("norm" in n for n in layer_norms) == 5, sorted(layer_norms)
+    n_all = torch.cat(gather(norms))
+    c = (C / (n_all + 1e-6)).clamp(max=1.0)
+    clipped = int((c < 1).sum())
+    assert clipped >= 4, c
+    diff = check_update(theta0, theta, g, c)
+    assert diff < 2e-6, diff
+    moved = max((theta[n] - theta0[n]).abs().max().item() for n in g)
+    assert moved > 1e-3, moved
+    return {
+        "norms_vs_single_process": vs_single,
+        "rmsnorm_vs_oracle": exact_gap,
+        "update_vs_oracle": diff,
+        "max_update": moved,
+        "clipped_samples": clipped,
+    }
+
+
+def run(rank: int, port: int | None, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    if port is not None:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(WORLD)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        only = set(os.environ.get("FSDP_LLAMA_ONLY", "").split(",")) - {""}
+        scenarios = {
+            "tied_bk": lambda: scenario_tied(rank),
+            "tied_two_pass": lambda: scenario_tied(rank, bookkeeping=False),
+            "tied_ckpt_torch": lambda: scenario_tied(rank, checkpointing="torch"),
+            "tied_ckpt_hf": lambda: scenario_tied(rank, checkpointing="hf"),
+        }
+        results = {k: f() for k, f in scenarios.items() if not only or k in only}
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(free_port(), sys.argv[1]), nprocs=WORLD, join=True)
