@@ -4,17 +4,17 @@
 with an FSDP2 config) runs a DP trainer's private step on an FSDP2-sharded model
 (:mod:`opacus_rc.grad_sample.fsdp`). What differs from accelerate's own FSDP2 preparation:
 
-* **Sharding** (:func:`shard_for_randomized_clipping`). Randomized clipping keys its per-sample
-  state by parameter and needs every module that owns trainable parameters ``fully_shard``-ed
-  on its own (:func:`~opacus_rc.grad_sample.fsdp.check_fsdp_model`); accelerate's auto-wrap
-  policy shards whole decoder layers (``transformer_layer_cls_to_wrap``), whose linear layers
-  would then belong to the layer's group. So the trainer shards the model itself, before the
-  optimizer is made private: every module owning trainable parameters, the modules accelerate's
-  auto-wrap policy selects (so frozen weights are grouped as the user configured), the modules
-  that share a parameter (a tied embedding and LM head) together in one group, innermost first,
-  then the root; with the plugin's ``reshard_after_forward`` and device mesh. Accelerate then
-  finds an FSDP2 model and leaves it as it is (``fsdp2_prepare_model`` returns a model that is
-  already an ``FSDPModule``).
+* **Sharding** (:func:`shard_for_randomized_clipping`). The Trainer makes the optimizer (which
+  the DP trainer makes private, building the engine's FSDP2 hooks and optimizer) *before*
+  accelerate shards the model; the engine needs the sharded model. So the trainer shards the
+  model itself first, as accelerate's auto-wrap policy says (``transformer_layer_cls_to_wrap``,
+  by default the model's decoder layers), innermost first, then the root, with the plugin's
+  ``reshard_after_forward`` and device mesh; a tied embedding and LM head (and their
+  ancestors, e.g. the decoder stack) stay in the root's group. Every trainable parameter is
+  then a sharded ``DTensor`` of some group, which is what the engine needs
+  (:func:`~opacus_rc.grad_sample.fsdp.check_fsdp_model`). Accelerate then finds an FSDP2 model
+  and leaves it as it is (``fsdp2_prepare_model`` returns a model that is already an
+  ``FSDPModule``).
 * **Lockstep** (:func:`lockstep_micro_batches`). Under FSDP2 every forward all-gathers each
   layer's weight and every private backward reduce-scatters its clipped sum: every rank must run
   the same number of forwards and backwards. Each logical batch, the ranks agree on the largest
@@ -173,10 +173,13 @@ def shard_for_randomized_clipping(
 ) -> list[nn.Module]:
     """``fully_shard`` ``model`` the way randomized clipping under FSDP2 needs (in place).
 
-    Every module that owns trainable parameters is sharded on its own, and so is every module
-    ``wrap`` selects (accelerate's auto-wrap policy: frozen weights grouped as configured);
-    modules that share a parameter (a tied input embedding and LM head) are sharded together,
-    in one group, before the rest; children before their parents; then the root. A model that is
+    Every module ``wrap`` selects (accelerate's auto-wrap policy: the decoder layers, by
+    default the model's ``_no_split_modules``) is sharded as one group, children before their
+    parents, then the root; except modules that share a parameter (a tied input embedding and
+    LM head) and their ancestors: the shared parameter is the root's (FSDP2 refuses a parameter
+    in two groups; the engine computes the tied weight's joint sketch on the plain
+    ``nn.Embedding`` / ``nn.Linear``). The engine accepts a trainable module whose parameters an
+    enclosing group owns (a linear layer or RMSNorm in its decoder layer's group). A model that is
     already an ``FSDPModule`` is returned unchanged (its sharding is checked by the engine,
     :func:`~opacus_rc.grad_sample.fsdp.check_fsdp_model`).
 
@@ -201,27 +204,31 @@ def shard_for_randomized_clipping(
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kwargs["mesh"] = mesh
+    order = _post_order(model)
     owners: dict[int, list[nn.Module]] = {}
-    for sub in _post_order(model):
+    for sub in order:
         for p in sub.parameters(recurse=False):
             users = owners.setdefault(id(p), [])
             if all(u is not sub for u in users):
                 users.append(sub)
+    # A shared parameter (a tied embedding and LM head) stays in the root's group: its modules
+    # and their ancestors are not sharded (FSDP2 refuses a parameter in two groups, and the
+    # engine's joint sketch of a tied embedding / head needs their plain types).
+    parents = {id(c): m for m in order for c in m.children()}
+    keep: set[int] = set()
+    for users in owners.values():
+        if len(users) > 1:
+            for u in users:
+                while u is not None and u is not model:
+                    keep.add(id(u))
+                    u = parents.get(id(u))
     sharded: list[nn.Module] = []
-    done: set[int] = set()
-    for users in owners.values():  # shared parameters: their modules in one group
-        if len(users) > 1 and not any(id(u) in done for u in users) and model not in users:
-            fully_shard(users, **kwargs)
-            sharded.extend(users)
-            done.update(id(u) for u in users)
-    for sub in _post_order(model)[:-1]:
-        if id(sub) in done:
+    for sub in order[:-1]:
+        if id(sub) in keep:
             continue
-        own = any(p.requires_grad for p in sub.parameters(recurse=False))
-        if own or (wrap is not None and wrap(sub)):
+        if wrap is not None and wrap(sub):
             fully_shard(sub, **kwargs)
             sharded.append(sub)
-            done.add(id(sub))
     root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
     fully_shard(model, **root_kwargs)
     sharded.append(model)

@@ -4,9 +4,8 @@ under FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})``).
 Run by ``test_dp_trainer_fsdp.py``. Each rank trains the runs of :data:`RUNS` and writes
 ``OUT_DIR/rank{RANK}.pt``: for each run the trained parameters (gathered full from the
 shards), the examples and micro-batches of this rank's share per step, the noise multiplier,
-epsilon, the accountant's history, whether the model was an FSDP2 model with every trainable
-module sharded on its own; a run checkpointed (sharded state) and resumed beside the same run
-uninterrupted; the model ``save_model`` wrote; and the errors of the refused configurations.
+epsilon, the accountant's history, the model's FSDP2 groups; a run checkpointed (sharded
+state) and resumed beside the same run uninterrupted; and the model ``save_model`` wrote.
 
 The first trainer built in the process must be an FSDP one: accelerate keeps its state (and its
 FSDP plugin, or none) for the process.
@@ -48,17 +47,19 @@ SHARDED = {
 def model_for(run: str) -> nn.Module:
     """The tiny Llama of a run (also built in one process by the test).
 
-    ``clip`` and ``budget``: only the (untied) embeddings trainable, whose per-example norms are
-    exact, so that clipping is deterministic and the update can equal one process's with
-    clipping active. Otherwise every weight trainable but the RMSNorms (refused under FSDP2
-    until a grad sampler exists for them) and the tied weights (untied).
+    ``clip`` and ``budget``: an untied Llama with only the embeddings trainable, whose
+    per-example norms are exact, so that clipping is deterministic and the update can equal one
+    process's with clipping active. ``full`` (and the resumed run): the issue's model, a tied
+    embedding / LM head and every weight trainable, RMSNorms included.
     """
-    model = th.tiny_llama(tie=False)
-    for name, p in model.named_parameters():
-        if run in ("clip", "budget"):
+    if run in ("clip", "budget"):
+        model = th.tiny_llama(tie=False)
+        for name, p in model.named_parameters():
             p.requires_grad_(name.endswith("embed_tokens.weight"))
-        elif "norm" in name:
-            p.requires_grad_(False)
+        return model
+    model = th.tiny_llama(tie=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.requires_grad for p in model.parameters())
     return model
 
 
@@ -68,8 +69,9 @@ RUNS: dict[str, dict[str, Any]] = {
         "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 0.05, "expected_batch_size": 8},
         "args": {"max_steps": 3, "per_device_train_batch_size": 2, **SGD},
     },
-    # sigma = 0, every weight but the norms trainable (sketched norms), C above every norm:
-    # each clip factor is 1, so the update is the sum of the gradients / the batch size.
+    # sigma = 0, a tied Llama with every weight trainable (sketched norms, the tied weight's
+    # joint sketch), C above every norm: each clip factor is 1, so the update is the sum of
+    # the gradients / the batch size.
     "full": {
         "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 1e6, "expected_batch_size": 8},
         "args": {"max_steps": 3, "per_device_train_batch_size": 2, **SGD, "learning_rate": 0.1},
@@ -133,19 +135,20 @@ def train(name: str, out: Path, *, fsdp: dict | None = None) -> tuple[Any, dict[
 
 
 def sharding(model: nn.Module) -> dict[str, Any]:
-    """Whether the model is FSDP2 at its root and at every module owning trainable parameters."""
+    """The groups: the root's and which modules are FSDP2 groups of their own; whether every
+    trainable parameter is a sharded DTensor."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    owners = [
-        isinstance(m, FSDPModule)
-        for m in model.modules()
-        if any(p.requires_grad for p in m.parameters(recurse=False))
-    ]
-    return {"root": isinstance(model, FSDPModule), "owners": owners}
+    return {
+        "root": isinstance(model, FSDPModule),
+        "groups": sorted(n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)),
+        "dtensors": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
+    }
 
 
 def resume(out: Path) -> dict[str, Any]:
-    """The ``budget`` run with every weight but the norms trainable (Adam: optimizer state to
+    """The ``budget`` run on the tied Llama with every weight trainable (Adam: optimizer state to
     restore) and a seeded sketch, saved at step 2 with sharded state and run to the end, then
     resumed from that checkpoint by a new trainer with ``resume_exact=True``: both runs'
     records, and the checkpoint's files."""
