@@ -69,8 +69,10 @@ differently:
   calls; ``compute_loss``, which ``evaluate()`` calls, is accepted beside it),
   ``include_num_input_tokens_seen`` (see *Logs*), ``model_init`` (hyperparameter search spends
   privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
-  DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
-  (several devices in one process), ``denoise`` with several processes, iterable datasets.
+  DeepSpeed (its engine reduces and partitions the gradients before per-example clipping could
+  see them), FSDP version 1 and the FSDP2 options :mod:`~opacus_rc.integrations.fsdp` lists,
+  tensor parallelism through the Trainer, ``torch.nn.DataParallel`` (several devices in one
+  process), ``denoise`` with several processes, iterable datasets.
 * **Several processes** (``torchrun --nproc-per-node N script.py``, or ``accelerate launch``
   with a multi-CPU / multi-GPU config) run as the engine's DDP path (docs/distributed.md):
   every rank draws the same Poisson mask over the whole dataset (rank 0's seed) and trains on
@@ -84,6 +86,17 @@ differently:
   wrapper (its reducer would all-reduce unclipped gradients). Checkpoints are written by rank 0
   and hold every rank's sketch-generator state (a seeded sketch); resume with the same number
   of processes.
+* **FSDP2** (``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`` under the same
+  launch, or ``accelerate launch`` with an FSDP2 config): as under DDP (the same Poisson shares,
+  one noisy step and one accounted step per logical batch on every rank, epsilon the
+  single-process run's), on a model the trainer shards itself before making it private
+  (accelerate's auto-wrap policy: each decoder layer, then the root, which keeps a tied
+  embedding / LM head) and the engine's FSDP2 optimizer (each rank noises its shard with the
+  global draw). Every rank runs as many micro-batches as the rank whose share needs the most
+  (zero-gradient fillers), checkpoints hold the sharded (``SHARDED_STATE_DICT``) or full model
+  and optimizer beside the privacy state, and ``save_model`` writes the full model
+  (:mod:`~opacus_rc.integrations.fsdp`). On CPU (gloo) accelerate has no FSDP; the trainer gives
+  the launch accelerate's FSDP2 path when it builds the process' first accelerator.
 * **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
@@ -230,8 +243,10 @@ class DPTrainerMixin(TrainerSeams):
 
     Raises:
         ValueError: A refused configuration (module docstring), with what to do.
-        NotImplementedError: DeepSpeed, FSDP or tensor parallelism through the Trainer,
-            ``torch.nn.DataParallel``, or a multi-process launch other than DDP.
+        NotImplementedError: DeepSpeed, FSDP version 1 or a refused FSDP2 option
+            (:func:`~opacus_rc.integrations.fsdp.refuse_unsupported_fsdp`) or tensor
+            parallelism through the Trainer, ``torch.nn.DataParallel``, or a multi-process
+            launch other than DDP or FSDP2.
         TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
     """
 

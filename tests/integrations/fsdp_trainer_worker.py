@@ -5,7 +5,8 @@ Run by ``test_dp_trainer_fsdp.py``. Each rank trains the runs of :data:`RUNS` an
 ``OUT_DIR/rank{RANK}.pt``: for each run the trained parameters (gathered full from the
 shards), the examples and micro-batches of this rank's share per step, the noise multiplier,
 epsilon, the accountant's history, the model's FSDP2 groups; a run checkpointed (sharded
-state) and resumed beside the same run uninterrupted; and the model ``save_model`` wrote.
+state) and resumed beside the same run uninterrupted; the model ``save_model`` wrote; and a
+``DPSFTTrainer`` run.
 
 The first trainer built in the process must be an FSDP one: accelerate keeps its state (and its
 FSDP plugin, or none) for the process.
@@ -134,6 +135,29 @@ def train(name: str, out: Path, *, fsdp: dict | None = None) -> tuple[Any, dict[
     return trainer, record
 
 
+def train_sft(out: Path, *, fsdp: dict | None = None) -> dict[str, Any]:
+    """``DPSFTTrainer`` (TRL's ``SFTTrainer``) on the ``full`` run's tied Llama and settings,
+    text data tokenized by TRL (also called in one process by the test, ``fsdp=None``)."""
+    import test_dp_sft_trainer as sft
+
+    from opacus_rc.integrations.trl import DPSFTTrainer
+
+    run = RUNS["full"]
+    trainer = DPSFTTrainer(
+        model=model_for("full"),
+        args=sft.sft_config(out, **run["args"], **(fsdp or {})),
+        train_dataset=sft.text_dataset(N),
+        processing_class=sft.tokenizer(),
+        privacy_args=PrivacyArguments(target_delta=DELTA, seed=SEED, **run["privacy"]),
+    )
+    trainer.train()
+    return {
+        "params": full_params(trainer.model),
+        "optimizer": type(trainer.dp_optimizer).__name__,
+        "epsilon_history": list(trainer.privacy_engine.accountant.history),
+    }
+
+
 def sharding(model: nn.Module) -> dict[str, Any]:
     """The groups: the root's and which modules are FSDP2 groups of their own; whether every
     trainable parameter is a sharded DTensor."""
@@ -201,11 +225,13 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     records: dict[str, Any] = {}
     only = os.environ.get("FSDP_WORKER_RUNS")  # a comma-separated subset, while debugging
-    for name in only.split(",") if only else RUNS:
+    for name in [r for r in only.split(",") if r in RUNS] if only else RUNS:
         trainer, records[name] = train(name, out / f"r{rank}" / name, fsdp=SHARDED)
         if name == "full":
             records["saved"] = saved_model(out / "saved", trainer)
             records["full_after_save"] = full_params(trainer.model)
+    if not only or "sft" in only:
+        records["sft"] = train_sft(out / f"r{rank}" / "sft", fsdp=SHARDED)
     if not only or "resume" in only:
         records["resume"] = resume(out / "resume")  # one folder for both ranks, as in real use
     torch.save(records, out / f"rank{rank}.pt")

@@ -114,6 +114,22 @@ def test_fsdp2_sigma_zero_update_equals_single_process(
 
 
 @pytest.mark.slow
+def test_fsdp2_dp_sft_trainer_update_equals_single_process(launch: list, tmp_path: Path) -> None:
+    """``DPSFTTrainer`` (TRL) under FSDP2, the ``full`` run's settings (tied Llama, every weight
+    trainable, sigma = 0, clip factors 1): the weights equal the same run in one process."""
+    pytest.importorskip("trl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = fw.train_sft(tmp_path)
+    assert one["optimizer"] == "RandomizedClipOptimizer"
+    start = fw.full_params(fw.model_for("full"))
+    for r in launch:
+        assert r["sft"]["optimizer"] == "FSDPRandomizedClipOptimizer"
+        assert r["sft"]["epsilon_history"] == one["epsilon_history"]
+    _check_params([r["sft"] for r in launch], one, start=start, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_fsdp2_noise_and_epsilon_equal_single_process(launch: list, single: dict) -> None:
     ranks, one = [r["budget"] for r in launch], single["budget"]
     _check_shares(ranks, one)
