@@ -180,9 +180,9 @@ def save_model_state(trainer: Any, output_dir: str, state_dict: dict[str, Any]) 
 
 
 def accelerator_state_initialised() -> bool:
-    """Whether accelerate's process-wide ``AcceleratorState`` exists already (an ``Accelerator``
-    or ``Trainer`` was made earlier in this process; a new one shares its distributed type and
-    plugins).
+    """Whether accelerate's process-wide ``AcceleratorState`` exists already (configured before
+    this trainer's accelerator and kept, ``use_configured_state``: a new accelerator shares its
+    distributed type and plugins; ``TrainingArguments`` resets it otherwise).
 
     Relies on ``accelerate.state.AcceleratorState._shared_state`` (empty until the first
     ``Accelerator``). Tests: ``test_transformers_contract.py::test_accelerate_fsdp2_on_cpu``.
@@ -198,8 +198,9 @@ def enable_fsdp2_on_cpu(trainer: Any) -> bool:
     Accelerate enables FSDP only for accelerator devices (its ``AcceleratorState`` sets
     ``DistributedType.FSDP`` and the plugin for ``MULTI_GPU`` and the like, not ``MULTI_CPU``);
     on CPU the ``Trainer`` would drop ``fsdp`` and wrap the model in DDP. FSDP2 itself runs on
-    CPU with gloo, so for a multi-CPU launch whose ``TrainingArguments`` ask for FSDP2, made as
-    the first ``Accelerator`` of the process (``was_initialised`` False), this sets the state's
+    CPU with gloo, so for a multi-CPU launch whose ``TrainingArguments`` ask for FSDP2 and whose
+    accelerator made a fresh state (``TrainingArguments`` resets accelerate's state unless
+    ``accelerator_config={"use_configured_state": True}``), this sets the state's
     distributed type to ``FSDP`` and its plugin to the one the ``Trainer`` builds from the
     arguments, and the trainer's ``is_fsdp_enabled``: the same path (accelerate's FSDP2
     preparation, checkpoint functions and state-dict gathering) as on GPUs.

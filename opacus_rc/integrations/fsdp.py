@@ -80,25 +80,32 @@ def refuse_unsupported_fsdp(trainer: Any) -> None:
         trainer: The DP trainer, after ``Trainer.__init__``, with FSDP enabled.
 
     Raises:
-        NotImplementedError: FSDP version 1, FSDP activation checkpointing, mixed precision,
-            CPU offload, ``cpu_ram_efficient_loading``, ``ignored_modules``, or
+        NotImplementedError: FSDP version 1, no FSDP plugin in accelerate's state, FSDP
+            activation checkpointing, mixed precision, CPU offload,
+            ``cpu_ram_efficient_loading``, ``ignored_modules``, or
             ``PrivacyArguments.privacy_unit``.
     """
     plugin = fsdp2_plugin(trainer)
-    if plugin is None:
-        raise NotImplementedError(
-            "TrainingArguments.fsdp is set but accelerate's state has no FSDP plugin (XLA "
-            "FSDP, or an Accelerator / Trainer made earlier in this process without FSDP, "
-            "whose state accelerate keeps and would train with unsharded): a DP trainer runs "
-            "FSDP2 through accelerate only. Build the FSDP trainer first in the process, with "
-            'TrainingArguments(fsdp=True, fsdp_config={"version": 2}), launched with torchrun'
-        )
-    version = int(getattr(plugin, "fsdp_version", 1))
+    if plugin is not None:
+        version = int(getattr(plugin, "fsdp_version", 1))
+    else:
+        plugin_args = getattr(trainer.args, "fsdp_plugin_args", None) or {}
+        version = int(plugin_args.get("fsdp_version", 1))
     if version != 2:
         raise NotImplementedError(
             f"FSDP version {version} through a DP trainer is not supported: randomized "
             "clipping shards with FSDP2 (torch.distributed.fsdp.fully_shard). Set "
             'fsdp_config={"version": 2} (accelerate: fsdp_version: 2)'
+        )
+    if plugin is None:
+        raise NotImplementedError(
+            "TrainingArguments.fsdp is set but accelerate's state has no FSDP plugin (XLA "
+            "FSDP, or a state configured earlier without FSDP and kept with "
+            "accelerator_config={'use_configured_state': True}), so accelerate would train "
+            "the model unsharded: a DP trainer runs FSDP2 through accelerate's plugin only. "
+            "Leave use_configured_state off (each TrainingArguments then starts a fresh state) "
+            "or configure the state with FSDP2: TrainingArguments(fsdp=True, "
+            'fsdp_config={"version": 2}), launched with torchrun'
         )
     what = None
     if getattr(plugin, "activation_checkpointing", False):

@@ -96,7 +96,7 @@ differently:
   (zero-gradient fillers), checkpoints hold the sharded (``SHARDED_STATE_DICT``) or full model
   and optimizer beside the privacy state, and ``save_model`` writes the full model
   (:mod:`~opacus_rc.integrations.fsdp`). On CPU (gloo) accelerate has no FSDP; the trainer gives
-  the launch accelerate's FSDP2 path when it builds the process' first accelerator.
+  the launch accelerate's FSDP2 path.
 * **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
@@ -389,9 +389,9 @@ class DPTrainerMixin(TrainerSeams):
     # ------------------------------------------------------------------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's accelerator; on a multi-CPU (gloo) launch asking for FSDP2, made as
-        the process' first accelerator, with accelerate's FSDP2 path, which accelerate enables
-        on accelerator devices only (:func:`~opacus_rc._compat.transformers.enable_fsdp2_on_cpu`):
+        """The Trainer's accelerator; on a multi-CPU (gloo) launch asking for FSDP2 (with a
+        fresh accelerate state) with accelerate's FSDP2 path, which accelerate enables on
+        accelerator devices only (:func:`~opacus_rc._compat.transformers.enable_fsdp2_on_cpu`):
         CPU runs take the path GPU runs take."""
         earlier = accelerator_state_initialised()
         super().create_accelerator_and_postprocess()

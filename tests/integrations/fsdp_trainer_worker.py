@@ -8,8 +8,8 @@ epsilon, the accountant's history, the model's FSDP2 groups; a run checkpointed 
 state) and resumed beside the same run uninterrupted; the model ``save_model`` wrote; and a
 ``DPSFTTrainer`` run.
 
-The first trainer built in the process must be an FSDP one: accelerate keeps its state (and its
-FSDP plugin, or none) for the process.
+Each ``TrainingArguments`` starts a fresh accelerate state, so FSDP and single-process trainers
+may follow each other in one process.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ def train(name: str, out: Path, *, fsdp: dict | None = None) -> tuple[Any, dict[
         "history": list(trainer.privacy_engine.accountant.history),
         "optimizer": type(trainer.dp_optimizer).__name__,
         "sharding": sharding(trainer.model),
+        # The last micro-batch's per-example norms (a filler's are 0 under FSDP2).
+        "last_norms": trainer.dp_module.per_sample_gradient_norms.detach().clone(),
     }
     return trainer, record
 

@@ -6,7 +6,7 @@ parameters, the examples per step and micro-batches per step of this rank's shar
 multiplier, epsilon, the accountant's history, the world size the Trainer saw, the token counts
 logged and the attributes left on the parameters after ``train()``; a run saved
 and resumed from a checkpoint beside the same run uninterrupted; and the error
-that building a DP trainer with FSDP through the Trainer raised after them in the process.
+that building a DP trainer with FSDP version 1 through the Trainer raised.
 """
 
 from __future__ import annotations
@@ -144,10 +144,10 @@ def resume(out: Path) -> dict[str, Any]:
 
 
 def fsdp_refusal(out: Path) -> dict[str, Any]:
-    """The error a DP trainer raises for FSDP through the Trainer (accelerate's FSDP2) in a
-    process whose accelerate state was made without FSDP (by the trainers before it)."""
+    """The error a DP trainer raises for FSDP version 1 through the Trainer (FSDP2 runs:
+    test_dp_trainer_fsdp.py)."""
     try:
-        args = th.training_args(out, fsdp=True, fsdp_config={"fsdp_version": 2})
+        args = th.training_args(out, fsdp=True, fsdp_config={"fsdp_version": 1})
         DPTrainer(
             model=th.tiny_llama(),
             args=args,

@@ -109,6 +109,9 @@ def test_fsdp2_sigma_zero_update_equals_single_process(
     _check_shares(ranks, one)
     # The ranks' shares needed different numbers of micro-batches at some step (fillers ran).
     assert any(a[1] != b[1] for a, b in zip(ranks[0]["shares"], ranks[1]["shares"]))
+    if run == "clip":  # clipping active: every example of the last micro-batch is clipped
+        assert one["last_norms"].numel() >= 1
+        assert float(one["last_norms"].min()) > fw.RUNS["clip"]["privacy"]["max_grad_norm"]
     start = fw.full_params(fw.model_for(run))
     _check_params(ranks, one, start=start, atol=1e-6)
 
@@ -190,6 +193,7 @@ def _trainer(**plugin: Any) -> SimpleNamespace:
                 "mixed_precision_policy": None}  # fmt: skip
     state = SimpleNamespace(fsdp_plugin=SimpleNamespace(**{**defaults, **plugin}))
     return SimpleNamespace(
+        args=SimpleNamespace(fsdp_plugin_args={"fsdp_version": plugin.get("fsdp_version", 2)}),
         is_fsdp_enabled=True,
         accelerator=SimpleNamespace(state=state, mixed_precision="no"),
         privacy_args=SimpleNamespace(privacy_unit=None),
@@ -220,7 +224,10 @@ def test_fsdp_refuses_privacy_unit_and_a_missing_plugin() -> None:
         refuse_unsupported_fsdp(trainer)
     trainer = _trainer()
     trainer.accelerator.state.fsdp_plugin = None
-    with pytest.raises(NotImplementedError, match="no FSDP plugin.*made earlier in this process"):
+    with pytest.raises(NotImplementedError, match="no FSDP plugin.*use_configured_state"):
+        refuse_unsupported_fsdp(trainer)
+    trainer.args.fsdp_plugin_args = {"fsdp_version": 1}  # no plugin: the arguments' version
+    with pytest.raises(NotImplementedError, match="FSDP version 1"):
         refuse_unsupported_fsdp(trainer)
     refuse_unsupported_fsdp(_trainer())  # FSDP2 with the defaults: accepted
 

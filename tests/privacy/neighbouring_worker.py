@@ -312,11 +312,11 @@ def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) ->
     }
 
 
-# DPTrainer under FSDP2 (TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2}), its own
-# launch: accelerate keeps one state per process). GPT-2's Conv1D takes functorch, which FSDP2
-# refuses; the model is an untied Llama whose only trainable weight is the input embedding
-# (exact per-example norms) with 128 rows for tokens 1-63: rows 64-127 (1024 coordinates) never
-# receive a gradient, so their update is the noise alone.
+# DPTrainer under FSDP2 (TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2}), a launch
+# of its own, which leaves the first launch's cases as they were). GPT-2's Conv1D takes
+# functorch, which FSDP2 refuses; the model is an untied Llama whose only trainable weight is
+# the input embedding (exact per-example norms) with 128 rows for tokens 1-63: rows 64-127
+# (1024 coordinates) never receive a gradient, so their update is the noise alone.
 TRAINER_FSDP_VOCAB, TRAINER_FSDP_C, TRAINER_FSDP_DEAD_ROW = 128, 0.05, 64
 
 
@@ -524,7 +524,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     try:
-        if sys.argv[2:] == ["trainer-fsdp2"]:  # its own launch (one accelerate state)
+        if sys.argv[2:] == ["trainer-fsdp2"]:  # a launch of its own
             results = {
                 "trainer-fsdp2": neighbours(
                     lambda *, n, sigma, seed=0: trainer_fsdp_run(

@@ -14,8 +14,7 @@ seeds, and the test compares the two:
 
 Paths: the engine under torch DDP and under FSDP2 (per record, Poisson), the engine with a
 ``DistributedUnitDataLoader`` under DDP (units), and ``DPTrainer`` under DDP (the launch) and
-under FSDP2 (``fsdp_config={"fsdp_version": 2}``, a second launch: accelerate keeps one state
-per process).
+under FSDP2 (``fsdp_config={"fsdp_version": 2}``, a second launch).
 The unit loader without a public size takes its divisor from the private number of units
 (12 units: 3, 11 units: 2; noise sd ratio 1.5): an expected failure until issue 30's item 3.
 
@@ -95,7 +94,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
-    # DPTrainer under FSDP2: a launch of its own (accelerate keeps one state per process).
+    # DPTrainer under FSDP2: a launch of its own (the first launch's cases as they were).
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(WORKER), str(out), "trainer-fsdp2"],
