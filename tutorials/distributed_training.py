@@ -76,7 +76,8 @@ def trainer_fsdp(*, backend: str, steps: int, seq_len: int) -> None:
     ``_no_split_modules``), ``reshard_after_forward``, and ``state_dict_type``
     (``SHARDED_STATE_DICT`` writes each rank's shard at a checkpoint; ``save_model`` writes the
     full model either way). Refused under FSDP2, with what to change: ``bf16``/``fp16`` mixed
-    precision, ``fsdp_config["activation_checkpointing"]``, CPU offload, FSDP version 1,
+    precision, ``fsdp_config["activation_checkpointing"]`` (``gradient_checkpointing=True``
+    works), CPU offload, FSDP version 1,
     ``PrivacyArguments.privacy_unit`` (docs/distributed.md).
     """
     import transformers

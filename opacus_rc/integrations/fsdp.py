@@ -112,7 +112,7 @@ def refuse_unsupported_fsdp(trainer: Any) -> None:
         what = (
             'fsdp_config["activation_checkpointing"]=True (accelerate wraps layers in '
             "CheckpointWrapper while it shards, which the trainer's own sharding does not "
-            "do); set it to False"
+            "do); set it to False and use TrainingArguments(gradient_checkpointing=True)"
         )
     elif (
         trainer.accelerator.mixed_precision != "no"

@@ -77,6 +77,17 @@ RUNS: dict[str, dict[str, Any]] = {
         "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 1e6, "expected_batch_size": 8},
         "args": {"max_steps": 3, "per_device_train_batch_size": 2, **SGD, "learning_rate": 0.1},
     },
+    # "full" with the Trainer's gradient checkpointing (TRL's default): the same update.
+    "ckpt": {
+        "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 1e6, "expected_batch_size": 8},
+        "args": {
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            **SGD,
+            "learning_rate": 0.1,
+            "gradient_checkpointing": True,
+        },
+    },
     # The noise searched for epsilon 4 over 4 steps (exact norms, clipping active); a small
     # logical batch, so that a rank's share is empty at some step (that rank runs filler
     # micro-batches only).
