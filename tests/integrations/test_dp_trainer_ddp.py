@@ -137,9 +137,10 @@ def test_ddp_token_count_is_the_global_one_and_no_hook_is_left(launch: list, sin
 
 
 @pytest.mark.slow
-def test_ddp_refused_fsdp2_option_through_the_trainer(launch: list) -> None:
-    """FSDP2 through the Trainer runs (test_dp_trainer_fsdp.py); FSDP's activation
-    checkpointing is refused on every rank of a launch, saying what to set."""
+def test_ddp_fsdp_through_the_trainer_is_refused(launch: list) -> None:
+    """FSDP2 through the Trainer runs since issue 35 (test_dp_trainer_fsdp.py); what is still
+    refused is refused on every rank of a launch, saying what to set: here FSDP's activation
+    checkpointing."""
     for r in launch:
         assert r["fsdp"]["error"] == "NotImplementedError"
         message = r["fsdp"]["message"]
