@@ -23,13 +23,42 @@ FSDP2's own reduce-scatter of the second pass does the same; its divide factor i
 that it sums (the optimizer divides once, by the expected global batch size). Every rank issues
 the same collectives in the same order, an empty Poisson batch included (its sum is zero).
 
-**Differences from Opacus' FSDP class.** Opacus keeps its norms and forward counters on modules
-because its FSDP hooks do not rely on parameter identity; the randomized-clipping step state is
-keyed by parameter. Under ``fully_shard`` the parameters registered on a module outside its
-forward and backward are the sharded DTensors (the optimizer's parameters), and those are the
-ones the hooks see (each module's own ``fully_shard`` reshards after forward, the default that
-``FSDP2Wrapper`` uses; see :func:`check_fsdp_model`). FSDP2's per-module classes
-(``FSDPLinear``...) are mapped to their base type with Opacus' own ``_get_module_type``.
+**Which groups.** Every trainable parameter must belong to an FSDP2 group
+(:func:`check_fsdp_model`); a module need not be sharded on its own. A decoder layer's group may
+own its RMSNorms and biases, the root's the final norm, and one group must own a tied weight
+(torch refuses a parameter shared across groups): the root's, or
+``fully_shard([embedding, head])`` (FSDP2's ``FSDPEmbedding`` and ``FSDPLinear`` are matched as
+the embedding and the head, :func:`~opacus_rc.grad_sample.routing.find_tied_groups`). LoRA
+adapters may share a group with the frozen base weights.
+
+**Parameter identity.** The randomized-clipping step state is keyed by parameter (Opacus keeps
+its FSDP norms on modules instead). FSDP2 registers a group's unsharded parameters on its
+modules during the group's forward and backward (the root's from its forward to the end of the
+backward) and the sharded ``DTensor`` parameters (the optimizer's) outside them. Every hook
+therefore runs on the sharded ones (``_sharded_view``: the parameters registered at
+construction put back for the duration of the hook), and so does the check that the trainable
+set has not changed, which runs inside the root's forward. No hook reads parameter values: the
+norms and clipped sums come from activations and output gradients alone (the RMSNorm and
+LayerNorm closed forms recompute the normalised input from the layer input; functorch, which
+evaluates a module with its parameters, is refused), and the shapes they read are the
+``DTensor`` parameters' global shapes.
+
+**Tied weights.** The joint sketch of the tied embedding / LM head
+(:mod:`~opacus_rc.grad_sample.tied`) and the norms of every other layer need no collective: the
+head's input and output gradient and the embedding's ids and output gradient are those of the
+whole layer for the rank's own samples, so each rank's norms equal one process's on its
+samples with the same probes (tests/distributed/test_fsdp_llama.py). With book-keeping the
+head's and the embedding's clipped sums are added into one sum in the parameter's global shape,
+reduce-scattered once into the shared parameter's shard; with two passes FSDP2's reduce-scatter
+of the second pass sums both uses. FSDP2's per-module classes (``FSDPLinear``...) are mapped to
+their base type with Opacus' own ``_get_module_type``; a sharded module of a type with a
+project sampler but no Opacus grad sampler (a ``fully_shard``-ed ``LlamaRMSNorm``) is given its
+per-sample gradient function in Opacus' table, so that Opacus does not deep-copy it for
+functorch (FSDP2 refuses the copy).
+
+**Activation checkpointing** (``torch.utils.checkpoint``, reentrant or not, and HF's
+``gradient_checkpointing_enable``) needs nothing more: the recomputed forward runs inside the
+group's backward, whose hooks see the same sharded parameters.
 
 Denoising is refused under FSDP (the engine): post-processing must see the whole noisy
 gradient, which no rank holds.
@@ -88,15 +117,18 @@ def _with_fsdp_types(registry: Mapping[type, Any], fsdp_types: Mapping[type, typ
 def check_fsdp_model(m: nn.Module) -> dict[type, type]:
     """Check an FSDP2 model for randomized clipping; return ``{FSDP2 class: base type}``.
 
+    Every trainable parameter must be managed by an FSDP2 group (a ``DTensor`` once
+    ``fully_shard`` has run): the module's own group, or an enclosing one (a decoder layer's
+    group owning its RMSNorms, the root's owning a tied embedding and LM head). The hooks
+    map whatever parameters a group has registered (sharded or unsharded) back to the sharded
+    ones (see the module docstring), so a module need not be sharded on its own.
+
     Raises:
         RuntimeError: If ``torch.distributed`` is not initialised.
-        ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a module with trainable
-            parameters of its own is not ``fully_shard``-ed itself: its parameters would belong
-            to an enclosing group that may stay unsharded after forward, so the hooks would see
-            other parameter objects at forward and at backward time. The message names the
-            modules and their types and says to ``fully_shard`` each of them before the root
-            (Opacus' ``FSDP2Wrapper`` shards only the types Opacus has a grad sampler for, and
-            frozen modules), or to freeze them.
+        ValueError: If ``m`` is not ``fully_shard``-ed at its root, or a trainable parameter is
+            managed by no FSDP2 group (``fully_shard(..., ignored_params=...)``): its gradient
+            would be neither sharded nor reduced across ranks. The message names the modules
+            and their types and says to let FSDP2 manage the parameters or to freeze them.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -108,21 +140,21 @@ def check_fsdp_model(m: nn.Module) -> dict[type, type]:
             "the model is not fully_shard-ed at its root: call fully_shard(model) after "
             "sharding its layers (or use opacus.utils.fsdp_utils.FSDP2Wrapper)"
         )
-    unsharded = [
+    unmanaged = [
         (name or "<root>", type(sub).__name__)
         for name, sub in m.named_modules()
-        if any(p.requires_grad and not isinstance(p, DTensor) for p in sub.parameters(recurse=False))
+        if any(
+            p.requires_grad and not isinstance(p, DTensor) for p in sub.parameters(recurse=False)
+        )
     ]
-    if unsharded:
-        types = sorted({t for _, t in unsharded})
+    if unmanaged:
+        types = sorted({t for _, t in unmanaged})
         raise ValueError(
-            f"{len(unsharded)} module(s) own trainable parameters but are not fully_shard-ed "
-            f"themselves: {[n for n, _ in unsharded[:5]]} (types {types}). Randomized clipping "
-            "under FSDP2 needs each of them sharded on its own: call "
-            "torch.distributed.fsdp.fully_shard(module) on every one of them, innermost "
-            "first, before fully_shard(model) (or before opacus.utils.fsdp_utils.FSDP2Wrapper"
-            "(model), which shards only the module types Opacus has a grad sampler for, and "
-            f"frozen modules, so it leaves {types} unsharded), or freeze their parameters"
+            f"{len(unmanaged)} module(s) own trainable parameters that no FSDP2 group manages: "
+            f"{[n for n, _ in unmanaged[:5]]} (types {types}), e.g. passed to fully_shard as "
+            "ignored_params. Their gradients would be neither sharded nor summed across ranks. "
+            "Let FSDP2 manage them (drop them from ignored_params; fully_shard(model) manages "
+            "every parameter no inner group does) or freeze them"
         )
     return {type(sub): fsdp_base_type(sub) for sub in m.modules() if isinstance(sub, FSDPModule)}
 
@@ -175,6 +207,15 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
         self.NORM_SAMPLERS = _with_fsdp_types(type(self).NORM_SAMPLERS, fsdp_types)
         exact = set(type(self).EXACT_NORM_TYPES)
         self.EXACT_NORM_TYPES = exact | {c for c, b in fsdp_types.items() if b in exact}
+        self.STASH_GRAD_SAMPLERS = _with_fsdp_types(type(self).STASH_GRAD_SAMPLERS, fsdp_types)
+        # Opacus prepares a functorch copy of every hooked module whose type has no grad sampler
+        # (a deepcopy, which FSDP2 refuses for a sharded module, and a copy of the shards for
+        # one in an enclosing group): a module of a sketched or exact type without one (e.g.
+        # LlamaRMSNorm) takes its per-sample gradient function, if it has one, or a stand-in;
+        # its route is sketched or exact, so neither is called for its norm.
+        for cls in {type(sub) for sub in m.modules()}:
+            if cls not in self.GRAD_SAMPLERS and cls in self.SKETCHED_NORM_SAMPLERS:
+                self.GRAD_SAMPLERS[cls] = self.STASH_GRAD_SAMPLERS.get(cls, _no_grad_sampler)
         # The sharded parameters, registered now (outside forward and backward): the ones the
         # optimizer holds and the step state is keyed by (see _sharded_view).
         self._sharded_params = {
@@ -234,10 +275,11 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
     def _sharded_view(self, module: nn.Module) -> Iterator[None]:
         """Register ``module``'s sharded parameters on it for the duration of a hook.
 
-        FSDP2 registers the unsharded parameters during a module's forward and backward and the
+        FSDP2 registers the unsharded parameters during the forward and backward of the group
+        owning the module (its own, or an enclosing one: a decoder layer's, the root's) and the
         sharded DTensors outside them (``unsafe_setattr_param`` on the module's registered
-        parameters);
-        which one a hook sees depends on the order of FSDP2's and Opacus' hooks. The step state
+        parameters); which one a hook sees depends on the order of FSDP2's and Opacus' hooks
+        and on the group. The step state
         is keyed by parameter, so every hook sees the sharded ones (the optimizer's). No hook
         of this class reads parameter values (functorch, which would, is refused): the norms
         come from activations and output gradients alone.
@@ -274,6 +316,19 @@ class _FSDPRandomizedClippingMixin(_RandomizedClippingMixin):
             self.private_step.backward_hook(module, *args, **kwargs)
 
 
+def _no_grad_sampler(layer: nn.Module, *_args: Any) -> dict[nn.Parameter, torch.Tensor]:
+    """The stand-in grad sampler of a sharded sketched type without a per-sample gradient
+    function (Opacus' table only; the module's norms take its sketched route).
+
+    Raises:
+        NotImplementedError: Always.
+    """
+    raise NotImplementedError(
+        f"{type(layer).__name__} has a sketched norm sampler but no per-sample gradient "
+        "function: its per-sample gradients cannot be formed under FSDP2"
+    )
+
+
 class _ShardedTrainableSet:
     """A :class:`~opacus_rc.grad_sample.checks.TrainableSetGuard` checked on the sharded
     parameters (an enclosing FSDP2 group registers unsharded ones during its forward)."""
@@ -303,36 +358,10 @@ def _functorch_message(names: list[str], types: list[str]) -> str:
         f"modules {names[:5]}{of} own trainable parameters but have no grad sampler or "
         "sketched norm sampler: in one process they take Opacus' functorch path, which "
         "evaluates the module with its parameters; under FSDP2 those are shards, so they are "
-        "refused. Freeze them (p.requires_grad_(False) for their parameters; FSDP2Wrapper "
-        "then shards them too), or register a grad sampler for their type "
-        "(opacus.grad_sample.register_grad_sampler) or a sketched norm sampler "
-        "(opacus_rc.grad_sample.register_sketched_norm_sampler) and fully_shard each "
-        "such module before the root"
+        "refused. Freeze them (p.requires_grad_(False) for their parameters), or register "
+        "a grad sampler for their type (opacus.grad_sample.register_grad_sampler) or a "
+        "sketched norm sampler (opacus_rc.grad_sample.register_sketched_norm_sampler)"
     )
-
-
-def _refuse_tied(m: nn.Module) -> None:
-    """Refuse a trainable parameter shared by several modules of an FSDP2 model.
-
-    Raises:
-        NotImplementedError: Naming the modules: untie, freeze, or use DDP/DPDDP.
-    """
-    owners: dict[int, list[str]] = {}
-    for name, sub in m.named_modules():
-        for p in sub.parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(id(p), []).append(
-                    f"'{name or '<root>'}' ({fsdp_base_type(sub).__name__})"
-                )
-    tied = [users for users in owners.values() if len(users) > 1]
-    if tied:
-        raise NotImplementedError(
-            f"a trainable parameter is tied between modules {', '.join(tied[0])}: tied "
-            "weights (e.g. an input embedding tied to an LM head) are not supported under "
-            "FSDP2 by randomized clipping. Untie them (HF: tie_word_embeddings=False), freeze "
-            "the shared weight, or train with DDP/DPDDP, where a tied embedding and LM head "
-            "are supported"
-        )
 
 
 def _trainable(m: nn.Module) -> Iterable[nn.Parameter]:
@@ -365,8 +394,8 @@ class GradSampleModuleRandomizedClippingFSDP(
     """:class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping` for an FSDP2 model.
 
     Arguments, attributes and errors as the single-process class; in addition the model must
-    be ``fully_shard``-ed at its root and at every module owning trainable parameters
-    (:func:`check_fsdp_model`). Use with
+    be ``fully_shard``-ed at its root and every trainable parameter managed by an FSDP2 group
+    (:func:`check_fsdp_model`; a tied embedding / LM head in one group). Use with
     :class:`~opacus_rc.optimizers.FSDPRandomizedClipOptimizer`. See the module docstring.
     """
 

@@ -45,6 +45,7 @@ from typing import Any
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from torch import nn
 
+from opacus_rc._compat.opacus import fsdp_base_type
 from opacus_rc.sketching import SketchSpec
 
 __all__ = [
@@ -198,7 +199,8 @@ class TiedGroup:
 
 def find_tied_groups(hooked: Iterable[nn.Module], *, names: Mapping[int, str]) -> list[TiedGroup]:
     """The supported tyings among ``hooked``: a weight shared by exactly one ``nn.Embedding``
-    and one ``nn.Linear`` (exact types), as their ``weight``, with no other trainable parameter
+    and one ``nn.Linear`` (exact types, or FSDP2's ``FSDPEmbedding`` and ``FSDPLinear`` of a
+    ``fully_shard([embedding, head])``), as their ``weight``, with no other trainable parameter
     of either module shared.
 
     Any other sharing of a trainable parameter (two ``nn.Linear``, three owners, a tied bias,
@@ -226,8 +228,10 @@ def find_tied_groups(hooked: Iterable[nn.Module], *, names: Mapping[int, str]) -
     for pid, users in owners.items():
         if len(users) != 2:
             continue
-        emb = next((u for u in users if type(u) is nn.Embedding), None)
-        lin = next((u for u in users if type(u) is nn.Linear), None)
+        # FSDP2's per-module classes unwrapped: fully_shard([embedding, head]) makes them
+        # FSDPEmbedding and FSDPLinear, the one grouping FSDP2 accepts for a tied weight.
+        emb = next((u for u in users if fsdp_base_type(u) is nn.Embedding), None)
+        lin = next((u for u in users if fsdp_base_type(u) is nn.Linear), None)
         if emb is None or lin is None or not (emb.weight is params[pid] is lin.weight):
             continue
         others = [p for p in lin.parameters(recurse=False) if p.requires_grad and id(p) != pid]

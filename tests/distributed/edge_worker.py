@@ -154,16 +154,34 @@ class TiedLM(nn.Module):
 
 
 def scenario_tied(rank: int) -> dict[str, Any]:
-    """A tied embedding / LM head under FSDP2 (one group, as torch requires) is refused with a
-    message that says so and what to do (not the single-process 'exact types' refusal)."""
+    """A tied embedding / LM head under FSDP2 in one group (``fully_shard([embed, head])``, as
+    torch requires) is accepted since issue 35 (it was refused): both modules take the joint
+    sketch, and a step leaves the ranks in sync with the tie intact
+    (test_fsdp_llama.py checks the values against a float64 oracle)."""
     model = TiedLM()
     fully_shard([model.embed, model.head])
     model = fully_shard(model)
-    err = _make_private_error(model)
-    msg = str(err)
-    assert type(err) is NotImplementedError, repr(err)
-    assert "not supported under FSDP2" in msg and "DDP" in msg and "'embed'" in msg, msg
-    return {"refused": True}
+    engine = PrivacyEngine()
+    data = TensorDataset(torch.randint(0, 11, (8, T)), torch.randint(0, 11, (8, T)))
+    module, opt, crit, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        clipping="randomized",
+        sketch_dim=8,
+    )
+    routes = {n: r.path.value for n, r in module.norm_routes.items()}
+    assert routes == {"embed": "tied", "head": "tied"}, routes
+    x, y = data[rank * 4 : rank * 4 + 4]
+    logits = module(x)
+    crit(logits.reshape(-1, 11), y.reshape(-1), shape=logits.shape).backward()
+    opt.step()
+    ranks = gather(_params(module))
+    assert torch.equal(ranks[0], ranks[1])
+    assert model.head.weight is model.embed.weight
+    return {"accepted": True}
 
 
 def scenario_skip_forward(rank: int) -> dict[str, Any]:

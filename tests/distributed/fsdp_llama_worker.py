@@ -12,8 +12,8 @@ sample's gradient alone (``per_sample_grads``):
 
 * the norms: each rank's per-sample norms equal a single process's on the rank's own samples
   drawn with the same sketch generator (the same probes, so any communication or sharding
-  error in a norm shows; relative 1e-5), and the norms of the exact layers (RMSNorm weights)
-  equal the oracle's (relative 1e-5);
+  error in a norm shows; relative 1e-5), and the norms of the exact layers (RMSNorm weights,
+  LayerNorm weight and bias) equal the oracle's (relative 1e-5);
 * the clip factors ``c_i = min(1, C / (n_i + 1e-6))`` of both ranks, gathered, and the update:
   ``theta_0 - lr sum_i c_i g_i / B`` over the global batch with the oracle's ``g_i`` (absolute
   2e-6; the update itself is ~1e-2), clipping active (at least 4 of 8 samples clipped).
@@ -83,7 +83,16 @@ class Checkpointed(nn.Module):
 
 
 def tied_llama(seed: int = 0) -> nn.Module:
-    model = hf.llama(vocab=V, tie=True, layers=2, intermediate_size=24, seed=seed).train()
+    """Two decoder layers, the embedding tied to the head, biases on every Linear but the head."""
+    model = hf.llama(
+        vocab=V,
+        tie=True,
+        layers=2,
+        intermediate_size=24,
+        seed=seed,
+        attention_bias=True,
+        mlp_bias=True,
+    ).train()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(p.requires_grad for p in model.parameters())
     return model
@@ -91,19 +100,32 @@ def tied_llama(seed: int = 0) -> nn.Module:
 
 def checkpointed(model: nn.Module, checkpointing: str | None) -> nn.Module:
     """``model`` with activation checkpointing: ``"torch"`` (each decoder layer wrapped in
-    :class:`Checkpointed`) or ``"hf"`` (``gradient_checkpointing_enable``, non-reentrant)."""
+    :class:`Checkpointed`), ``"hf"`` (``gradient_checkpointing_enable``, non-reentrant) or
+    ``"hf_reentrant"`` (``use_reentrant=True``)."""
     layers = model.model.layers
     if checkpointing == "torch":
         for i in range(len(layers)):
             layers[i] = Checkpointed(layers[i])
-    elif checkpointing == "hf":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing in ("hf", "hf_reentrant"):
+        reentrant = checkpointing == "hf_reentrant"
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
     return model
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, *, own: bool = False) -> nn.Module:
     """Each decoder layer ``fully_shard``-ed, then the root (which owns the tied weight and the
-    final norm)."""
+    final norm). ``own``: first every module with parameters of its own in a group of its own,
+    the embedding and the LM head in one (``fully_shard([embed, head])``, the one grouping
+    FSDP2 accepts for a tied weight)."""
+    if own:
+        for layer in model.model.layers:
+            for sub in list(layer.modules())[1:]:
+                if any(True for _ in sub.parameters(recurse=False)):
+                    fully_shard(sub)
+        fully_shard(model.model.norm)
+        fully_shard([model.model.embed_tokens, model.lm_head])
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -172,18 +194,91 @@ def check_update(
     return worst
 
 
+def lora_llama() -> nn.Module:
+    """peft LoRA (r = 2, both factors random) on the q, v and down projections of the tied
+    Llama; the base, the tied weight and the norms frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+    )
+    torch.manual_seed(1)
+    model = get_peft_model(tied_llama(), cfg).train()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable), trainable
+    return model
+
+
+def shard_lora(model: nn.Module) -> nn.Module:
+    """Each decoder layer of the peft model ``fully_shard``-ed (frozen base weights and
+    trainable adapters in one group), then the root."""
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class NormNet(nn.Module):
+    """An untied embedding, an ``nn.LayerNorm`` (weight and bias) and two ``nn.Linear`` with
+    biases, every weight trainable; an HF-style output (``.logits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(V, 8)
+        self.norm = nn.LayerNorm(8)
+        self.hidden, self.head = nn.Linear(8, 12), nn.Linear(12, V)
+        with torch.no_grad():  # not the identity affine map
+            self.norm.weight.normal_(1.0, 0.3)
+            self.norm.bias.normal_(0.0, 0.3)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        h = torch.tanh(self.hidden(self.norm(self.embed(input_ids))))
+        return CausalLMOutput(logits=self.head(h))
+
+
+def shard_norm_net(model: nn.Module, *, wrapper: bool) -> nn.Module:
+    """``wrapper``: Opacus' ``FSDP2Wrapper`` (every layer in a group of its own); else only
+    the root (one group owning every parameter)."""
+    if wrapper:
+        from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+        return FSDP2Wrapper(model)
+    fully_shard(model)
+    return model
+
+
 def scenario_tied(
-    rank: int, *, checkpointing: str | None = None, bookkeeping: bool = True
+    rank: int,
+    *,
+    checkpointing: str | None = None,
+    bookkeeping: bool = True,
+    own: bool = False,
+    lora: bool = False,
+    norm_net: str | None = None,
 ) -> dict[str, Any]:
-    """The tied Llama, every weight trainable, at sigma = 0 (see the module docstring)."""
-    base = tied_llama()
+    """The tied Llama, every weight trainable (``lora``: LoRA adapters only; ``norm_net``:
+    :class:`NormNet` sharded by ``"wrapper"`` or at the ``"root"`` only), at sigma = 0 (see the
+    module docstring)."""
+    base = lora_llama() if lora else NormNet() if norm_net else tied_llama()
     x = batch(5)
     mine = x[rank::WORLD]
     g = per_sample_grads(base, x[ORDER])
     exact_norm = torch.cat([v.flatten(1) for v in g.values()], 1).norm(dim=1)
     C = 0.6 * float(exact_norm.median())
     theta0 = full(base)
-    model = shard(checkpointed(copy.deepcopy(base), checkpointing))
+    if lora:
+        model = shard_lora(copy.deepcopy(base))
+    elif norm_net:
+        model = shard_norm_net(copy.deepcopy(base), wrapper=norm_net == "wrapper")
+    else:
+        model = shard(checkpointed(copy.deepcopy(base), checkpointing), own=own)
     gsm = GradSampleModuleRandomizedClippingFSDP(
         model,
         max_grad_norm=C,
@@ -194,10 +289,12 @@ def scenario_tied(
     )
     assert gsm.bookkeeping is bookkeeping
     routes = {n: r.path.value for n, r in gsm.norm_routes.items()}
-    assert routes["lm_head"] == routes["model.embed_tokens"] == "tied", routes
+    if not (lora or norm_net):
+        assert routes["lm_head"] == routes["model.embed_tokens"] == "tied", routes
     opt, crit = step_pieces(gsm, C, per_rank=B // WORLD)
     crit(gsm(input_ids=mine).logits, mine).backward()
     norms = gsm.per_sample_gradient_norms.double()
+    smaller_stash = gsm.step_smaller_stash
     layer_norms = {plain(n): v.double() for n, v in gsm.norm_samples.items()}
     opt.step()
     opt.zero_grad()
@@ -206,7 +303,9 @@ def scenario_tied(
     assert torch.equal(ranks[0], ranks[1]), "ranks diverged"
     # One process on this rank's samples, same probes (and checkpointing): the same norms.
     ref = GradSampleModuleRandomizedClipping(
-        checkpointed(copy.deepcopy(base), checkpointing),
+        copy.deepcopy(base)
+        if lora or norm_net
+        else checkpointed(copy.deepcopy(base), checkpointing),
         max_grad_norm=C,
         sketch_dim=8,
         loss_reduction="mean",
@@ -228,7 +327,7 @@ def scenario_tied(
     ref.cleanup()
     vs_single = ((norms - ref_norms).abs() / ref_norms).max().item()
     assert vs_single < 1e-5, (norms, ref_norms)
-    # The exact layers (RMSNorm weights) against the oracle, for this rank's samples.
+    # The exact layers (RMSNorm, LayerNorm) against the oracle, for this rank's samples.
     mine_rows = torch.arange(rank * (B // WORLD), (rank + 1) * (B // WORLD))
     exact_gap = 0.0
     for name, v in layer_norms.items():
@@ -236,7 +335,8 @@ def scenario_tied(
             want = g[name][mine_rows].flatten(1).norm(dim=1)
             exact_gap = max(exact_gap, ((v - want).abs() / want).max().item())
     assert 0 < exact_gap < 1e-5 or exact_gap == 0, exact_gap
-    assert sum("norm" in n for n in layer_norms) == 5, sorted(layer_norms)
+    expected = 0 if lora else 2 if norm_net else 5  # RMSNorm weights; LayerNorm weight, bias
+    assert sum("norm" in n for n in layer_norms) == expected, sorted(layer_norms)
     n_all = torch.cat(gather(norms))
     c = (C / (n_all + 1e-6)).clamp(max=1.0)
     clipped = int((c < 1).sum())
@@ -244,14 +344,63 @@ def scenario_tied(
     diff = check_update(theta0, theta, g, c)
     assert diff < 2e-6, diff
     moved = max((theta[n] - theta0[n]).abs().max().item() for n in g)
+    frozen = max(
+        ((theta[n] - theta0[n]).abs().max().item() for n in theta if n not in g), default=0.0
+    )
+    assert frozen == 0.0, frozen
     assert moved > 1e-3, moved
     return {
         "norms_vs_single_process": vs_single,
-        "rmsnorm_vs_oracle": exact_gap,
+        "norm_layers_vs_oracle": exact_gap,
         "update_vs_oracle": diff,
         "max_update": moved,
         "clipped_samples": clipped,
+        "smaller_stash": smaller_stash,
+        "biases": sum(n.endswith("bias") for n in g),
     }
+
+
+class TwoHeads(nn.Module):
+    """Two ``nn.Linear`` sharing one weight: no supported tying (not an embedding and a head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5, bias=False), nn.Linear(5, 5, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _refusal(model: nn.Module, error: type[BaseException]) -> str:
+    try:
+        GradSampleModuleRandomizedClippingFSDP(model, max_grad_norm=1.0, loss_reduction="mean")
+    except error as err:
+        assert not hasattr(model, "autograd_grad_sample_hooks")
+        return str(err)
+    raise AssertionError("the model was accepted")
+
+
+def scenario_refusals(rank: int) -> dict[str, str]:
+    """What FSDP2 still refuses, each with its message: a model not ``fully_shard``-ed at its
+    root; a trainable parameter no FSDP2 group manages (``ignored_params``); a weight tied
+    between modules other than one embedding and one head (as in one process)."""
+    out = {}
+    out["no_root"] = _refusal(tied_llama(), ValueError)
+    assert "not fully_shard-ed at its root" in out["no_root"], out
+    model = tied_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model, ignored_params={model.model.norm.weight})
+    out["ignored"] = _refusal(model, ValueError)
+    assert "no FSDP2 group manages" in out["ignored"] and "'model.norm'" in out["ignored"], out
+    assert "freeze them" in out["ignored"], out
+    two = TwoHeads()
+    fully_shard([two.a, two.b])
+    fully_shard(two)
+    out["tied_two_linears"] = _refusal(two, NotImplementedError)
+    assert "tied between modules 'a' (FSDPLinear), 'b' (FSDPLinear)" in out["tied_two_linears"]
+    return out
 
 
 def run(rank: int, port: int | None, out: str) -> None:
@@ -269,6 +418,13 @@ def run(rank: int, port: int | None, out: str) -> None:
             "tied_two_pass": lambda: scenario_tied(rank, bookkeeping=False),
             "tied_ckpt_torch": lambda: scenario_tied(rank, checkpointing="torch"),
             "tied_ckpt_hf": lambda: scenario_tied(rank, checkpointing="hf"),
+            "tied_ckpt_hf_reentrant": lambda: scenario_tied(rank, checkpointing="hf_reentrant"),
+            "tied_own_groups": lambda: scenario_tied(rank, own=True),
+            "tied_own_groups_ckpt": lambda: scenario_tied(rank, own=True, checkpointing="torch"),
+            "lora": lambda: scenario_tied(rank, lora=True),
+            "layernorm_root": lambda: scenario_tied(rank, norm_net="root"),
+            "layernorm_wrapper": lambda: scenario_tied(rank, norm_net="wrapper"),
+            "refusals": lambda: scenario_refusals(rank),
         }
         results = {k: f() for k, f in scenarios.items() if not only or k in only}
         if dist.get_rank() == 0:

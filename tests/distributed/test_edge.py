@@ -6,7 +6,7 @@
 * FSDP2: a trainable module without a sampler (like HF's LlamaRMSNorm) is refused with a
   message naming it and what to do, whether FSDP2Wrapper left it unsharded or it was sharded
   by hand (no bare AssertionError from Opacus' functorch deepcopy);
-* FSDP2: a tied embedding / LM head is refused (untie, freeze, or DDP);
+* FSDP2: a tied embedding / LM head in one group is accepted (issue 35; it was refused);
 * FSDP2: a rank that skips its forward/backward raises StepProtocolError instead of deadlocking.
 """
 
@@ -38,5 +38,5 @@ def test_two_process_gloo_edge_cases(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["rand_on_empty"]["first_batch_random"] >= 1
     assert set(res["norm_without_sampler"]) == {"wrapper", "by_hand"}
-    assert res["tied"]["refused"]
+    assert res["tied"]["accepted"]
     assert res["skip_forward"]["raised"]

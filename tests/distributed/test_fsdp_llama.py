@@ -8,7 +8,12 @@ per-sample norms equal one process's on its samples with the same probes, the RM
 equal the float64 oracle's, and the update equals ``theta_0 - lr sum_i c_i g_i / B`` over the
 global batch with each sample's gradient computed alone in float64; with book-keeping and two
 passes, and under activation checkpointing (``torch.utils.checkpoint`` non-reentrant and HF's
-``gradient_checkpointing_enable``).
+``gradient_checkpointing_enable``, also reentrant); with every module with parameters in a
+group of its own (``fully_shard([embed, lm_head])`` for the tied weight); and with peft LoRA
+adapters (the base and the tied weight frozen); and an ``nn.LayerNorm`` net with biases (the
+LayerNorm's exact norms against the oracle), in the root's group or under ``FSDP2Wrapper``.
+What is still refused has its message checked: no root group, a trainable parameter no group
+manages, a weight tied other than embedding / head.
 """
 
 from __future__ import annotations
@@ -44,11 +49,33 @@ def run_worker(tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+CASES = (
+    "tied_bk",
+    "tied_two_pass",
+    "tied_ckpt_torch",
+    "tied_ckpt_hf",
+    "tied_ckpt_hf_reentrant",
+    "tied_own_groups",
+    "tied_own_groups_ckpt",
+    "lora",
+    "layernorm_root",
+    "layernorm_wrapper",
+)
+BIASES = {"lora": 0, "layernorm_root": 3, "layernorm_wrapper": 3}  # else 14
+
+
 def test_two_process_gloo_fsdp2_tied_llama(tmp_path: Path) -> None:
     res = run_worker(tmp_path)
-    for key in ("tied_bk", "tied_two_pass", "tied_ckpt_torch", "tied_ckpt_hf"):
+    for key in CASES:
         r = res[key]
         assert r["norms_vs_single_process"] < 1e-5, (key, r)
-        assert r["rmsnorm_vs_oracle"] < 1e-5, (key, r)
+        assert r["norm_layers_vs_oracle"] < 1e-5, (key, r)
         assert r["update_vs_oracle"] < 2e-6 and r["max_update"] > 1e-3, (key, r)
         assert r["clipped_samples"] >= 4, (key, r)
+        # checkpointed book-keeping steps keep the smaller stash (exact norms where smaller)
+        assert r["smaller_stash"] is ("ckpt" in key), (key, r)
+        assert r["biases"] == BIASES.get(key, 14), (key, r)
+    refusals = res["refusals"]
+    assert "not fully_shard-ed at its root" in refusals["no_root"]
+    assert "no FSDP2 group manages" in refusals["ignored"]
+    assert "tied between modules 'a' (FSDPLinear), 'b' (FSDPLinear)" in refusals["tied_two_linears"]

@@ -23,6 +23,10 @@ generator state; the worker records both batches and the test checks that they d
 removed record only). The engine's distributed Poisson sampler shuffles its shards by default
 (a permutation of ``N`` indices, different for ``N - 1``), so the harness turns shuffling off.
 
+``fsdp2-tied-llama-*`` (issue 35): the engine with a one-block tied Llama under FSDP2 (each
+decoder layer ``fully_shard``-ed, then the root, which owns the tied embedding / LM head),
+every weight trainable, sketched norms at ``k = 4096``.
+
 ``fixed_batches`` (issue 30, Opacus PR #745) checks one step of ``poisson_sampling=False`` with
 a ``DistributedSampler`` loader of per-rank batch 4 (and the same loader with Poisson
 sampling) against the single-process clipped sum of the global batch divided by the global
@@ -48,6 +52,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "integrations"))
+sys.path.insert(0, str(HERE.parent))  # tiny_hf_models
 
 import opacus_rc  # noqa: E402,F401  (registers the "rc" accountant)
 from opacus_rc.privacy_engine import PrivacyEngine  # noqa: E402
@@ -163,6 +168,111 @@ def engine_records(
         "divisor_global": divisor,
         "batch": batch,
         "removed_sampled": (N_RECORDS - 1) in batch,
+        **released(before, after, divisor),
+    }
+
+
+# The tied Llama under FSDP2 (issue 35): records are token sequences of LM_T tokens; sketched
+# norms at k = LM_K (the bound of tests/privacy/neighbouring.py::sensitivity_bound); C_LM below
+# every record's norm, so every sampled record is clipped.
+LM_V, LM_T, LM_K, C_LM = 29, 6, 4096, 0.1
+
+
+class SeqCE(nn.Module):
+    """Each record's mean next-token cross-entropy (``reduction="none"``: ``(B,)``)."""
+
+    reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        per = nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none"
+        ).mean(1)
+        if self.reduction == "none":
+            return per
+        return per.mean() if self.reduction == "mean" else per.sum()
+
+
+class DeadTiedLlama(nn.Module):
+    """A one-block tied ``LlamaForCausalLM`` (every weight trainable, RMSNorms included) plus
+    ``dead``, a layer used with weight 0 (its gradient is exactly zero: the noise alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tiny_hf_models as hf
+
+        self.lm = hf.llama(vocab=LM_V, tie=True, seed=0).train()
+        assert self.lm.lm_head.weight is self.lm.model.embed_tokens.weight
+        self.dead = nn.Linear(D_IN, DEAD, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids).logits
+        ones = torch.ones(ids.shape[0], 1, D_IN)
+        return logits + 0.0 * self.dead(ones).sum(-1, keepdim=True)
+
+
+def shard_tied_llama(model: DeadTiedLlama) -> nn.Module:
+    """Each decoder layer ``fully_shard``-ed, then the root: the root's group owns the tied
+    embedding / LM head, the final RMSNorm and ``dead``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.lm.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def lm_record_data(n: int) -> TensorDataset:
+    """The first ``n`` of ``N_RECORDS`` fixed token records ``(ids, index)``."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, LM_V, (N_RECORDS, LM_T), generator=g)
+    return TensorDataset(ids[:n], torch.arange(n))
+
+
+def engine_tied_llama(
+    rank: int, *, n: int, sigma: float, dataset_size: int | None, seed: int = 0
+) -> dict[str, Any]:
+    """One step of ``make_private`` with the tied Llama under FSDP2 (per-record Poisson)."""
+    model = shard_tied_llama(DeadTiedLlama())
+    engine = PrivacyEngine()
+    loader = DataLoader(
+        lm_record_data(n),
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(30 + 2 * seed + rank),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, opt, crit, dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            data_loader=loader,
+            noise_multiplier=sigma,
+            max_grad_norm=C_LM,
+            clipping="randomized",
+            criterion=SeqCE(),
+            sketch_dim=LM_K,
+            sketch_generator=torch.Generator().manual_seed(60 + rank),
+            noise_generator=torch.Generator().manual_seed(7),
+            dataset_size=dataset_size,
+        )
+    dl.batch_sampler.shuffle = False  # the coupling of D and D-1 (module docstring)
+    before = named_full(module)
+    ids, index = next(iter(dl))
+    crit(module(ids), ids).backward()
+    opt.step()
+    after = named_full(module)
+    divisor = float(opt.expected_batch_size) * WORLD
+    ((s, q, steps, _spec),) = [tuple(h) for h in engine.accountant.history]
+    batch = sorted(i for part in gather_objects(index.tolist()) for i in part)
+    return {
+        "sample_rate": q,
+        "steps_per_epoch": len(dl),
+        "accounted_steps": steps,
+        "divisor_rank": float(opt.expected_batch_size),
+        "divisor_global": divisor,
+        "batch": batch,
+        "removed_sampled": (N_RECORDS - 1) in batch,
+        "tied_routes": sorted(
+            name for name, r in module.norm_routes.items() if r.path.value == "tied"
+        ),
         **released(before, after, divisor),
     }
 
@@ -545,6 +655,11 @@ def main() -> None:
                     ),
                     N_RECORDS - 1,
                 )
+        for size in (None, N_RECORDS):
+            results[f"fsdp2-tied-llama-{'size' if size else 'nosize'}"] = neighbours(
+                lambda *, s=size, **kw: engine_tied_llama(rank, dataset_size=s, **kw),
+                N_RECORDS - 1,
+            )
         results["ddp-units-size"] = neighbours(
             lambda **kw: engine_units(rank, dataset_size=N_UNITS, **kw), N_UNITS - 1
         )
