@@ -53,6 +53,13 @@ def model_for(run: str) -> nn.Module:
     process's with clipping active. ``full`` (and the resumed run): the issue's model, a tied
     embedding / LM head and every weight trainable, RMSNorms included.
     """
+    if run == "lora":  # peft LoRA adapters on q and v of the tied Llama; the base frozen
+        import peft
+
+        return peft.get_peft_model(
+            th.tiny_llama(tie=True),
+            peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+        )
     if run in ("clip", "budget"):
         model = th.tiny_llama(tie=False)
         for name, p in model.named_parameters():
@@ -87,6 +94,11 @@ RUNS: dict[str, dict[str, Any]] = {
             "learning_rate": 0.1,
             "gradient_checkpointing": True,
         },
+    },
+    # LoRA (peft) on the tied Llama, sigma = 0, C above every norm: the adapters' update.
+    "lora": {
+        "privacy": {"noise_multiplier": 0.0, "max_grad_norm": 1e6, "expected_batch_size": 8},
+        "args": {"max_steps": 3, "per_device_train_batch_size": 2, **SGD, "learning_rate": 0.5},
     },
     # The noise searched for epsilon 4 over 4 steps (exact norms, clipping active); a small
     # logical batch, so that a rank's share is empty at some step (that rank runs filler

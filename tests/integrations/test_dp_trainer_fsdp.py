@@ -12,8 +12,10 @@ same seed the ranks' shares partition the single process' Poisson batches, so:
 * ``clip`` (sigma = 0, clipping active, exact per-example norms: the untied embeddings) and
   ``full`` (sigma = 0, a tied Llama with every weight trainable, RMSNorm included, sketched
   norms, C above every norm), and ``full`` with the Trainer's ``gradient_checkpointing=True``
-  (``ckpt``): the FSDP2 weights equal the single-process weights; the ranks ran the same
-  number of micro-batches at every step (fillers where a share needed fewer);
+  (``ckpt``), and LoRA adapters (peft) on the tied Llama (``lora``, the adapters in the decoder
+  layer's group beside the frozen base weights): the FSDP2 weights equal the single-process
+  weights; the ranks ran the same number of micro-batches at every step (fillers where a
+  share needed fewer);
 * ``budget`` (noise searched for epsilon 4 over 4 steps, Adam, a rank's share empty at some
   step): the weights equal the single process' too (every rank draws the global noise from the
   same generator and keeps its shard: the noise is the single process' noise), and epsilon and
@@ -96,7 +98,7 @@ def _check_params(ranks: list[dict], one: dict, *, start: dict, atol: float) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["clip", "full", "ckpt"])
+@pytest.mark.parametrize("run", ["clip", "full", "ckpt", "lora"])
 def test_fsdp2_sigma_zero_update_equals_single_process(
     launch: list, single: dict, run: str
 ) -> None:
@@ -104,7 +106,8 @@ def test_fsdp2_sigma_zero_update_equals_single_process(
     assert [r["world_size"] for r in ranks] == [2, 2]
     for r in ranks:
         assert r["optimizer"] == "FSDPRandomizedClipOptimizer"
-        assert r["sharding"] == {"root": True, "groups": ["model.layers.0"], "dtensors": True}
+        layer = "base_model.model.model.layers.0" if run == "lora" else "model.layers.0"
+        assert r["sharding"] == {"root": True, "groups": [layer], "dtensors": True}
     assert one["optimizer"] == "RandomizedClipOptimizer"
     _check_shares(ranks, one)
     # The ranks' shares needed different numbers of micro-batches at some step (fillers ran).
