@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "accelerate_wrap_policy",
     "filler_micro_batch",
     "fsdp2_plugin",
     "lockstep_micro_batches",
@@ -243,7 +244,23 @@ def shard_for_randomized_clipping(
 
 
 def accelerate_wrap_policy(plugin: Any, model: nn.Module) -> Callable[[nn.Module], bool] | None:
-    """Accelerate's FSDP2 auto-wrap policy of ``plugin`` for ``model`` (None: none)."""
+    """Accelerate's FSDP2 auto-wrap policy of ``plugin`` for ``model``.
+
+    What accelerate's own FSDP2 preparation would shard: with the transformer-based policy (the
+    default), the classes of ``fsdp_config["transformer_layer_cls_to_wrap"]``, else the model's
+    ``_no_split_modules``; with ``min_num_params``, modules of at least that many parameters.
+
+    Args:
+        plugin: Accelerate's ``FullyShardedDataParallelPlugin``.
+        model: The unsharded model.
+
+    Returns:
+        A predicate on modules, or None (no policy: only the root is sharded).
+
+    Raises:
+        ValueError: A ``transformer_layer_cls_to_wrap`` class the model does not have
+            (accelerate's message).
+    """
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     plugin.set_auto_wrap_policy(model)

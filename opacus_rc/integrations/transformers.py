@@ -279,6 +279,7 @@ class DPTrainerMixin(TrainerSeams):
         self._batch_check_state = BatchCheckState()
         self._fsdp_plugin: Any = None  # accelerate's FSDP2 plugin (integrations/fsdp.py)
         self._fsdp_filler: dict[str, Any] | None = None
+        self._fsdp_reshard = True  # the groups' reshard_after_forward (the plugin's)
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
