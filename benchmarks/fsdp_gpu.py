@@ -4,7 +4,7 @@ The model of :mod:`benchmarks.fsdp_regime` (Llama 3.2 1B shapes by default, ``la
 tied embedding / LM head, every weight trainable, random init), one sequence of ``T`` tokens
 per rank, AdamW, float32 weights (TF32 matrix products on CUDA), for each method of the
 profile (``non_private``, ``rc_bookkeeping``, and the ``*_today`` variants of :data:`VARIANTS`:
-untied, RMSNorms frozen, what the FSDP2 path accepts before issue 35's item 1) and
+untied, RMSNorms frozen, what the FSDP2 path accepted before issue 35's item 1) and
 checkpointing mode:
 
 * run as a plain process (``python -m benchmarks.fsdp_gpu``): one device, no sharding;
@@ -76,9 +76,9 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 the way ``opacus_rc``'s FSDP2 path needs it: ``fully_shard`` on every module that
-    owns trainable parameters (its hooks see each layer's own parameters; today it refuses
-    modules that are not sharded themselves, ``opacus_rc/grad_sample/fsdp.py``), a tied weight's
+    """FSDP2 with the finest units: ``fully_shard`` on every module that owns trainable
+    parameters (``opacus_rc`` also accepts a module left to an enclosing group, since issue 35's
+    item 1; these finer units gather less at a time), a tied weight's
     modules (the input embedding and the LM head) in **one** group (``fully_shard`` refuses a
     parameter shared by two groups; Opacus' ``FSDP2Wrapper`` shards them separately), then the
     root. Non-private is sharded the same way, so both methods gather and reduce-scatter alike.
@@ -106,10 +106,8 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 #: ``name -> (method of LMMethod, tied, norms trainable, baseline)``. The ``*_today`` variants
-#: are what ``opacus_rc``'s FSDP2 path accepts before issue 35's item 1: untied embedding and
-#: LM head (tied weights are refused under FSDP2, ``opacus_rc/grad_sample/fsdp.py``,
-#: ``_refuse_tied``) and frozen RMSNorms (modules without a grad sampler are refused,
-#: ``_refuse_functorch``), so that a device run brings randomized-clipping numbers back either way.
+#: are what ``opacus_rc``'s FSDP2 path accepted before issue 35's item 1: untied embedding and
+#: LM head, frozen RMSNorms (tied weights and RMSNorm were refused under FSDP2 then).
 VARIANTS = {
     "non_private": ("non_private", True, True, "non_private"),
     "rc_bookkeeping": ("rc_bookkeeping", True, True, "non_private"),
