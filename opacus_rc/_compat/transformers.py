@@ -18,12 +18,15 @@ import transformers
 __all__ = [
     "TRAINER_SEAMS",
     "TrainerSeams",
+    "accelerator_state_initialised",
     "collator_with_removed_columns",
+    "enable_fsdp2_on_cpu",
     "loss_shifts_labels",
     "output_dir",
     "overrides_train_sampler",
     "prepare_inputs",
     "remove_unused_columns",
+    "save_model_state",
     "train_batch_size",
 ]
 
@@ -164,3 +167,73 @@ def loss_shifts_labels(trainer: Any) -> bool:
     ``test_transformers_contract.py::test_trainer_sets_private_attributes``.
     """
     return bool(getattr(trainer, "_loss_shifts_labels", False))
+
+
+def save_model_state(trainer: Any, output_dir: str, state_dict: dict[str, Any]) -> None:
+    """Write ``state_dict`` as the model ``from_pretrained`` reads (the ``Trainer``'s writer:
+    ``save_pretrained`` with the state dict given, the processing class beside it).
+
+    Relies on ``Trainer._save(output_dir, state_dict=...)``. Tests:
+    ``test_transformers_contract.py::test_trainer_private_methods``.
+    """
+    trainer._save(output_dir, state_dict=state_dict)
+
+
+def accelerator_state_initialised() -> bool:
+    """Whether accelerate's process-wide ``AcceleratorState`` exists already (configured before
+    this trainer's accelerator and kept, ``use_configured_state``: a new accelerator shares its
+    distributed type and plugins; ``TrainingArguments`` resets it otherwise).
+
+    Relies on ``accelerate.state.AcceleratorState._shared_state`` (empty until the first
+    ``Accelerator``). Tests: ``test_transformers_contract.py::test_accelerate_fsdp2_on_cpu``.
+    """
+    from accelerate.state import AcceleratorState
+
+    return bool(AcceleratorState._shared_state)
+
+
+def enable_fsdp2_on_cpu(trainer: Any) -> bool:
+    """Give a CPU (gloo) launch with ``TrainingArguments.fsdp`` accelerate's FSDP2 path.
+
+    Accelerate enables FSDP only for accelerator devices (its ``AcceleratorState`` sets
+    ``DistributedType.FSDP`` and the plugin for ``MULTI_GPU`` and the like, not ``MULTI_CPU``);
+    on CPU the ``Trainer`` would drop ``fsdp`` and wrap the model in DDP. FSDP2 itself runs on
+    CPU with gloo, so for a multi-CPU launch whose ``TrainingArguments`` ask for FSDP2 and whose
+    accelerator made a fresh state (``TrainingArguments`` resets accelerate's state unless
+    ``accelerator_config={"use_configured_state": True}``), this sets the state's
+    distributed type to ``FSDP`` and its plugin to the one the ``Trainer`` builds from the
+    arguments, and the trainer's ``is_fsdp_enabled``: the same path (accelerate's FSDP2
+    preparation, checkpoint functions and state-dict gathering) as on GPUs.
+
+    Relies on ``AcceleratorState.distributed_type`` and ``.fsdp_plugin`` and
+    ``PartialState.distributed_type`` being writable attributes of the shared states (accelerate
+    sets both distributed types to ``FSDP`` itself on GPUs) and on
+    ``TrainingArguments.fsdp_plugin_args``. Tests:
+    ``test_transformers_contract.py::test_accelerate_fsdp2_on_cpu``; the 2-process runs of
+    ``tests/integrations/test_dp_trainer_fsdp.py``.
+
+    Args:
+        trainer: The trainer, right after ``create_accelerator_and_postprocess``.
+
+    Returns:
+        Whether the state was changed.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    state = trainer.accelerator.state
+    if (
+        plugin_args is None
+        or int(plugin_args.get("fsdp_version", 1)) != 2
+        or state.distributed_type != DistributedType.MULTI_CPU
+        or getattr(state, "fsdp_plugin", None) is not None
+    ):
+        return False
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    state.distributed_type = DistributedType.FSDP
+    # As accelerate does at the end of its state's set-up (every later AcceleratorState()
+    # copies the process state's distributed type).
+    PartialState().distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+    return True

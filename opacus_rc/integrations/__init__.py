@@ -11,7 +11,9 @@
   micro-batches), :mod:`~opacus_rc.integrations.private_run` (the run's one ``make_private``
   call and its seeds), :mod:`~opacus_rc.integrations.logical_batch_step` (one logical batch's
   private backward), :mod:`~opacus_rc.integrations.per_sample_loss` (the per-example loss) and
-  :mod:`~opacus_rc.integrations.privacy_state` (the privacy state of a checkpoint); the
+  :mod:`~opacus_rc.integrations.privacy_state` (the privacy state of a checkpoint) and
+  :mod:`~opacus_rc.integrations.fsdp` (FSDP2 through the trainer: its sharding, lockstep
+  micro-batches and checkpoints); the
   trainer module holds the trainer's methods and re-exports the public names.
 * :mod:`opacus_rc.integrations.trl`: :class:`~opacus_rc.integrations.trl.DPSFTTrainer` (a
   ``trl.SFTTrainer``), importable where TRL is installed.

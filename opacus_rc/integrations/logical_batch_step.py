@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from opacus_rc._compat.transformers import prepare_inputs
 from opacus_rc.batch_independence import BatchIndependenceError, batch_independence_error
 from opacus_rc.integrations.batch_check import check_logical_batch
+from opacus_rc.integrations.fsdp import lockstep_micro_batches, unsharded
 from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch
 from opacus_rc.integrations.model_inputs import (
     check_decoder_inputs,
@@ -84,14 +85,31 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     # Ends the last logical step (its noisy sum): the Trainer only zeroes the model's grads.
     optimizer.zero_grad()
     device = trainer.args.device
+    fsdp = getattr(trainer, "_fsdp_plugin", None) is not None
     if trainer.privacy_args.check_batch_independence and not trainer._batch_independence_checked:
         # Before the logical batch's first backward, until the check has seen a micro-batch of
         # two examples and one with padding: nothing is noised or accounted if it fails.
-        _check_batch_independence(trainer, model, inputs)
-    if inputs.num_examples == 0:
+        # Under FSDP2 its forwards (a number that differs between ranks) run on the model
+        # held unsharded (integrations/fsdp.py).
+        held = (
+            unsharded(model, reshard_after_forward=trainer._fsdp_reshard)
+            if fsdp
+            else contextlib.nullcontext()
+        )
+        with held:
+            _check_batch_independence(trainer, model, inputs)
+    micro_batches = list(inputs.micro_batches)
+    real = len(micro_batches)
+    if fsdp:
+        # Every rank runs as many forwards and backwards as the rank that needs the most;
+        # the others run filler micro-batches (a zero gradient, integrations/fsdp.py).
+        total_micro = lockstep_micro_batches(real, device=trainer.args.device)
+        micro_batches += [trainer._fsdp_filler] * (total_micro - real)
+    if not micro_batches or inputs.num_examples == 0 and not fsdp:
         # No record is in the batch: the step is the noise alone, noised and accounted by
         # the Trainer's optimizer.step(). Under DDP the empty batch takes this rank's part in
-        # the agreement the other ranks' last backward issues (in one process, none).
+        # the agreement the other ranks' last backward issues (in one process, none); under
+        # FSDP2 every rank's share is empty (else fillers run).
         step = private.module.private_step
         optimizer.accept_clip_result(step.empty_batch(max_grad_norm=optimizer.max_grad_norm))
         fill = math.nan if trainer.args.logging_nan_inf_filter else 0.0
@@ -99,10 +117,10 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
     record = getattr(private.module, "unit_batch_record", None)
     total = torch.zeros((), device=device, dtype=torch.float64)
     records = 0  # examples, or units with privacy_unit
-    last = len(inputs.micro_batches) - 1
+    last = len(micro_batches) - 1
     context = getattr(trainer, "maybe_activation_offload_context", None) or contextlib.nullcontext()
     with context:
-        for i, micro in enumerate(inputs.micro_batches):
+        for i, micro in enumerate(micro_batches):
             micro = prepare_inputs(trainer, micro)
             if record is not None and record.per_unit:
                 # The units the criterion's units= must group the rows as (units/record.py).
@@ -114,8 +132,9 @@ def logical_batch_step(trainer: Any, model: nn.Module, inputs: Any) -> torch.Ten
                 # backward issues the ranks' agreement (the ranks' counts differ).
                 optimizer.signal_skip_step(do_skip=True)
             loss.backward()
-            total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
-            records += loss.loss_per_sample.numel()
+            if i < real:  # a filler's loss is 0 and no record's
+                total += loss.loss_per_sample.detach().to(total.device, torch.float64).sum()
+                records += loss.loss_per_sample.numel()
             if i < last:
                 optimizer.step()  # accumulates the clipped sum only
                 optimizer.zero_grad()

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from opacus_rc._compat.transformers import loss_shifts_labels
 from opacus_rc.accountants import get_noise_multiplier
@@ -203,8 +204,10 @@ def make_private_run(trainer: Any, optimizer: torch.optim.Optimizer) -> PrivateR
             # for this call only: the hooks go on the model's own modules, and the
             # Trainer keeps the plain model (accelerate wraps it in DDP afterwards, and
             # training_step runs the forward past that wrapper, see there).
+            # FSDP2 (the trainer sharded the model, integrations/fsdp.py): the engine's
+            # FSDP path, on the sharded model itself.
             module=model
-            if world_size == 1
+            if world_size == 1 or isinstance(model, FSDPModule)
             else DifferentiallyPrivateDistributedDataParallel(model),
             optimizer=optimizer,
             criterion=criterion,

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from opacus_rc._compat.transformers import overrides_train_sampler
+from opacus_rc.integrations.fsdp import refuse_unsupported_fsdp
 
 __all__ = [
     "check_train_dataset",
@@ -159,7 +160,7 @@ def refuse_ignored_compute_loss(trainer_type: type, *, mixin: type) -> None:
 
 
 def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:
-    """Accept one process, or data parallelism over processes (DDP); refuse the rest.
+    """Accept one process, or data parallelism over processes (DDP or FSDP2); refuse the rest.
 
     Args:
         trainer: The DP trainer, after ``Trainer.__init__``.
@@ -169,8 +170,10 @@ def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:
 
     Raises:
         NotImplementedError: Several devices in one process (``torch.nn.DataParallel``),
-            DeepSpeed, FSDP, tensor parallelism, or a multi-process launch that is not
-            accelerate's plain data parallelism.
+            DeepSpeed, an FSDP configuration that
+            :func:`~opacus_rc.integrations.fsdp.refuse_unsupported_fsdp` refuses (FSDP version
+            1 among them), tensor parallelism, or a multi-process launch that is neither
+            accelerate's plain data parallelism nor its FSDP2.
     """
     args = trainer.args
     if args.n_gpu > 1:
@@ -183,22 +186,17 @@ def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:
     if trainer.is_deepspeed_enabled:
         raise NotImplementedError(
             "DeepSpeed through the Trainer is not supported by a DP trainer: its engine "
-            "reduces and partitions the gradients itself, before per-example clipping could "
-            "see them. Launch without DeepSpeed (torchrun --nproc-per-node N runs a DP "
-            "trainer as DDP), or use PrivacyEngine with FSDP2 in a hand-written loop "
-            "(docs/distributed.md)"
+            "reduces and partitions the gradients itself (ZeRO: in buckets, during the "
+            "backward, before per-example clipping could see them) and applies its own "
+            "optimizer and loss scaling, so the clipped sum cannot be noised once per logical "
+            "batch. To shard a model that does not fit one device, use FSDP2 through the "
+            "trainer: TrainingArguments(fsdp=True, fsdp_config={'version': 2}) launched with "
+            "torchrun --nproc-per-node N (docs/distributed.md); or launch without DeepSpeed "
+            "(DDP)"
         )
-    if trainer.is_fsdp_enabled or getattr(args, "fsdp", None):
-        raise NotImplementedError(
-            "FSDP through the Trainer (TrainingArguments.fsdp, or an accelerate FSDP "
-            "config) is not supported by a DP trainer: accelerate shards the model after "
-            "the optimizer is made private, and randomized clipping under FSDP2 needs every "
-            "trainable module sharded on its own, untied embeddings and a grad sampler for "
-            "every trainable module (docs/distributed.md). Launch without FSDP (torchrun "
-            "--nproc-per-node N runs a DP trainer as DDP, the model replicated on each "
-            "rank), or use PrivacyEngine with FSDP2 in a hand-written loop "
-            "(tutorials/distributed_training.py --parallel fsdp)"
-        )
+    fsdp = bool(trainer.is_fsdp_enabled or getattr(args, "fsdp", None))
+    if fsdp:
+        refuse_unsupported_fsdp(trainer)  # FSDP2 runs (opacus_rc/integrations/fsdp.py)
     if getattr(trainer, "is_distributed_loading_by_transformers", False):
         raise NotImplementedError(
             "tensor parallelism (a model loaded with tp_plan / device_mesh) is not supported "
@@ -209,12 +207,15 @@ def refuse_unsupported_parallelism(trainer: Any) -> tuple[int, int]:
     if args.world_size <= 1:
         return 0, 1
     kind = getattr(trainer.accelerator.distributed_type, "name", "")
-    if not kind.startswith("MULTI_") or not (dist.is_available() and dist.is_initialized()):
+    if not (kind.startswith("MULTI_") or (fsdp and kind == "FSDP")) or not (
+        dist.is_available() and dist.is_initialized()
+    ):
         raise NotImplementedError(
             f"world_size={args.world_size} with accelerate's distributed type {kind!r}: a "
-            "DP trainer runs several processes as data parallelism only (DDP: torchrun "
-            "--nproc-per-node N, or accelerate launch with a multi-CPU / multi-GPU config; "
-            "docs/distributed.md)"
+            "DP trainer runs several processes as data parallelism (DDP: torchrun "
+            "--nproc-per-node N, or accelerate launch with a multi-CPU / multi-GPU config) or "
+            "FSDP2 (TrainingArguments(fsdp=True, fsdp_config={'version': 2})) only; "
+            "docs/distributed.md"
         )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != args.world_size:

@@ -69,8 +69,10 @@ differently:
   calls; ``compute_loss``, which ``evaluate()`` calls, is accepted beside it),
   ``include_num_input_tokens_seen`` (see *Logs*), ``model_init`` (hyperparameter search spends
   privacy), ``auto_find_batch_size``, ``torch_compile``, Liger kernels, LOMO optimizers,
-  DeepSpeed, FSDP and tensor parallelism through the Trainer, ``torch.nn.DataParallel``
-  (several devices in one process), ``denoise`` with several processes, iterable datasets.
+  DeepSpeed (its engine reduces and partitions the gradients before per-example clipping could
+  see them), FSDP version 1 and the FSDP2 options :mod:`~opacus_rc.integrations.fsdp` lists,
+  tensor parallelism through the Trainer, ``torch.nn.DataParallel`` (several devices in one
+  process), ``denoise`` with several processes, iterable datasets.
 * **Several processes** (``torchrun --nproc-per-node N script.py``, or ``accelerate launch``
   with a multi-CPU / multi-GPU config) run as the engine's DDP path (docs/distributed.md):
   every rank draws the same Poisson mask over the whole dataset (rank 0's seed) and trains on
@@ -84,6 +86,17 @@ differently:
   wrapper (its reducer would all-reduce unclipped gradients). Checkpoints are written by rank 0
   and hold every rank's sketch-generator state (a seeded sketch); resume with the same number
   of processes.
+* **FSDP2** (``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`` under the same
+  launch, or ``accelerate launch`` with an FSDP2 config): as under DDP (the same Poisson shares,
+  one noisy step and one accounted step per logical batch on every rank, epsilon the
+  single-process run's), on a model the trainer shards itself before making it private
+  (accelerate's auto-wrap policy: each decoder layer, then the root, which keeps a tied
+  embedding / LM head) and the engine's FSDP2 optimizer (each rank noises its shard with the
+  global draw). Every rank runs as many micro-batches as the rank whose share needs the most
+  (zero-gradient fillers), checkpoints hold the sharded (``SHARDED_STATE_DICT``) or full model
+  and optimizer beside the privacy state, and ``save_model`` writes the full model
+  (:mod:`~opacus_rc.integrations.fsdp`). On CPU (gloo) accelerate has no FSDP; the trainer gives
+  the launch accelerate's FSDP2 path.
 * **Not applied:** the Trainer's ``max_grad_norm`` (its clipping of the summed gradient; the
   per-example bound is ``PrivacyArguments.max_grad_norm``; a warning says so unless it is 0)
   and its ``grad_norm`` log entry (the norm of the gradient before noise is not private).
@@ -124,6 +137,7 @@ which is why the module stays near 500 lines rather than under it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -135,9 +149,22 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
-from opacus_rc._compat.transformers import TrainerSeams, output_dir
+from opacus_rc._compat.transformers import (
+    TrainerSeams,
+    accelerator_state_initialised,
+    enable_fsdp2_on_cpu,
+    output_dir,
+    save_model_state,
+)
 from opacus_rc.accountants import AccountingError
 from opacus_rc.integrations.batch_check import BatchCheckState
+from opacus_rc.integrations.fsdp import (
+    accelerate_wrap_policy,
+    filler_micro_batch,
+    fsdp2_plugin,
+    plain_optimizer,
+    shard_for_randomized_clipping,
+)
 from opacus_rc.integrations.logical_batch_step import logical_batch_step, micro_batch_loss
 from opacus_rc.integrations.logical_batches import (
     LogicalBatch,
@@ -216,8 +243,10 @@ class DPTrainerMixin(TrainerSeams):
 
     Raises:
         ValueError: A refused configuration (module docstring), with what to do.
-        NotImplementedError: DeepSpeed, FSDP or tensor parallelism through the Trainer,
-            ``torch.nn.DataParallel``, or a multi-process launch other than DDP.
+        NotImplementedError: DeepSpeed, FSDP version 1 or a refused FSDP2 option
+            (:func:`~opacus_rc.integrations.fsdp.refuse_unsupported_fsdp`) or tensor
+            parallelism through the Trainer, ``torch.nn.DataParallel``, or a multi-process
+            launch other than DDP or FSDP2.
         TypeError: ``privacy_args`` is not a :class:`PrivacyArguments`.
     """
 
@@ -248,6 +277,9 @@ class DPTrainerMixin(TrainerSeams):
         self._train_collate: Any = None
         self._batch_independence_checked = False
         self._batch_check_state = BatchCheckState()
+        self._fsdp_plugin: Any = None  # accelerate's FSDP2 plugin (integrations/fsdp.py)
+        self._fsdp_filler: dict[str, Any] | None = None
+        self._fsdp_reshard = True  # the groups' reshard_after_forward (the plugin's)
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         if privacy_args.seed is not None:
@@ -357,10 +389,21 @@ class DPTrainerMixin(TrainerSeams):
     # Refusals
     # ------------------------------------------------------------------------------------------
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator; on a multi-CPU (gloo) launch asking for FSDP2 (with a
+        fresh accelerate state) with accelerate's FSDP2 path, which accelerate enables on
+        accelerator devices only (:func:`~opacus_rc._compat.transformers.enable_fsdp2_on_cpu`):
+        CPU runs take the path GPU runs take."""
+        earlier = accelerator_state_initialised()
+        super().create_accelerator_and_postprocess()
+        if not earlier:
+            enable_fsdp2_on_cpu(self)
+
     def _refuse_unsupported(self) -> None:
         """Refuse every configuration that would break the guarantee (:mod:`.refusals`); sets
         the rank and world size (DDP) the run trains with."""
         self._rank, self._world_size = refuse_unsupported(self, mixin=DPTrainerMixin)
+        self._fsdp_plugin = fsdp2_plugin(self)
 
     @staticmethod
     def _check_train_dataset(dataset: Any) -> None:
@@ -382,6 +425,10 @@ class DPTrainerMixin(TrainerSeams):
         self._check_train_dataset(self.train_dataset)
         dataset, collator = train_dataset_and_collator(self)
         self._train_collate = collator  # also collates single examples for the batch check
+        if self._fsdp_plugin is not None and self._fsdp_filler is None and len(dataset):
+            # What a rank runs when its share needs fewer micro-batches than another's
+            # (integrations/fsdp.py): one example, every label -100 (a zero gradient).
+            self._fsdp_filler = filler_micro_batch(collator([dataset[0]]))
         if self.privacy_args.privacy_unit is not None:
             return unit_train_loader(self, dataset, collator)
         return example_train_loader(self, dataset, collator)
@@ -393,13 +440,34 @@ class DPTrainerMixin(TrainerSeams):
     def create_optimizer(self, model: nn.Module | None = None) -> Any:
         """The Trainer's optimizer, made private with the model (once per run).
 
+        Under FSDP2 the model is first sharded the way randomized clipping needs
+        (:func:`~opacus_rc.integrations.fsdp.shard_for_randomized_clipping`, with the plugin's
+        auto-wrap policy, ``reshard_after_forward`` and device mesh); accelerate then leaves it
+        as it is.
+
         Raises:
             RuntimeError: If the Poisson loader was not built first (``train()`` builds it).
         """
+        if self._fsdp_plugin is not None and self._private is None:
+            self._shard_model()
         optimizer = super().create_optimizer(model)
         if self._private is None:
             self._make_private(optimizer)
         return self.optimizer
+
+    def _shard_model(self) -> None:
+        """FSDP2: shard ``self.model`` in place (see :meth:`create_optimizer`)."""
+        plugin = self._fsdp_plugin
+        mesh = getattr(self.accelerator, "torch_device_mesh", None)
+        if mesh is not None:
+            mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
+        self._fsdp_reshard = bool(plugin.reshard_after_forward)
+        shard_for_randomized_clipping(
+            self.model,
+            wrap=accelerate_wrap_policy(plugin, self.model),
+            reshard_after_forward=self._fsdp_reshard,
+            mesh=mesh,
+        )
 
     def _make_private(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the model and ``optimizer`` private
@@ -590,8 +658,13 @@ class DPTrainerMixin(TrainerSeams):
     # ------------------------------------------------------------------------------------------
 
     def save_checkpoint_seam(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring)."""
-        super().save_checkpoint_seam(model, trial)
+        """The Trainer's checkpoint, plus :data:`PRIVACY_STATE_NAME` (see the module docstring).
+
+        Under FSDP2 the Trainer's sharded (or full) model and optimizer state, written by
+        accelerate from the DP optimizer's inner optimizer
+        (:func:`~opacus_rc.integrations.fsdp.plain_optimizer`)."""
+        with plain_optimizer(self) if self._fsdp_plugin is not None else contextlib.nullcontext():
+            super().save_checkpoint_seam(model, trial)
         if self._private is None:
             return
         state = self._privacy_state()  # under DDP a collective: every rank calls it
@@ -604,6 +677,20 @@ class DPTrainerMixin(TrainerSeams):
         )
         os.makedirs(folder, exist_ok=True)
         torch.save(state, os.path.join(folder, PRIVACY_STATE_NAME))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model``; under FSDP2 (called by the user) the full model,
+        gathered from the shards (a collective: every rank calls it) and written by rank 0 as
+        ``from_pretrained`` reads it, whatever ``fsdp_config["state_dict_type"]`` (with
+        ``SHARDED_STATE_DICT`` the Trainer's own ``save_model`` writes nothing). A checkpoint's
+        model (``_internal_call``) is the Trainer's: sharded, or full, as configured."""
+        if self._fsdp_plugin is None or _internal_call:
+            super().save_model(output_dir, _internal_call=_internal_call)
+            return
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)  # full, on rank 0's CPU
+        if self.args.should_save:
+            save_model_state(self, output_dir, state_dict)
 
     def _privacy_state(self) -> dict[str, Any]:
         """The privacy state (:func:`~opacus_rc.integrations.privacy_state.privacy_state`;
@@ -624,7 +711,8 @@ class DPTrainerMixin(TrainerSeams):
                 ``PrivacyArguments.resume_exact`` with ``ignore_data_skip`` (it would replay
                 accounted masks).
         """
-        super().load_optimizer_and_scheduler_seam(checkpoint)
+        with plain_optimizer(self) if self._fsdp_plugin is not None else contextlib.nullcontext():
+            super().load_optimizer_and_scheduler_seam(checkpoint)
         if checkpoint is None:
             return
         self._restore_privacy_state(load_privacy_state(checkpoint))

@@ -31,6 +31,7 @@ _SIGNATURES = {
     "_get_collator_with_removed_columns": ["data_collator", "description"],
     "_prepare_inputs": ["inputs"],
     "_get_output_dir": ["trial"],
+    "_save": ["output_dir", "state_dict"],
 }
 
 
@@ -119,3 +120,48 @@ def test_trainer_helpers() -> None:
 
     assert compat.overrides_train_sampler(Own) is True
     assert compat.overrides_train_sampler(transformers.Trainer) is False
+
+
+def test_trainer_save_writes_the_given_state_dict() -> None:
+    """``save_model_state`` passes the state dict to ``Trainer._save`` by keyword."""
+
+    class Fake:
+        def _save(self, output_dir=None, state_dict=None):
+            self.saved = (output_dir, state_dict)
+
+    f = Fake()
+    compat.save_model_state(f, "out", {"w": 1})
+    assert f.saved == ("out", {"w": 1})
+
+
+def test_accelerate_fsdp2_on_cpu() -> None:
+    """What :func:`~opacus_rc._compat.transformers.enable_fsdp2_on_cpu` and
+    :func:`~opacus_rc._compat.transformers.accelerator_state_initialised` rely on (the
+    2-process runs of tests/integrations/test_dp_trainer_fsdp.py use them for real):
+
+    * accelerate's state enables FSDP for accelerator devices only (its list of distributed
+      types that take the FSDP plugin has no ``MULTI_CPU``), and then writes the FSDP type
+      into the process state too;
+    * the states share their attributes through ``_shared_state``, a dict (empty until the
+      first ``Accelerator``);
+    * accelerate's FSDP2 preparation returns a model that is already an ``FSDPModule`` as it
+      is, and the Trainer builds its plugin from ``TrainingArguments.fsdp_plugin_args``.
+    """
+    import accelerate.state as state_module
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import fsdp_utils
+
+    source = inspect.getsource(state_module)
+    fsdp_branch = source[: source.index("self.distributed_type = DistributedType.FSDP")]
+    gpu_list = fsdp_branch[fsdp_branch.rindex("elif self.distributed_type in [") :]
+    assert "MULTI_GPU" in gpu_list and "MULTI_CPU" not in gpu_list
+    assert 'PartialState._shared_state["distributed_type"] = self.distributed_type' in source
+    assert isinstance(AcceleratorState._shared_state, dict)
+    assert isinstance(PartialState._shared_state, dict)
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "if is_type_fsdp:\n        return model" in prepare
+    assert "FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)" in _TRAINER_SOURCE
+    args = transformers.TrainingArguments(
+        output_dir="unused", fsdp=True, fsdp_config={"fsdp_version": 2}, report_to=[]
+    )
+    assert args.fsdp_plugin_args["fsdp_version"] == 2

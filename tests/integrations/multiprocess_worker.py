@@ -6,7 +6,7 @@ parameters, the examples per step and micro-batches per step of this rank's shar
 multiplier, epsilon, the accountant's history, the world size the Trainer saw, the token counts
 logged and the attributes left on the parameters after ``train()``; a run saved
 and resumed from a checkpoint beside the same run uninterrupted; and the error
-that building a DP trainer with FSDP through the Trainer raised.
+that building a DP trainer with a refused FSDP2 option through the Trainer raised.
 """
 
 from __future__ import annotations
@@ -144,9 +144,13 @@ def resume(out: Path) -> dict[str, Any]:
 
 
 def fsdp_refusal(out: Path) -> dict[str, Any]:
-    """The error a DP trainer raises for FSDP through the Trainer (accelerate's FSDP2)."""
+    """The error a DP trainer raises for FSDP2 with FSDP's activation checkpointing through the
+    Trainer (FSDP2 runs: test_dp_trainer_fsdp.py; on CPU accelerate itself refuses FSDP
+    version 1's plugin)."""
     try:
-        args = th.training_args(out, fsdp=True, fsdp_config={"fsdp_version": 2})
+        args = th.training_args(
+            out, fsdp=True, fsdp_config={"fsdp_version": 2, "activation_checkpointing": True}
+        )
         DPTrainer(
             model=th.tiny_llama(),
             args=args,

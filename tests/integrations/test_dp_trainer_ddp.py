@@ -22,8 +22,9 @@ seed the ranks' shares partition the single process' Poisson batches, so:
 
 A checkpoint written at step 2 (by rank 0, with every rank's sketch-generator state) resumes
 on both ranks (``resume_exact=True``) to the uninterrupted run's epsilon and weights; the
-default (fresh) resume takes rank 0's nonce on both ranks. FSDP through the Trainer is
-refused on every rank with a message that says what to use.
+default (fresh) resume takes rank 0's nonce on both ranks. FSDP2 with FSDP's activation
+checkpointing through the Trainer is refused on every rank with a message that says what to set
+(FSDP2 through the Trainer: test_dp_trainer_fsdp.py).
 """
 
 from __future__ import annotations
@@ -137,11 +138,15 @@ def test_ddp_token_count_is_the_global_one_and_no_hook_is_left(launch: list, sin
 
 @pytest.mark.slow
 def test_ddp_fsdp_through_the_trainer_is_refused(launch: list) -> None:
+    """FSDP2 through the Trainer runs since issue 35 (test_dp_trainer_fsdp.py); what is still
+    refused is refused on every rank of a launch, saying what to set: here FSDP's activation
+    checkpointing."""
     for r in launch:
         assert r["fsdp"]["error"] == "NotImplementedError"
         message = r["fsdp"]["message"]
-        assert "FSDP through the Trainer" in message and "torchrun --nproc-per-node N" in message
-        assert "docs/distributed.md" in message
+        assert "FSDP2 through a DP trainer does not support" in message
+        assert 'fsdp_config["activation_checkpointing"]=True' in message
+        assert "set it to False" in message
 
 
 def test_rank_shares_partition_the_single_process_batches() -> None:

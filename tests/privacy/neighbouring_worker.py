@@ -422,6 +422,94 @@ def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) ->
     }
 
 
+# DPTrainer under FSDP2 (TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2}), a launch
+# of its own, which leaves the first launch's cases as they were). GPT-2's Conv1D takes
+# functorch, which FSDP2 refuses; the model is an untied Llama whose only trainable weight is
+# the input embedding (exact per-example norms) with 128 rows for tokens 1-63: rows 64-127
+# (1024 coordinates) never receive a gradient, so their update is the noise alone.
+TRAINER_FSDP_VOCAB, TRAINER_FSDP_C, TRAINER_FSDP_DEAD_ROW = 128, 0.05, 64
+
+
+def trainer_fsdp_model() -> nn.Module:
+    """The Llama of :func:`trainer_fsdp_run`: only its (untied) input embedding trainable."""
+    import tiny_hf_models as hf
+    import trainer_helpers as th
+
+    model = hf.llama(
+        vocab=TRAINER_FSDP_VOCAB, tie=False, intermediate_size=32, seed=0, pad_token_id=th.PAD
+    )
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("embed_tokens.weight"))
+    return model
+
+
+def trainer_fsdp_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) -> dict:
+    """One step of ``DPTrainer`` under FSDP2 on the first ``n`` examples."""
+    import trainer_helpers as th
+
+    from opacus_rc.integrations.train_data import trainer_schedule
+    from opacus_rc.integrations.transformers import DPTrainer, LogicalBatch, PrivacyArguments
+
+    shares: list[int] = []
+
+    class Recording(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            assert isinstance(inputs, LogicalBatch)
+            shares.append(inputs.num_examples)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model = trainer_fsdp_model()
+    before = {k: v.double() for k, v in th.params(model).items()}
+    trainer = Recording(
+        model=model,
+        args=th.training_args(
+            out,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            optim="sgd",
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            fsdp=True,
+            fsdp_config={"fsdp_version": 2},
+        ),  # fmt: skip
+        train_dataset=th.token_examples(TRAINER_N)[:n],
+        data_collator=th.pad_collate,
+        privacy_args=PrivacyArguments(
+            noise_multiplier=sigma,
+            max_grad_norm=TRAINER_FSDP_C,
+            expected_batch_size=TRAINER_E,
+            target_delta=1e-3,
+            seed=3 + seed,
+        ),
+    )
+    trainer.train()
+    assert type(trainer.dp_optimizer).__name__ == "FSDPRandomizedClipOptimizer"
+    after = {
+        k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
+        for k, p in trainer.model.named_parameters()
+        if p.requires_grad
+    }
+    divisor_rank = float(trainer.dp_optimizer.expected_batch_size)
+    divisor = divisor_rank * trainer.args.world_size
+    ((s, q, steps, _spec),) = [tuple(h) for h in trainer.privacy_engine.accountant.history]
+    emb = "model.embed_tokens.weight"
+    dead = (before[emb] - after[emb])[TRAINER_FSDP_DEAD_ROW:].flatten() / LR
+    live = (before[emb] - after[emb])[:TRAINER_FSDP_DEAD_ROW].flatten()
+    total = sum(gather_objects(shares[0]))
+    return {
+        "sample_rate": q,
+        "steps_per_epoch": trainer_schedule(n, expected_batch_size=TRAINER_E).sizes.steps_per_epoch,
+        "accounted_steps": steps,
+        "divisor_rank": divisor_rank,
+        "divisor_global": divisor,
+        "batch": total,  # a count: the examples of the first step, over both ranks
+        "release": (live / LR * divisor).tolist(),
+        "dead_sd": dead.std().item(),
+        "dead_coords": dead.numel(),
+    }
+
+
 def fixed_batches(rank: int, *, poisson: bool) -> dict[str, Any]:
     """One step at sigma = 0 with a ``DistributedSampler`` loader of per-rank batch 4 (global
     8): the update against the single-process clipped sum of the global batch over 8."""
@@ -546,6 +634,18 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     try:
+        if sys.argv[2:] == ["trainer-fsdp2"]:  # a launch of its own
+            results = {
+                "trainer-fsdp2": neighbours(
+                    lambda *, n, sigma, seed=0: trainer_fsdp_run(
+                        rank, out / f"r{rank}-{n}-{sigma}-{seed}", n=n, sigma=sigma, seed=seed
+                    ),
+                    TRAINER_N - 1,
+                )
+            }
+            if rank == 0:
+                (out / "results_trainer_fsdp2.json").write_text(json.dumps(results))
+            return
         results: dict[str, Any] = {}
         for name, wrapper in (("ddp", DDP), ("fsdp2", FSDP2Wrapper)):
             for size in (None, N_RECORDS):
