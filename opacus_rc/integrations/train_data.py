@@ -40,6 +40,7 @@ from opacus_rc.integrations.logical_batches import (
     UnitLogicalBatchSampler,
     UnitRows,
 )
+from opacus_rc.integrations.packed_batches import PackedLogicalBatchCollator
 from opacus_rc.mechanism import PublicSizes
 from opacus_rc.units.data_loader import select_unit_members
 
@@ -278,13 +279,17 @@ def example_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> Logic
             rank=trainer._rank,
             world_size=trainer._world_size,
         )
-    return logical_batch_loader(
-        trainer,
-        dataset,
-        batch_sampler=trainer._poisson_sampler,
-        collate_fn=LogicalBatchCollator(
+    packing = getattr(trainer, "_dp_packing", None)
+    if packing is not None:  # each logical batch's sampled records packed into rows
+        collate: LogicalBatchCollator = PackedLogicalBatchCollator(
+            packing=packing, max_physical_batch_size=train_batch_size(trainer)
+        )
+    else:
+        collate = LogicalBatchCollator(
             collate_fn=collator, max_physical_batch_size=train_batch_size(trainer)
-        ),
+        )
+    return logical_batch_loader(
+        trainer, dataset, batch_sampler=trainer._poisson_sampler, collate_fn=collate
     )
 
 

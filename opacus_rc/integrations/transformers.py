@@ -169,6 +169,7 @@ from opacus_rc.integrations.train_data import (
     train_dataset_and_collator,
     unit_train_loader,
 )
+from opacus_rc.packing import PackingCollator
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
@@ -248,7 +249,13 @@ class DPTrainerMixin(TrainerSeams):
         self._train_collate: Any = None
         self._batch_independence_checked = False
         self._batch_check_state = BatchCheckState()
+        self._dp_packing: PackingCollator | None = None
         super().__init__(*args, **kwargs)
+        if isinstance(self.data_collator, PackingCollator):
+            # Training packs each logical batch's records (packed_batches); evaluation gets the
+            # same packed rows without the criterion's keys.
+            self._dp_packing = self.data_collator
+            self.data_collator = self._dp_packing.evaluation_collator()
         self._refuse_unsupported()
         if privacy_args.seed is not None:
             warnings.warn(
@@ -383,6 +390,13 @@ class DPTrainerMixin(TrainerSeams):
         dataset, collator = train_dataset_and_collator(self)
         self._train_collate = collator  # also collates single examples for the batch check
         if self.privacy_args.privacy_unit is not None:
+            if self._dp_packing is not None:
+                raise ValueError(
+                    "PrivacyArguments.privacy_unit with a packing collator (or DPSFTTrainer's "
+                    "packing=True / padding_free=True) is not supported yet: a unit's records "
+                    "would have to be packed and clipped together. Use a padding collator with "
+                    "privacy_unit, or packing without it (each record its own unit)"
+                )
             return unit_train_loader(self, dataset, collator)
         return example_train_loader(self, dataset, collator)
 
@@ -546,7 +560,9 @@ class DPTrainerMixin(TrainerSeams):
         for micro in inputs.micro_batches:
             mask = micro.get("attention_mask")
             ids = micro.get(getattr(self.model, "main_input_name", "input_ids"))
-            if mask is not None:
+            if "record_ids" in micro:  # packed rows: the records' tokens
+                count += int((micro["record_ids"] >= 0).sum())
+            elif mask is not None:
                 count += int(mask.sum())
             elif ids is not None:
                 count += int(ids.numel())
