@@ -26,7 +26,10 @@ differently:
   per example. The
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
-  one row, are refused where they can be seen).
+  one row, are refused where they can be seen), except with
+  :class:`~opacus_rc.packing.PackingCollator` as ``data_collator``: each logical batch's
+  sampled records are then packed into rows after sampling and clipped per record
+  (:mod:`~opacus_rc.integrations.packed_batches`, docs/packing.md#packing-trainer).
 * **Batch independence.** Before anything is noised or accounted, micro-batches are checked
   until one of two or more examples and one with padding have been: every row of a checked
   micro-batch is its example's own, and up to three examples' outputs and losses alone equal

@@ -13,9 +13,19 @@ epsilon in the logs, the privacy state in checkpoints, the same refusals): see
 * the training loss is computed from the model's full logits, not TRL's fused LM head: the
   fused head multiplies by ``lm_head.weight`` outside the head's module, where no per-example
   norm hook sees it (evaluation keeps TRL's fused head);
-* refused, with what to do: ``packing=True`` (a packed row holds several examples, and the
-  packing of each row depends on the others, so one example's removal changes other rows) and
-  ``padding_free=True`` (one row for the whole batch), ``loss_type="dft"``.
+* ``packing=True`` and ``padding_free=True`` pack each Poisson logical batch's *sampled*
+  records into rows of ``max_length`` tokens (a block-diagonal 4D mask, or no mask with
+  restarting ``position_ids``), clipped per record (docs/packing.md#packing-trainer). TRL's
+  own packing would pack the whole dataset before sampling (``trl.pack_dataset``), so that
+  which records share a row depends on every other record: TRL is given a copy of the config
+  with ``packing=False``, ``padding_free=False`` and ``eval_packing=False`` (it prepares one
+  record per row), and the trainer packs with an
+  :class:`~opacus_rc.packing.PackingCollator` after sampling; ``self.args.packing`` reads
+  False, :attr:`DPSFTTrainer.dp_packing_mode` says which mode trains. The sampling rate, the
+  divisor and epsilon are those of the records, as without packing. Evaluation is padded;
+* refused, with what to do: ``loss_type="dft"``; ``packing`` or ``padding_free`` with a
+  custom ``data_collator``; ``packing=True`` without ``max_length``; packing with
+  ``PrivacyArguments.privacy_unit``.
 
 TRL's own ``SFTConfig`` defaults to ``bf16=True`` (autocast, no loss scaler: accepted) and
 ``gradient_checkpointing=True`` (supported). Importing this module needs ``trl``
