@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"peak memory {method:18s} {common.fmt_bytes(memory[method])}", flush=True)
 
     utility = []
-    for s in range(cfg["utility_seeds"]):
+    for s in range(cfg["utility_seeds"] if cfg["utility_steps"] > 0 else 0):
         for method in ("padded", "packed"):
             r = run_method(cfg, method, train, out, steps=cfg["utility_steps"], seed=SEED + s)
             utility.append(

@@ -6,8 +6,8 @@ With a :class:`~opacus_rc.packing.PackingCollator` as the training collator (``D
 Poisson sampler still draws *records* (every record in a logical batch independently with
 probability ``q``: the divisor and the accounting are those of the records), and
 :class:`PackedLogicalBatchCollator` packs the records the batch sampled, after sampling, into
-rows of at most ``max_length`` tokens: :func:`plan_packed_micro_batches` cuts the records (in
-order) into micro-batches of whole records, each packing into at most
+rows of at most ``max_length`` tokens: :func:`plan_packed_micro_batches` cuts the records
+(longest first) into micro-batches of whole records, each packing into at most
 ``per_device_train_batch_size`` rows (a record longer than a row is cut across rows of one
 micro-batch, and clipped once, as one unit), and each micro-batch is packed by the collator
 (first fit in order, :func:`~opacus_rc.packing.pack_records`). Which records share a row
@@ -168,9 +168,11 @@ def _record_of(example: Any, i: int) -> Any:
 class PackedLogicalBatchCollator(LogicalBatchCollator):
     """Collate a Poisson batch of records into packed micro-batches (module docstring).
 
-    The examples (mappings with ``input_ids`` and optionally ``labels``, unpadded) are cut by
-    :func:`plan_packed_micro_batches` into micro-batches of at most
-    ``max_physical_batch_size`` packed rows, and each is packed by ``packing``. The
+    The examples (mappings with ``input_ids`` and optionally ``labels``, unpadded) are sorted
+    longest first (stable), cut by :func:`plan_packed_micro_batches` into micro-batches of at
+    most ``max_physical_batch_size`` packed rows, and each is packed by ``packing`` (first fit
+    decreasing: full rows, and records of similar lengths in a micro-batch, which keeps the
+    per-record norms' ``records x longest record`` layout small). The
     :class:`~opacus_rc.integrations.logical_batches.LogicalBatch`'s ``sizes`` count records.
 
     Args:
@@ -188,6 +190,14 @@ class PackedLogicalBatchCollator(LogicalBatchCollator):
     def __init__(self, *, packing: PackingCollator, max_physical_batch_size: int) -> None:
         super().__init__(collate_fn=packing, max_physical_batch_size=max_physical_batch_size)
         self.packing = packing
+
+    def __call__(self, examples: list[Any]) -> LogicalBatch:
+        # Longest first: first fit decreasing packs rows fuller, and each micro-batch then
+        # holds records of similar lengths (the per-record norms cost O(records x longest)).
+        lengths = [len(_record_of(ex, i)) for i, ex in enumerate(examples)]
+        order = sorted(range(len(examples)), key=lambda i: -lengths[i])
+        examples = [examples[i] for i in order]
+        return self.collate_chunks(examples, self.chunks(examples))
 
     def chunks(self, examples: list[Any]) -> list[tuple[int, int]]:
         lengths = [len(_record_of(ex, i)) for i, ex in enumerate(examples)]
