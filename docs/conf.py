@@ -92,6 +92,7 @@ API_PACKAGES = (
     "opacus_rc.data_loader",
     "opacus_rc.units",
     "opacus_rc.packing",
+    "opacus_rc.packed_loss",
     "opacus_rc.lora",
     "opacus_rc.checkpoints",
     "opacus_rc.auditing",

@@ -60,6 +60,7 @@ __all__ = [
     "PackingCollator",
     "RecordsCheck",
     "block_diagonal_attention_mask",
+    "check_mask_structure",
     "check_records_independent",
     "pack_records",
     "record_ids_from_position_ids",
@@ -479,8 +480,22 @@ _FIX = (
 )
 
 
-def _check_mask_structure(mask: torch.Tensor, rid: torch.Tensor) -> None:
-    """Refuse a 4D mask that lets a real query attend another record's token or padding."""
+def check_mask_structure(mask: torch.Tensor, record_ids: torch.Tensor) -> None:
+    """Refuse a 4D mask that lets a real query attend another record's token or padding.
+
+    ``O(R T^2)`` comparisons, no forward: the check the DP criterion's ``record_ids=`` runs at
+    every packed batch (:class:`opacus_rc.packed_loss.PackedAttentionGuard`).
+
+    Args:
+        mask: ``(R or 1, H or 1, T, T)`` attention mask, boolean (True: attend) or additive
+            float (a value above ``finfo.min / 2``: attend).
+        record_ids: ``(R, T)`` record of each token, -1 at padding.
+
+    Raises:
+        ValueError: If the mask's shape does not fit ``record_ids``.
+        BatchIndependenceError: If a real token may attend another record's token or padding.
+    """
+    rid = _check_record_ids(record_ids)
     R, T = rid.shape
     if mask.dim() != 4 or mask.shape[-2:] != (T, T) or mask.shape[0] not in (1, R):
         raise ValueError(
@@ -591,7 +606,7 @@ def check_records_independent(
         raise ValueError(f"record_ids of shape {(R, T)} for input_ids of shape {tuple(ids.shape)}")
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        _check_mask_structure(mask, rid)
+        check_mask_structure(mask, rid)
     segments = record_segments(rid)
     order = sorted(range(len(segments)), key=lambda j: (segments[j][2] == 0, j))
     if max_segments is not None:

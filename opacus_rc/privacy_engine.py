@@ -55,6 +55,7 @@ from opacus_rc.engine.seams import RandomizedClippingSeams
 from opacus_rc.grad_sample.grad_sample_module import strip_grad_sample_hooks
 from opacus_rc.lora import LoRAUpdateGuard
 from opacus_rc.mechanism import Mechanism
+from opacus_rc.packed_loss import PackedAttentionGuard
 from opacus_rc.units.data_loader import UnitDataLoader
 
 __all__ = ["PrivacyEngine"]
@@ -507,6 +508,13 @@ class PrivacyEngine(RandomizedClippingSeams):
             check = BatchIndependenceCheck(module, hooks=out[0], batch_first=options.batch_first)
             out[0].autograd_grad_sample_hooks.append(check.handle)
             out[0].batch_independence_check = check
+        if config is not None and callable(getattr(out[0], "disable_hooks", None)):
+            # The criterion's record_ids= checks packed batches' attention with it.
+            guard = PackedAttentionGuard(
+                module, hooks=out[0], full_check=options.check_batch_independence
+            )
+            out[0].autograd_grad_sample_hooks.append(guard.handle)
+            out[0].packed_attention_guard = guard
         return attach_post_processing(
             self,
             out,

@@ -511,6 +511,10 @@ class PrivateStep:
                 batch_first=batch_first,
             )
             units = self.units
+            if getattr(units, "packed_rows", False) and units.record_norms(
+                self, module, self.routes[id(module)], params, acts, backprops, loss_reduction
+            ):  # record_ids= (opacus_rc/packed_loss.py): an nn.Linear from the packed rows
+                return
             if units is not None:  # units= (docs/privacy/units.md): per unit
                 acts, backprops = pack_for_units(
                     units, module, acts, backprops, loss_reduction=loss_reduction
@@ -987,6 +991,10 @@ class PrivateStep:
                 compute_clipped_sums=compute_clipped_sums,
                 clip_factors=clip_factors,
                 apply_clip_factors=apply_clip_factors,
+            )
+        elif getattr(layout, "packed_rows", False):  # record_ids= (opacus_rc/packed_loss.py)
+            layout.write_clipped_sums(
+                ready, coef, clipped_sums=self.clipped_sums, name_of=self.name_of
             )
         else:
             write_clipped_sums(ready, coef, clipped_sums=self.clipped_sums, name_of=self.name_of)

@@ -65,6 +65,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
 
 from opacus_rc._compat.opacus import next_step_skipped
 from opacus_rc.grad_sample.private_step import StepProtocolError
+from opacus_rc.packed_loss import record_losses_for_loss
 from opacus_rc.units.criterion import unit_layout_for_loss
 
 __all__ = ["LOSS_SCALING_REFUSED", "DPLossRandomizedClipping", "DPTensorRandomizedClipping"]
@@ -292,6 +293,8 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
         shape: Any = None,
         units: Any = None,
         unit_split: Any = None,
+        record_ids: Any = None,
+        position_ids: Any = None,
         **kwargs: Any,
     ) -> DPTensorRandomizedClipping:
         """The per-sample losses of ``criterion(*args, **kwargs)``, as a DP loss.
@@ -307,13 +310,23 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
                 :class:`~opacus_rc.units.UnitSplit` when a unit is cut across the
                 physical batches of a logical one (``UnitBatchMemoryManager(split_units=True)``
                 yields it), or None (whole units).
+            record_ids: Optional ``(R, T)`` long tensor over the model's tokens of packed rows,
+                the record ``0..N-1`` of each token, -1 at padding (docs/packing.md): the
+                losses, norms and clip factors are then per record, shape ``(N,)`` (per unit,
+                ``(U,)``, with ``units=`` of shape ``(N,)``, the unit of each record). Needs a
+                per-token loss (``shape=(R, T')``, ``T' = T``, or ``T - 1`` for logits
+                ``[:, :-1]`` against labels ``[:, 1:]``).
+            position_ids: Instead of ``record_ids``, ``(R, T)`` position ids restarting at 0
+                at each record (a padding-free batch).
             **kwargs: The criterion's keyword arguments.
 
         Returns:
-            A :class:`DPTensorRandomizedClipping` of ``(B,)`` (or ``(U,)``) per-sample losses.
+            A :class:`DPTensorRandomizedClipping` of ``(B,)`` (or ``(U,)``, or ``(N,)``)
+            per-sample losses.
 
         Raises:
-            See :func:`opacus_rc.units.unit_layout_for_loss` for ``units``.
+            See :func:`opacus_rc.units.unit_layout_for_loss` for ``units``, and
+            :func:`opacus_rc.packed_loss.record_losses_for_loss` for ``record_ids``.
         """
         if (
             shape is not None
@@ -348,9 +361,45 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
             check.check_padding_targets(
                 args[1], shape=shape, ignore_index=getattr(self.criterion, "ignore_index", None)
             )
+        if record_ids is not None or position_ids is not None:
+            return _per_record_losses(
+                self, args, kwargs, shape, units, unit_split, record_ids, position_ids
+            )
         out = super().__call__(*args, shape=shape, **kwargs)
         losses = out.loss_per_sample
         layout = unit_layout_for_loss(out.module, losses, units, split=unit_split)
         if layout is not None:
             losses = layout.sum_per_unit(losses)  # (U,): each unit's loss, summed
         return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)
+
+
+def _per_record_losses(
+    loss: DPLossRandomizedClipping,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shape: Any,
+    units: Any,
+    unit_split: Any,
+    record_ids: Any,
+    position_ids: Any,
+) -> DPTensorRandomizedClipping:
+    """The criterion's ``record_ids=`` (packed rows, :mod:`opacus_rc.packed_loss`)."""
+    if unit_split is not None:
+        raise ValueError(
+            "unit_split= is not supported with record_ids=: a record cut across rows is "
+            "clipped once inside one physical batch; keep every record's rows in one batch"
+        )
+    out = DPLossFastGradientClipping.__call__(loss, *args, shape=None, **kwargs)
+    targets = args[1] if len(args) >= 2 else kwargs.get("target")
+    losses = record_losses_for_loss(
+        out.module,
+        out.loss_per_sample,
+        targets,
+        shape=shape,
+        record_ids=record_ids,
+        position_ids=position_ids,
+        units=units,
+        ignore_index=getattr(loss.criterion, "ignore_index", None),
+        reduction=loss.loss_reduction,
+    )
+    return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)

@@ -585,6 +585,69 @@ def run_engine_lm(
     )
 
 
+#: Rows of the packed paths: the 12-token last record is cut across two rows.
+PACK_LENGTH = 10
+
+
+def run_engine_packed(
+    arch: str,
+    padding_free: bool = False,
+    *,
+    neighbour: bool,
+    noise_multiplier: float,
+    public_size: bool,
+) -> Release:
+    """The engine on a tiny HF LM with the sampled records packed into rows of
+    :data:`PACK_LENGTH` tokens (``opacus_rc.packing.pack_records``: several records per row,
+    the last record cut across rows), a block-diagonal 4D mask (or, ``padding_free``, none:
+    restarting ``position_ids`` keep records apart) and the criterion's ``record_ids=``
+    (per-record clipping inside packed rows, issue 32)."""
+    from opacus_rc.packing import pack_records
+
+    n = N_RECORDS - int(neighbour)
+    model, k = lm_model(arch)
+
+    def collate(rows: list) -> tuple[Any, torch.Tensor]:
+        packed = pack_records([r[0] for r in rows], max_length=PACK_LENGTH, pad_token_id=PAD)
+        return packed, torch.tensor([r[1] for r in rows], dtype=torch.long)
+
+    loader = DataLoader(
+        Indexed(lm_examples(n)),
+        batch_size=BATCH,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(LOADER_SEED),
+    )
+    engine, m, opt, crit, dl = _make_private(
+        model,
+        loader,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=C_LM,
+        sketch_dim=k or 2,
+        dataset_size=N_RECORDS if public_size else None,
+    )
+    before = trainable(m)
+    packed, idx = next(iter(dl))
+    inputs = packed.model_inputs(padding_free=padding_free)
+    labels = inputs.pop("labels")
+    logits = m(**inputs).logits
+    r, t = labels.shape
+    crit(
+        logits[:, :-1].reshape(r * (t - 1), -1),
+        labels[:, 1:].reshape(-1),
+        shape=(r, t - 1),
+        record_ids=packed.record_ids,
+    ).backward()
+    opt.step()
+    return release_of_sgd_step(
+        before,
+        m,
+        _engine_mechanism(engine, dl, opt, dl.sample_rate),
+        idx.tolist(),
+        k,
+        N_RECORDS - 1,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine, units (UnitDataLoader and the criterion's units=)
 # ---------------------------------------------------------------------------------------------
@@ -923,6 +986,9 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-gpt2-left-pad-target": (_bind(run_engine_lm, "gpt2", "left", False), True),
     "engine-llama-right": (_bind(run_engine_lm, "llama", "right"), True),
     "engine-llama-left": (_bind(run_engine_lm, "llama", "left"), True),
+    "engine-packed-gpt2": (_bind(run_engine_packed, "gpt2"), True),
+    "engine-packed-llama": (_bind(run_engine_packed, "llama"), True),
+    "engine-packed-llama-padding-free": (_bind(run_engine_packed, "llama", True), True),
     "engine-units": (_bind(run_units, "whole"), True),
     "unit-loader-virtual": (_bind(run_units, "virtual"), True),
     "unit-split": (_bind(run_units, "split"), True),
