@@ -96,6 +96,33 @@ PROFILES: dict[str, dict[str, Any]] = {
         "utility_seeds": 2,
         "threads": 1,
     },
+    # The same at twice the width (a smaller share of attention, whose cost on CPU is T^2 per
+    # packed row: no varlen kernel): timing and memory only.
+    "wide": {
+        "hidden_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1376,
+        "vocab_size": 257,
+        "max_length": 1024,
+        "min_len": 16,
+        "n_train": 2000,
+        "n_heldout": 32,
+        "expected_batch_size": 16,
+        "physical_rows": 4,
+        "epsilon": 8.0,
+        "delta": 1e-5,
+        "max_grad_norm": 1.0,
+        "sketch_dim": 32,
+        "learning_rate": 2e-3,
+        "rounds": 2,
+        "warmup": 1,
+        "steps": 4,
+        "utility_steps": 0,
+        "utility_seeds": 0,
+        "threads": 1,
+    },
     "quick": {
         "hidden_size": 32,
         "num_hidden_layers": 1,
@@ -421,6 +448,9 @@ def load_average() -> str:
 def arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI size, seconds")
+    p.add_argument(
+        "--profile", choices=sorted(PROFILES), default=None, help="settings (default: full)"
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
@@ -430,8 +460,9 @@ def arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = arg_parser().parse_args(argv)
-    name = "quick" if args.quick else "full"
+    name = "quick" if args.quick else (args.profile or "full")
     cfg = dict(PROFILES[name], profile=name)
+    stem = NAME if name in ("full", "quick") else f"{NAME}_{name}"
     if args.rounds:
         cfg["rounds"] = args.rounds
     if args.utility_steps is not None:
@@ -504,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "padding_free_over_nonprivate_step": ratio("padding_free", "nonprivate_packed"),
         "packed_over_padded_cpu": 1 / ratio("packed", "padded", "cpu_sum_s"),
         "packed_over_nonprivate_cpu": ratio("packed", "nonprivate_packed", "cpu_sum_s"),
+        "padding_free_over_padded_cpu": 1 / ratio("padding_free", "padded", "cpu_sum_s"),
+        "padding_free_over_nonprivate_cpu": ratio("padding_free", "nonprivate_packed", "cpu_sum_s"),
         "epsilon": per_round[0]["packed"]["epsilon"],
         "sigma": per_round[0]["packed"]["sigma"],
     }
@@ -534,17 +567,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info["wall_s"] = round(time.perf_counter() - t0)
     info["uptime_load_average_after"] = load_average()
-    write_report(out, cfg, rows, summary, memory, utility, initial, lengths, info)
+    write_report(out, stem, cfg, rows, summary, memory, utility, initial, lengths, info)
     print(
         f"packed / padded tokens per second: {summary['packed_over_padded_tokens_per_s']:.2f}x; "
         f"packed DP / packed non-private per step: {summary['packed_over_nonprivate_step']:.3f}x"
     )
-    print(f"wrote {out / (NAME + '.md')} in {info['wall_s']} s")
+    print(f"wrote {out / (stem + '.md')} in {info['wall_s']} s")
     return 0
 
 
 def write_report(
     out: Path,
+    stem: str,
     cfg: dict,
     rows: list[dict],
     summary: dict,
@@ -554,7 +588,7 @@ def write_report(
     lengths: list[int],
     info: dict,
 ) -> None:
-    common.write_csv(out / f"{NAME}.csv", rows, COLUMNS)
+    common.write_csv(out / f"{stem}.csv", rows, COLUMNS)
     q = sorted(lengths)
     quant = ", ".join(
         f"{p}%: {q[min(len(q) - 1, int(p / 100 * len(q)))]}" for p in (10, 50, 90, 99)
@@ -564,7 +598,8 @@ def write_report(
     lines = [
         f"# Padded vs packed vs padding-free DP SFT ({cfg['profile']} profile)",
         "",
-        "`OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m benchmarks.packing_throughput` "
+        "`OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m benchmarks.packing_throughput"
+        f"{'' if stem == NAME else ' --profile ' + cfg['profile']}` "
         "(module docstring: what is measured and how).",
         f"Model: Llama causal LM, d = {cfg['hidden_size']}, {cfg['num_hidden_layers']} blocks, "
         f"byte-level vocab {cfg['vocab_size']} (tied), SDPA. Records: {len(lengths)} Brown "
@@ -578,15 +613,18 @@ def write_report(
         common.markdown_table(rows, COLUMNS),
         "",
         f"**packed / padded tokens per second: "
-        f"{summary['packed_over_padded_tokens_per_s']:.2f}x** (floor: >= 2x; CPU time "
-        f"{summary['packed_over_padded_cpu']:.2f}x); padding-free / padded "
-        f"{summary['padding_free_over_padded_tokens_per_s']:.2f}x.",
+        f"{summary['packed_over_padded_tokens_per_s']:.2f}x wall time, "
+        f"{summary['packed_over_padded_cpu']:.2f}x CPU time** (floor: >= 2x); padding-free / "
+        f"padded {summary['padding_free_over_padded_tokens_per_s']:.2f}x wall, "
+        f"{summary['padding_free_over_padded_cpu']:.2f}x CPU.",
         "",
         f"**packed DP / packed non-private, time per step: "
-        f"{summary['packed_over_nonprivate_step']:.3f}x** (floor: <= 1.10x; CPU time "
-        f"{summary['packed_over_nonprivate_cpu']:.3f}x); padding-free DP / packed non-private "
-        f"{summary['padding_free_over_nonprivate_step']:.3f}x. Medians over rounds of the "
-        "per-round ratios.",
+        f"{summary['packed_over_nonprivate_step']:.3f}x wall time, "
+        f"{summary['packed_over_nonprivate_cpu']:.3f}x CPU time** (floor: <= 1.10x); "
+        f"padding-free DP / packed non-private {summary['padding_free_over_nonprivate_step']:.3f}x "
+        f"wall, {summary['padding_free_over_nonprivate_cpu']:.3f}x CPU. Medians over rounds of "
+        "the per-round ratios. On a shared machine the wall time also counts the waits for a "
+        "core (see the load average below); the CPU time is this process' own work.",
         "",
         f"Epsilon of every DP method: {summary['epsilon']:.6f} at delta = {cfg['delta']:g} "
         f"(noise multiplier {summary['sigma']:.6f}; equal across methods, checked).",
@@ -595,15 +633,24 @@ def write_report(
         "",
         common.markdown_table(mem_rows, ["method", "peak_step_bytes", "peak"]),
         "",
-        f"Utility: held-out loss (mean over {cfg['n_heldout']} held-out records of each "
-        f"record's mean next-token loss) after {cfg['utility_steps']} steps at epsilon "
-        f"{cfg['epsilon']:g} (the target for those steps); before training {initial:.4f}.",
-        "",
-        common.markdown_table(utility, ["seed", "method", "steps", "epsilon", "heldout_loss"]),
+        *(
+            [
+                f"Utility: held-out loss (mean over {cfg['n_heldout']} held-out records of each "
+                f"record's mean next-token loss) after {cfg['utility_steps']} steps at epsilon "
+                f"{cfg['epsilon']:g} (the target for those steps); before training "
+                f"{initial:.4f}.",
+                "",
+                common.markdown_table(
+                    utility, ["seed", "method", "steps", "epsilon", "heldout_loss"]
+                ),
+            ]
+            if utility
+            else ["Utility: not run in this profile."]
+        ),
         "",
         common.machine_markdown(info),
     ]
-    common.write_text(out / f"{NAME}.md", "\n".join(lines) + "\n")
+    common.write_text(out / f"{stem}.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
