@@ -67,6 +67,19 @@ def records(seed: int = 0) -> list[torch.Tensor]:
 def tiny(arch: str) -> nn.Module:
     if arch == "llama":
         model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
+    elif arch == "llama-checkpointed":  # a checkpointed step: the smaller stash per layer
+        model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif arch == "llama-lora":  # LoRA factors (nn.Linear) on a frozen base
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+        model = peft.get_peft_model(hf.llama(vocab=VOCAB, tie=False, pad_token_id=0), config)
+        for name, p in model.named_parameters():  # B = 0 at init: both factors matter
+            if "lora_B" in name:
+                with torch.no_grad():
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     elif arch == "gpt2-tied":
         model = hf.gpt2(vocab=VOCAB, tie=True, bos_token_id=1, eos_token_id=2)
     else:  # every norm exact: the LM head (an nn.Linear, sketched) untied and frozen
@@ -189,6 +202,8 @@ def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, 
         # Every nn.Linear but the tied head (the joint sketch) took the packed-row path.
         linears = [x for x in model.modules() if type(x) is nn.Linear]
         assert len(layout._token_rows) == len(linears) - 1 > 0
+    if arch == "llama-checkpointed":  # each layer's smaller stash, re-laid per record
+        assert not layout._token_rows
     exact = arch == "gpt2"
     torch.testing.assert_close(norms, oracle, rtol=1e-9 if exact else RTOL, atol=0)
     factors = (c / (norms + 1e-6)).clamp(max=1.0)
@@ -204,6 +219,11 @@ def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, 
 @pytest.mark.parametrize("active", [True, False])
 def test_packed_update_equals_sum_of_clipped_records(arch: str, active: bool) -> None:
     check(arch, active=active)
+
+
+@pytest.mark.parametrize("arch", ["llama-lora", "llama-checkpointed"])
+def test_packed_update_lora_and_checkpointed(arch: str) -> None:
+    check(arch)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -344,9 +364,13 @@ def test_target_predicted_across_records_is_refused() -> None:
     m, _, crit = _private(model)
     inputs = packed.model_inputs(dtype=torch.float64)
     labels = inputs.pop("labels")
+    good = labels
     labels = torch.where(packed.record_ids >= 0, packed.input_ids, labels)  # no ignore at starts
     with pytest.raises(ValueError, match="across a record boundary"):
         _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+    # The refused forward's records were dropped: the next step runs.
+    _loss(m, crit, inputs, good, record_ids=packed.record_ids).backward()
+    assert m.private_step.per_sample_gradient_norms.shape == (len(LENGTHS),)
 
 
 class ConvLM(nn.Module):

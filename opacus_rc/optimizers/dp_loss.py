@@ -391,15 +391,23 @@ def _per_record_losses(
         )
     out = DPLossFastGradientClipping.__call__(loss, *args, shape=None, **kwargs)
     targets = args[1] if len(args) >= 2 else kwargs.get("target")
-    losses = record_losses_for_loss(
-        out.module,
-        out.loss_per_sample,
-        targets,
-        shape=shape,
-        record_ids=record_ids,
-        position_ids=position_ids,
-        units=units,
-        ignore_index=getattr(loss.criterion, "ignore_index", None),
-        reduction=loss.loss_reduction,
-    )
+    try:
+        losses = record_losses_for_loss(
+            out.module,
+            out.loss_per_sample,
+            targets,
+            shape=shape,
+            record_ids=record_ids,
+            position_ids=position_ids,
+            units=units,
+            ignore_index=getattr(loss.criterion, "ignore_index", None),
+            reduction=loss.loss_reduction,
+        )
+    except BaseException:
+        # Refused between a forward and its backward: drop the forward's records (nothing
+        # reached a gradient yet), so that the next forward starts the step afresh.
+        step = getattr(out.module, "private_step", None)
+        if step is not None:
+            step.reset()
+        raise
     return DPTensorRandomizedClipping(out.module, out.optimizer, losses, out.loss_reduction)

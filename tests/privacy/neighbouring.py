@@ -648,6 +648,81 @@ def run_engine_packed(
     )
 
 
+#: Records of the packed-units path: 8 units of 1-3 records; the last unit's 12-token record
+#: is cut across two rows of :data:`PACK_LENGTH`.
+PACKED_UNIT_SIZES = [2, 1, 3, 1, 2, 3, 1, 2]
+PACKED_UNIT_RATE = 0.5
+PACKED_UNIT_SEED = 2
+
+
+def run_engine_packed_units(
+    *, neighbour: bool, noise_multiplier: float, public_size: bool
+) -> Release:
+    """A :class:`~opacus_rc.units.UnitDataLoader` of records (a user's several records) whose
+    collate function packs the sampled records (``opacus_rc.packing.PackingCollator``), GPT-2
+    (every norm exact) and the criterion's ``record_ids=`` with ``units=``: each unit clipped
+    once inside packed rows (issue 32); the last unit removed. The divisor is the loader's
+    public ``expected_batch_size``."""
+    from opacus_rc.packing import PackingCollator
+
+    sizes = PACKED_UNIT_SIZES[:-1] if neighbour else PACKED_UNIT_SIZES
+    unit_of = [u for u, n in enumerate(sizes) for _ in range(n)]
+    g = torch.Generator().manual_seed(6)
+    items = []
+    for i in range(len(unit_of)):
+        length = (
+            12 if i == sum(PACKED_UNIT_SIZES) - 1 else int(torch.randint(3, 9, (1,), generator=g))
+        )
+        ids = torch.randint(3, LM_VOCAB, (length,), generator=g).tolist()
+        items.append({"input_ids": ids, "index": i})
+    model, k = lm_model("gpt2")
+    pack = PackingCollator(max_length=PACK_LENGTH, pad_token_id=PAD)
+
+    def collate(rows: list) -> dict[str, torch.Tensor]:
+        return {**pack(rows), "index": torch.tensor([r["index"] for r in rows])}
+
+    loader = UnitDataLoader(
+        items,
+        unit_of=unit_of,
+        sample_rate=PACKED_UNIT_RATE,
+        generator=torch.Generator().manual_seed(PACKED_UNIT_SEED),
+        expected_batch_size=4,
+        collate_fn=collate,
+    )
+    engine, m, opt, crit, dl = _make_private(
+        model,
+        loader,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=C_LM,
+        sketch_dim=2,
+        dataset_size=None,  # the divisor: the loader's public expected_batch_size
+    )
+    before = trainable(m)
+    batch = next(iter(dl))
+    labels = batch.pop("labels")
+    record_ids, units = batch.pop("record_ids"), batch.pop("units")
+    del batch["record_units"]
+    sampled = sorted({unit_of[i] for i in batch.pop("index").tolist()})
+    logits = m(**batch).logits
+    r, t = labels.shape
+    crit(
+        logits[:, :-1].reshape(r * (t - 1), -1),
+        labels[:, 1:].reshape(-1),
+        shape=(r, t - 1),
+        record_ids=record_ids,
+        units=units,
+    ).backward()
+    opt.step()
+    return release_of_sgd_step(
+        before,
+        m,
+        _engine_mechanism(engine, dl, opt, dl.sample_rate),
+        sampled,
+        k,
+        len(PACKED_UNIT_SIZES) - 1,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine, units (UnitDataLoader and the criterion's units=)
 # ---------------------------------------------------------------------------------------------
@@ -989,6 +1064,7 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-packed-gpt2": (_bind(run_engine_packed, "gpt2"), True),
     "engine-packed-llama": (_bind(run_engine_packed, "llama"), True),
     "engine-packed-llama-padding-free": (_bind(run_engine_packed, "llama", True), True),
+    "engine-packed-units": (run_engine_packed_units, False),
     "engine-units": (_bind(run_units, "whole"), True),
     "unit-loader-virtual": (_bind(run_units, "virtual"), True),
     "unit-split": (_bind(run_units, "split"), True),
