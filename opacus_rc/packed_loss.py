@@ -21,7 +21,10 @@ record longer than a row cut across rows; :func:`opacus_rc.packing.pack_records`
   runs on ``N`` samples. For a token-wise module a record's gradient is a sum over its tokens,
   and a zero output-gradient row adds nothing, so the norms, the clip factors and the
   book-keeping clipped sum are per record; one backward pass with book-keeping, the second
-  pass of ``sum_r c_r loss_r`` without.
+  pass of ``sum_r c_r loss_r`` without. An ``nn.Linear`` on the sketched route (Hutchinson,
+  not checkpointed) skips the re-layout: its per-record sketch comes from the packed rows in
+  chunks and its clipped sum from ``R T`` token rows weighted by their record's factor
+  (:meth:`PackedRecordLayout.record_norms`), linear in each record's tokens.
 
 The optimizer clips ``N`` (or ``U``) records; its divisor (the public expected batch size,
 counted in records or units) and the accounting are unchanged. A module that is not
