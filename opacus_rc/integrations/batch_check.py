@@ -181,7 +181,7 @@ def check_packed_micro_batch(
     Raises:
         BatchIndependenceError: From :func:`~opacus_rc.packing.check_records_independent`.
     """
-    micro = prepare_inputs(trainer, micro)
+    micro = {k: v for k, v in prepare_inputs(trainer, micro).items() if k != UNITS_KEY}
     private = trainer._require_private()
     result = check_records_independent(
         model, micro, max_segments=max_segments, hooks=private.module

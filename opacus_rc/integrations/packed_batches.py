@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opacus_rc.integrations.logical_batches import LogicalBatch, LogicalBatchCollator
+from opacus_rc.integrations.logical_batches import UNITS_KEY, LogicalBatch, LogicalBatchCollator
 from opacus_rc.packing import PackingCollator
 
 __all__ = [
@@ -187,17 +187,49 @@ class PackedLogicalBatchCollator(LogicalBatchCollator):
             (:func:`plan_packed_micro_batches`).
     """
 
-    def __init__(self, *, packing: PackingCollator, max_physical_batch_size: int) -> None:
+    def __init__(
+        self, *, packing: PackingCollator, max_physical_batch_size: int, units: bool = False
+    ) -> None:
         super().__init__(collate_fn=packing, max_physical_batch_size=max_physical_batch_size)
         self.packing = packing
+        self.units = bool(units)
 
     def __call__(self, examples: list[Any]) -> LogicalBatch:
+        if self.units:
+            return self._collate_units(examples)
         # Longest first: first fit decreasing packs rows fuller, and each micro-batch then
         # holds records of similar lengths (the per-record norms cost O(records x longest)).
         lengths = [len(_record_of(ex, i)) for i, ex in enumerate(examples)]
         order = sorted(range(len(examples)), key=lambda i: -lengths[i])
         examples = [examples[i] for i in order]
         return self.collate_chunks(examples, self.chunks(examples))
+
+    def _collate_units(self, items: list[Any]) -> LogicalBatch:
+        """Items ``(example, unit)``, a unit's contiguous (the unit sampler's order): whole
+        units per micro-batch (longest unit first), each micro-batch with its ``(N,)`` unit of
+        each record under :data:`~opacus_rc.integrations.logical_batches.UNITS_KEY`."""
+        groups: list[list[Any]] = []
+        for example, unit in items:
+            if not groups or groups[-1][0][1] != unit:
+                groups.append([])
+            groups[-1].append((example, unit))
+        size = [sum(len(_record_of(ex, i)) for i, (ex, _) in enumerate(g)) for g in groups]
+        order = sorted(range(len(groups)), key=lambda j: -size[j])
+        flat = [item for j in order for item in groups[j]]
+        examples = [ex for ex, _ in flat]
+        bounds = plan_packed_micro_batches(
+            [len(_record_of(ex, i)) for i, ex in enumerate(examples)],
+            max_length=self.packing.max_length,
+            max_rows=self.max_physical_batch_size,
+            groups=[unit for _, unit in flat],
+        )
+        batch = self.collate_chunks(examples, bounds)
+        for micro, (lo, hi) in zip(batch.micro_batches, bounds):
+            label: dict[Any, int] = {}
+            micro[UNITS_KEY] = torch.tensor(
+                [label.setdefault(unit, len(label)) for _, unit in flat[lo:hi]], dtype=torch.long
+            )
+        return batch
 
     def chunks(self, examples: list[Any]) -> list[tuple[int, int]]:
         lengths = [len(_record_of(ex, i)) for i, ex in enumerate(examples)]
@@ -252,6 +284,7 @@ def packed_micro_batch_loss(
     inputs = dict(inputs)
     record_ids = inputs.pop("record_ids", None)
     inputs.pop("record_units", None)
+    units = inputs.pop(UNITS_KEY, None)  # (N,) unit of each record, with privacy_unit
     labels = inputs.pop("labels", None)
     if labels is None or record_ids is None:
         raise ValueError(
@@ -267,6 +300,7 @@ def packed_micro_batch_loss(
         labels[:, 1:].reshape(-1),
         shape=(r, t),
         record_ids=record_ids,
+        units=units,
     )
 
 

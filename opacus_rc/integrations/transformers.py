@@ -393,13 +393,6 @@ class DPTrainerMixin(TrainerSeams):
         dataset, collator = train_dataset_and_collator(self)
         self._train_collate = collator  # also collates single examples for the batch check
         if self.privacy_args.privacy_unit is not None:
-            if self._dp_packing is not None:
-                raise ValueError(
-                    "PrivacyArguments.privacy_unit with a packing collator (or DPSFTTrainer's "
-                    "packing=True / padding_free=True) is not supported yet: a unit's records "
-                    "would have to be packed and clipped together. Use a padding collator with "
-                    "privacy_unit, or packing without it (each record its own unit)"
-                )
             return unit_train_loader(self, dataset, collator)
         return example_train_loader(self, dataset, collator)
 

@@ -24,8 +24,7 @@ epsilon in the logs, the privacy state in checkpoints, the same refusals): see
   False, :attr:`DPSFTTrainer.dp_packing_mode` says which mode trains. The sampling rate, the
   divisor and epsilon are those of the records, as without packing. Evaluation is padded;
 * refused, with what to do: ``loss_type="dft"``; ``packing`` or ``padding_free`` with a
-  custom ``data_collator``; ``packing=True`` without ``max_length``; packing with
-  ``PrivacyArguments.privacy_unit``.
+  custom ``data_collator``; ``packing=True`` without ``max_length``.
 
 TRL's own ``SFTConfig`` defaults to ``bf16=True`` (autocast, no loss scaler: accepted) and
 ``gradient_checkpointing=True`` (supported). Importing this module needs ``trl``

@@ -241,14 +241,32 @@ def test_packed_attention_across_records_is_refused_before_any_step(tmp_path: Pa
     assert all(torch.equal(start[n], after[n]) for n in start)
 
 
-def test_packing_with_privacy_unit_is_refused(tmp_path: Path) -> None:
-    data = [dict(ex, user=i % 5) for i, ex in enumerate(th.token_examples(40))]
-    tr = make(
-        tmp_path, model=th.tiny_llama(), collator=packing(), data=data,
-        privacy={"privacy_unit": "user"},
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="privacy_unit with a packing collator"):
-        tr.train()
+def test_packed_units_equal_the_padded_units_run(tmp_path: Path) -> None:
+    """``privacy_unit`` with a packing collator: units Poisson-sampled, a unit's records packed
+    into the same micro-batch and clipped together (``units=`` over records). GPT-2, exact
+    norms, clipping active: the same update as the padded privacy-unit run (same seeds)."""
+    data = [dict(ex, user=i // 2) for i, ex in enumerate(th.token_examples(40))]  # 20 units
+    privacy = {
+        "noise_multiplier": 0.0, "target_epsilon": None, "max_grad_norm": 2.6,
+        "privacy_unit": "user", "expected_batch_size": 6,
+    }  # fmt: skip
+    kw = {"max_steps": 2, "per_device_train_batch_size": 4, **SGD}
+    padded = make(tmp_path / "a", model=th.tiny_gpt2_exact(), collator=th.pad_collate,
+                  data=data, privacy=privacy, **kw)  # fmt: skip
+    padded.train()
+    packed = make(tmp_path / "b", model=th.tiny_gpt2_exact(), collator=packing(),
+                  data=data, privacy=privacy, **kw)  # fmt: skip
+    packed.train()
+    assert [b.num_examples for b in packed.batches] == [b.num_examples for b in padded.batches]
+    micro = [m for b in packed.batches for m in b.micro_batches]
+    assert all(m["dp_privacy_units"].numel() == int(m["record_ids"].max()) + 1 for m in micro)
+    assert any(torch.unique(m["dp_privacy_units"]).numel() < m["dp_privacy_units"].numel()
+               for m in micro)  # fmt: skip
+    a, b = th.params(padded.model), th.params(packed.model)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+    start = th.params(th.tiny_gpt2_exact())
+    assert any(not torch.allclose(start[n], b[n]) for n in b)
 
 
 def test_evaluation_gets_packed_rows_without_the_criterion_keys(tmp_path: Path) -> None:

@@ -911,9 +911,15 @@ def run_trainer(
         return _train_one_step(tr, k)
 
 
-def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> Release:
-    """``DPTrainer`` with ``privacy_unit`` on GPT-2 (exact norms); the last unit removed."""
+def run_trainer_units(
+    packed: bool = False, *, neighbour: bool, noise_multiplier: float, public_size: bool
+) -> Release:
+    """``DPTrainer`` with ``privacy_unit`` on GPT-2 (exact norms); the last unit removed. With
+    ``packed``, a ``PackingCollator``: each sampled unit's records packed into rows of 16
+    tokens, in one micro-batch, and clipped together (``units=`` over records)."""
+    from opacus_rc.integrations.packed_batches import packing_mask_dtype
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
+    from opacus_rc.packing import PackingCollator
 
     sizes = [1, 2, 1, 2, 1, 2, 1, 2][: N_RECORDS - int(neighbour)]
     seqs = lm_examples(N_RECORDS) * 2
@@ -925,7 +931,13 @@ def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: 
             model=model,
             args=_trainer_args(tmp, per_device_train_batch_size=16),
             train_dataset=data,
-            data_collator=lambda rows: pad_batch([r["input_ids"] for r in rows], side="right"),
+            data_collator=(
+                PackingCollator(
+                    max_length=16, pad_token_id=PAD, mask_dtype=packing_mask_dtype(model)
+                )
+                if packed
+                else lambda rows: pad_batch([r["input_ids"] for r in rows], side="right")
+            ),
             privacy_args=PrivacyArguments(
                 noise_multiplier=noise_multiplier,
                 target_delta=1e-3,
@@ -1080,4 +1092,5 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "trainer-packed-llama": (_bind(run_trainer_packed, "llama"), True),
     "trainer-padding-free-llama": (_bind(run_trainer_packed, "llama", True), True),
     "sft-trainer-packing": (_bind(run_sft, True), True),
+    "trainer-packed-privacy-unit": (_bind(run_trainer_units, True), True),
 }
