@@ -13,7 +13,10 @@ micro-batch, and clipped once, as one unit), and each micro-batch is packed by t
 (first fit in order, :func:`~opacus_rc.packing.pack_records`). Which records share a row
 therefore depends only on the records of the logical batch; removing a record changes the
 rows of its own logical batch only, and its contribution is bounded by the per-record
-clipping, not by the rows.
+clipping, not by the rows. With ``PrivacyArguments.privacy_unit`` the units are sampled, a
+sampled unit's records are packed into one micro-batch, and the criterion gets ``units=`` over
+the records (:data:`~opacus_rc.integrations.logical_batches.UNITS_KEY`), so that each unit is
+clipped once.
 
 :func:`packed_micro_batch_loss` is the private loss of a packed micro-batch: the model runs on
 the packed rows (the block-diagonal 4D mask, or no mask with restarting ``position_ids``), and
