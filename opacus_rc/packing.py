@@ -56,6 +56,7 @@ from opacus_rc.batch_independence import (
 __all__ = [
     "IGNORE_INDEX",
     "PackedBatch",
+    "PackedModelInputs",
     "PackingCollator",
     "RecordsCheck",
     "block_diagonal_attention_mask",
@@ -711,4 +712,29 @@ class PackingCollator:
         out = packed.model_inputs(padding_free=self.padding_free, dtype=self.mask_dtype)
         out["record_ids"] = packed.record_ids
         out["record_units"] = packed.record_units
+        return out
+
+    def evaluation_collator(self) -> PackedModelInputs:
+        """This collator without the criterion's keys: batches a model (and the Trainer's
+        ``compute_loss``, e.g. in ``evaluate()``) takes as they are (``input_ids``,
+        ``labels``, ``position_ids`` and, unless padding-free, the 4D mask)."""
+        return PackedModelInputs(self)
+
+
+class PackedModelInputs:
+    """A :class:`PackingCollator`'s batches without ``record_ids`` and ``record_units``
+    (:meth:`PackingCollator.evaluation_collator`).
+
+    Args:
+        packing: The packing collator.
+    """
+
+    def __init__(self, packing: PackingCollator) -> None:
+        self.packing = packing
+
+    def __call__(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """The packed batch of ``examples``, model inputs and labels only."""
+        out = self.packing(examples)
+        out.pop("record_ids")
+        out.pop("record_units")
         return out

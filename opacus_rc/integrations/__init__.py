@@ -8,7 +8,8 @@
   :mod:`~opacus_rc.integrations.refusals` (what is refused, and why),
   :mod:`~opacus_rc.integrations.train_data` (the training data, its Poisson schedule and
   loader), :mod:`~opacus_rc.integrations.logical_batches` (Poisson logical batches and their
-  micro-batches), :mod:`~opacus_rc.integrations.private_run` (the run's one ``make_private``
+  micro-batches), :mod:`~opacus_rc.integrations.packed_batches` (packed logical batches, clipped
+  per record), :mod:`~opacus_rc.integrations.private_run` (the run's one ``make_private``
   call and its seeds), :mod:`~opacus_rc.integrations.logical_batch_step` (one logical batch's
   private backward), :mod:`~opacus_rc.integrations.per_sample_loss` (the per-example loss) and
   :mod:`~opacus_rc.integrations.privacy_state` (the privacy state of a checkpoint) and

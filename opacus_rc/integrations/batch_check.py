@@ -54,9 +54,16 @@ from opacus_rc.integrations.model_inputs import (
     model_inputs,
     unpadded_next_token_labels,
 )
+from opacus_rc.integrations.packed_batches import is_packed_micro_batch
 from opacus_rc.integrations.per_sample_loss import per_token_targets
+from opacus_rc.packing import check_records_independent
 
-__all__ = ["BatchCheckState", "check_logical_batch", "check_micro_batch"]
+__all__ = [
+    "BatchCheckState",
+    "check_logical_batch",
+    "check_micro_batch",
+    "check_packed_micro_batch",
+]
 
 
 @dataclass
@@ -97,6 +104,12 @@ def check_logical_batch(
         if state.done:
             return
         if not isinstance(micro, Mapping) or not examples:
+            continue
+        if is_packed_micro_batch(micro):
+            # Records packed into rows: each checked record's logits alone equal its logits
+            # inside its row (a record after another one in a row is what can see it).
+            if not state.checked_batch:
+                state.checked_batch = check_packed_micro_batch(trainer, model, micro)
             continue
         mask = micro.get("attention_mask")
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
@@ -152,6 +165,28 @@ def check_micro_batch(
                 alone = _forward(model, alone_batches[i], positions, trainer, default_loss, 1)
             _compare(full, alone, micro, alone_batches[i], i, size)
     return rows
+
+
+def check_packed_micro_batch(
+    trainer: Any, model: nn.Module, micro: Mapping[str, Any], *, max_segments: int = 4
+) -> bool:
+    """Check a packed micro-batch with :func:`~opacus_rc.packing.check_records_independent`
+    (a 4D mask that crosses records refused before anything runs; up to ``max_segments``
+    record segments, those after another record in their row first, run alone).
+
+    Returns:
+        Whether a segment after another record in its row was checked (then the check is
+        done: that is the case a packed batch can get wrong).
+
+    Raises:
+        BatchIndependenceError: From :func:`~opacus_rc.packing.check_records_independent`.
+    """
+    micro = {k: v for k, v in prepare_inputs(trainer, micro).items() if k != UNITS_KEY}
+    private = trainer._require_private()
+    result = check_records_independent(
+        model, micro, max_segments=max_segments, hooks=private.module
+    )
+    return any(start > 0 for _, _, start, _ in result.segments)
 
 
 def _is_default_loss(trainer: Any) -> bool:

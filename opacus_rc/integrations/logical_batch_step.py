@@ -32,6 +32,7 @@ from opacus_rc.integrations.model_inputs import (
     model_inputs,
     unpadded_next_token_labels,
 )
+from opacus_rc.integrations.packed_batches import is_packed_micro_batch, packed_micro_batch_loss
 from opacus_rc.integrations.per_sample_loss import per_sample_cross_entropy
 
 __all__ = ["logical_batch_step", "micro_batch_loss"]
@@ -199,6 +200,8 @@ def micro_batch_loss(
         ValueError: No ``labels`` in the batch; an encoder-decoder batch without decoder
             inputs (:func:`check_decoder_inputs`).
     """
+    if is_packed_micro_batch(inputs):  # records packed into rows: clipped per record
+        return packed_micro_batch_loss(model, inputs, criterion=criterion)
     inputs, labels, given_shift_labels, units = model_inputs(
         inputs, expand_positions=expand_positions
     )

@@ -40,6 +40,7 @@ from opacus_rc.integrations.logical_batches import (
     UnitLogicalBatchSampler,
     UnitRows,
 )
+from opacus_rc.integrations.packed_batches import PackedLogicalBatchCollator
 from opacus_rc.mechanism import PublicSizes
 from opacus_rc.units.data_loader import select_unit_members
 
@@ -278,13 +279,17 @@ def example_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> Logic
             rank=trainer._rank,
             world_size=trainer._world_size,
         )
-    return logical_batch_loader(
-        trainer,
-        dataset,
-        batch_sampler=trainer._poisson_sampler,
-        collate_fn=LogicalBatchCollator(
+    packing = getattr(trainer, "_dp_packing", None)
+    if packing is not None:  # each logical batch's sampled records packed into rows
+        collate: LogicalBatchCollator = PackedLogicalBatchCollator(
+            packing=packing, max_physical_batch_size=train_batch_size(trainer)
+        )
+    else:
+        collate = LogicalBatchCollator(
             collate_fn=collator, max_physical_batch_size=train_batch_size(trainer)
-        ),
+        )
+    return logical_batch_loader(
+        trainer, dataset, batch_sampler=trainer._poisson_sampler, collate_fn=collate
     )
 
 
@@ -320,7 +325,9 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
     trainer._num_records = num_units
     check_delta(pa.target_delta, pa.dataset_size or num_units, f"units of {column!r}")
     physical = train_batch_size(trainer)
-    too_big = [len(m) for m in members if len(m) > physical]
+    packing = getattr(trainer, "_dp_packing", None)
+    # Packed: a unit's records share rows; a unit needing more rows is refused when sampled.
+    too_big = [] if packing is not None else [len(m) for m in members if len(m) > physical]
     if too_big:
         raise ValueError(
             f"{len(too_big)} of the {num_units} units of {column!r} have more rows than "
@@ -345,5 +352,11 @@ def unit_train_loader(trainer: Any, dataset: Dataset, collator: Any) -> LogicalB
         trainer,
         UnitRows(dataset, unit_of, column),
         batch_sampler=trainer._poisson_sampler,
-        collate_fn=UnitLogicalBatchCollator(collate_fn=collator, max_physical_batch_size=physical),
+        collate_fn=(
+            UnitLogicalBatchCollator(collate_fn=collator, max_physical_batch_size=physical)
+            if packing is None
+            else PackedLogicalBatchCollator(
+                packing=packing, max_physical_batch_size=physical, units=True
+            )
+        ),
     )

@@ -26,7 +26,10 @@ differently:
   per example. The
   Trainer's ``label_smoothing_factor`` is honoured. Each example is one privacy unit: a row of
   the batch must be one record (padding-free or packing collators, which put several records in
-  one row, are refused where they can be seen).
+  one row, are refused where they can be seen), except with
+  :class:`~opacus_rc.packing.PackingCollator` as ``data_collator``: each logical batch's
+  sampled records are then packed into rows after sampling and clipped per record
+  (:mod:`~opacus_rc.integrations.packed_batches`, docs/packing.md#packing-trainer).
 * **Batch independence.** Before anything is noised or accounted, micro-batches are checked
   until one of two or more examples and one with padding have been: every row of a checked
   micro-batch is its example's own, and up to three examples' outputs and losses alone equal
@@ -196,6 +199,7 @@ from opacus_rc.integrations.train_data import (
     train_dataset_and_collator,
     unit_train_loader,
 )
+from opacus_rc.packing import PackingCollator
 from opacus_rc.privacy_engine import PrivacyEngine
 
 __all__ = [
@@ -280,7 +284,13 @@ class DPTrainerMixin(TrainerSeams):
         self._fsdp_plugin: Any = None  # accelerate's FSDP2 plugin (integrations/fsdp.py)
         self._fsdp_filler: dict[str, Any] | None = None
         self._fsdp_reshard = True  # the groups' reshard_after_forward (the plugin's)
+        self._dp_packing: PackingCollator | None = None
         super().__init__(*args, **kwargs)
+        if isinstance(self.data_collator, PackingCollator):
+            # Training packs each logical batch's records (packed_batches); evaluation gets the
+            # same packed rows without the criterion's keys.
+            self._dp_packing = self.data_collator
+            self.data_collator = self._dp_packing.evaluation_collator()
         self._refuse_unsupported()
         if privacy_args.seed is not None:
             warnings.warn(
@@ -614,7 +624,9 @@ class DPTrainerMixin(TrainerSeams):
         for micro in inputs.micro_batches:
             mask = micro.get("attention_mask")
             ids = micro.get(getattr(self.model, "main_input_name", "input_ids"))
-            if mask is not None:
+            if "record_ids" in micro:  # packed rows: the records' tokens
+                count += int((micro["record_ids"] >= 0).sum())
+            elif mask is not None:
                 count += int(mask.sum())
             elif ids is not None:
                 count += int(ids.numel())

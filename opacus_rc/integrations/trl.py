@@ -13,9 +13,18 @@ epsilon in the logs, the privacy state in checkpoints, the same refusals): see
 * the training loss is computed from the model's full logits, not TRL's fused LM head: the
   fused head multiplies by ``lm_head.weight`` outside the head's module, where no per-example
   norm hook sees it (evaluation keeps TRL's fused head);
-* refused, with what to do: ``packing=True`` (a packed row holds several examples, and the
-  packing of each row depends on the others, so one example's removal changes other rows) and
-  ``padding_free=True`` (one row for the whole batch), ``loss_type="dft"``.
+* ``packing=True`` and ``padding_free=True`` pack each Poisson logical batch's *sampled*
+  records into rows of ``max_length`` tokens (a block-diagonal 4D mask, or no mask with
+  restarting ``position_ids``), clipped per record (docs/packing.md#packing-trainer). TRL's
+  own packing would pack the whole dataset before sampling (``trl.pack_dataset``), so that
+  which records share a row depends on every other record: TRL is given a copy of the config
+  with ``packing=False``, ``padding_free=False`` and ``eval_packing=False`` (it prepares one
+  record per row), and the trainer packs with an
+  :class:`~opacus_rc.packing.PackingCollator` after sampling; ``self.args.packing`` reads
+  False, :attr:`DPSFTTrainer.dp_packing_mode` says which mode trains. The sampling rate, the
+  divisor and epsilon are those of the records, as without packing. Evaluation is padded;
+* refused, with what to do: ``loss_type="dft"``; ``packing`` or ``padding_free`` with a
+  custom ``data_collator``; ``packing=True`` without ``max_length``.
 
 TRL's own ``SFTConfig`` defaults to ``bf16=True`` (autocast, no loss scaler: accepted) and
 ``gradient_checkpointing=True`` (supported). Importing this module needs ``trl``
@@ -24,6 +33,7 @@ TRL's own ``SFTConfig`` defaults to ``bf16=True`` (autocast, no loss scaler: acc
 
 from __future__ import annotations
 
+import copy as _copy
 from typing import Any
 
 try:
@@ -35,36 +45,66 @@ except ImportError as err:  # pragma: no cover - depends on the install
         "opacus_rc.integrations.transformers.DPTrainer"
     ) from err
 
+from opacus_rc.integrations.packed_batches import packing_mask_dtype
 from opacus_rc.integrations.transformers import DPTrainerMixin, PrivacyArguments
+from opacus_rc.packing import PackingCollator
 
 __all__ = ["DPSFTTrainer", "PrivacyArguments"]
 
 
 def _refuse_sft_options(args: Any) -> None:
-    """Refuse the SFT options that put several examples in one row or change the loss.
+    """Refuse the SFT options that change the loss.
 
     Raises:
-        ValueError: ``packing``, ``padding_free`` or ``loss_type="dft"``.
+        ValueError: ``loss_type="dft"``.
     """
     if args is None:
         return
-    if getattr(args, "packing", False):
-        raise ValueError(
-            "packing=True puts several examples in one row, and which examples share a row "
-            "depends on the whole dataset: the privacy unit would be a packed row, and one "
-            "example's removal would change other rows. Set packing=False (each example is one "
-            "padded row; per_device_train_batch_size bounds the memory)"
-        )
-    if getattr(args, "padding_free", False):
-        raise ValueError(
-            "padding_free=True concatenates the batch into one row, so no per-example gradient "
-            "exists to clip. Set padding_free=False"
-        )
     if getattr(args, "loss_type", "nll") != "nll":
         raise ValueError(
             f"loss_type={args.loss_type!r}: a DP SFT trainer trains on each example's mean "
             "next-token negative log-likelihood; set loss_type='nll'"
         )
+
+
+def _packing_mode(args: Any) -> str | None:
+    """``"packing"``, ``"padding_free"`` or None, from an ``SFTConfig``."""
+    if args is None:
+        return None
+    if getattr(args, "padding_free", False):
+        return "padding_free"
+    if getattr(args, "packing", False):
+        return "packing"
+    return None
+
+
+def _unpacked_args(args: Any, mode: str | None, data_collator: Any) -> Any:
+    """A copy of ``args`` with which TRL prepares the dataset record by record (no packing of
+    the dataset, no padding-free collator): the trainer packs each logical batch instead.
+
+    Raises:
+        ValueError: A custom ``data_collator`` with packing or padding-free (the trainer's
+            packing collator replaces it), or ``packing=True`` without ``max_length``.
+    """
+    if mode is None:
+        return args
+    if data_collator is not None:
+        raise ValueError(
+            f"{mode}=True with a custom data_collator: a DP SFT trainer packs each Poisson "
+            "batch's records itself (opacus_rc.packing.PackingCollator), after sampling. Leave "
+            f"data_collator=None, or set {mode}=False and pass a padding collator"
+        )
+    if mode == "packing" and getattr(args, "max_length", None) is None:
+        raise ValueError("packing=True needs max_length (the length of a packed row)")
+    copy = _copy.copy(args)
+    copy.packing = False
+    copy.padding_free = False
+    copy.eval_packing = False  # evaluation: TRL's padded batches, one example a row
+    if getattr(args, "packing_strategy", "bfd") != "bfd" and mode == "packing":
+        # "bfd_split" / "wrapped" cut an overlong example instead of truncating it: keep the
+        # whole record; the packing collator cuts it across rows and clips it once.
+        copy.max_length = None
+    return copy
 
 
 class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
@@ -79,7 +119,8 @@ class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
         **kwargs: As ``*args``.
 
     Raises:
-        ValueError: ``packing``, ``padding_free``, ``loss_type="dft"``, and everything
+        ValueError: ``loss_type="dft"``; ``packing`` or ``padding_free`` with a custom
+            ``data_collator``, ``packing`` without ``max_length``; and everything
             :class:`~opacus_rc.integrations.transformers.DPTrainerMixin` refuses.
         NotImplementedError, TypeError: As
             :class:`~opacus_rc.integrations.transformers.DPTrainerMixin`.
@@ -90,7 +131,37 @@ class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
     library_compute_losses = (*DPTrainerMixin.library_compute_losses, trl.SFTTrainer.compute_loss)
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
-        # Refused before TRL prepares (and packs) the dataset.
-        _refuse_sft_options(kwargs.get("args", args[1] if len(args) > 1 else None))
+        args = list(args)
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # Refused before TRL prepares the dataset.
+        _refuse_sft_options(config)
+        mode = _packing_mode(config)
+        collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
+        unpacked = _unpacked_args(config, mode, collator)
+        if "args" in kwargs:
+            kwargs["args"] = unpacked
+        elif len(args) > 1:
+            args[1] = unpacked
         super().__init__(*args, privacy_args=privacy_args, **kwargs)
         _refuse_sft_options(self.args)
+        #: ``"packing"``, ``"padding_free"`` or None: how each logical batch is collated.
+        self.dp_packing_mode = mode
+        if mode is not None:
+            self._dp_packing = self._sft_packing_collator(config, mode)
+
+    def _sft_packing_collator(self, config: Any, mode: str) -> PackingCollator:
+        """The packing collator of the training batches: rows of ``max_length`` tokens (the
+        longest prepared record when padding-free without ``max_length``), TRL's pad id."""
+        pad = getattr(self.data_collator, "pad_token_id", None)
+        if pad is None:
+            tok = getattr(self.processing_class, "tokenizer", self.processing_class)
+            pad = tok.pad_token_id
+        length = getattr(config, "max_length", None)
+        if length is None:
+            length = max(len(ids) for ids in self.train_dataset["input_ids"])
+        return PackingCollator(
+            max_length=int(length),
+            pad_token_id=int(pad),
+            padding_free=mode == "padding_free",
+            mask_dtype=packing_mask_dtype(self.model),
+        )

@@ -5,8 +5,10 @@ to about a second. Checked: the target epsilon within 1% and in the logs; each e
 is the mean of its labelled next-token losses (prompt tokens masked with
 ``completion_only_loss``, against the model's logits recomputed outside the trainer); LoRA
 through ``peft_config`` trains only the adapters, with TRL's default bf16 autocast and
-checkpointing; evaluation and generation work; packing, padding-free batches and the DFT loss
-are refused with their reasons; without TRL the import fails with what to install.
+checkpointing; evaluation and generation work; ``packing=True`` and ``padding_free=True`` pack
+each Poisson batch's sampled records (not the dataset) and equal the padded run (same records,
+same update at sigma = 0, same epsilon); the DFT loss is refused with its reason; without TRL
+the import fails with what to install.
 """
 
 from __future__ import annotations
@@ -170,15 +172,85 @@ def test_lora_bf16_checkpointing_evaluate_generate(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"packing": True}, "packing=True puts several examples in one row"),
-        ({"padding_free": True, "max_length": None}, "padding_free=True"),
         ({"loss_type": "dft"}, "loss_type='nll'"),
+        ({"packing": True, "max_length": None}, "packing=True needs max_length"),
     ],
-    ids=["packing", "padding_free", "dft"],
+    ids=["dft", "packing_without_max_length"],
 )
 def test_refused_sft_options(tmp_path: Path, config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make(tmp_path, **config)
+
+
+@pytest.mark.parametrize("mode", ["packing", "padding_free"])
+def test_packing_with_a_custom_collator_is_refused(tmp_path: Path, mode: str) -> None:
+    with pytest.raises(ValueError, match=f"{mode}=True with a custom data_collator"):
+        DPSFTTrainer(
+            model=th.tiny_llama(),
+            args=sft_config(tmp_path, **{mode: True}),
+            train_dataset=text_dataset(),
+            processing_class=tokenizer(),
+            data_collator=th.pad_collate,
+            privacy_args=PrivacyArguments(target_epsilon=4.0, target_delta=DELTA,
+                                          expected_batch_size=8),
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# packing=True and padding_free=True: the trainer packs each Poisson batch after sampling
+# --------------------------------------------------------------------------------------------
+
+SIGMA0 = {"noise_multiplier": 0.0, "target_epsilon": None, "max_grad_norm": 1e3}
+SGD = {"optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant", "weight_decay": 0.0}
+
+
+def _sft_run(tmp_path: Path, name: str, privacy: dict, **config: Any) -> Any:
+    tr = make(tmp_path / name, privacy=privacy, cls=Recording, **config)
+    tr.train()
+    return tr
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"packing": True}, {"padding_free": True}, {"packing": True, "padding_free": True}],
+    ids=["packing", "padding_free", "both"],
+)
+def test_packing_equals_the_padded_sft_run(tmp_path: Path, config: dict) -> None:
+    """TRL's packing=True would pack the dataset before sampling (trl.pack_dataset); the DP
+    trainer prepares one record per row and packs each logical batch's sampled records. Same
+    seeds: the same records, and at sigma = 0 with C above every norm the same update."""
+    kw = {"max_steps": 2, "per_device_train_batch_size": 3, "max_length": 24, **SGD}
+    padded = _sft_run(tmp_path, "padded", SIGMA0, **kw)
+    packed = _sft_run(tmp_path, "packed", SIGMA0, **config, **kw)
+    assert len(packed.train_dataset) == len(padded.train_dataset) == 40  # not packed up front
+    assert packed.dp_packing_mode == ("padding_free" if config.get("padding_free") else "packing")
+    micro = [inputs for inputs, _ in packed.losses]
+    assert all("record_ids" in m and "position_ids" in m for m in micro)
+    assert all(("attention_mask" in m) != bool(config.get("padding_free")) for m in micro)
+    assert any(  # rows holding several records
+        (m["record_ids"][:, 0] != m["record_ids"].max(dim=1).values).any() for m in micro
+    )
+    n_padded = sum(loss.numel() for _, loss in padded.losses)
+    n_packed = sum(loss.numel() for _, loss in packed.losses)
+    assert n_packed == n_padded  # per-record losses: the same records
+    # Each record's loss inside its pack equals its padded loss (the same records; a logical
+    # batch's records are packed longest first, so compared as sorted values).
+    torch.testing.assert_close(
+        torch.cat([loss for _, loss in packed.losses]).sort().values,
+        torch.cat([loss for _, loss in padded.losses]).sort().values,
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    a, b = th.params(padded.model), th.params(packed.model)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_sft_epsilon_is_the_padded_epsilon(tmp_path: Path) -> None:
+    padded = _sft_run(tmp_path, "padded", {}, max_steps=3)
+    packed = _sft_run(tmp_path, "packed", {}, max_steps=3, packing=True)
+    assert packed.get_epsilon() == padded.get_epsilon() and 3.96 <= packed.get_epsilon() <= 4.0
+    metrics = packed.evaluate(eval_dataset=text_dataset(6, seed=9))  # padded evaluation
+    assert math.isfinite(metrics["eval_loss"])
 
 
 def test_refusals_of_the_trainer_apply(tmp_path: Path) -> None:

@@ -911,9 +911,15 @@ def run_trainer(
         return _train_one_step(tr, k)
 
 
-def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> Release:
-    """``DPTrainer`` with ``privacy_unit`` on GPT-2 (exact norms); the last unit removed."""
+def run_trainer_units(
+    packed: bool = False, *, neighbour: bool, noise_multiplier: float, public_size: bool
+) -> Release:
+    """``DPTrainer`` with ``privacy_unit`` on GPT-2 (exact norms); the last unit removed. With
+    ``packed``, a ``PackingCollator``: each sampled unit's records packed into rows of 16
+    tokens, in one micro-batch, and clipped together (``units=`` over records)."""
+    from opacus_rc.integrations.packed_batches import packing_mask_dtype
     from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
+    from opacus_rc.packing import PackingCollator
 
     sizes = [1, 2, 1, 2, 1, 2, 1, 2][: N_RECORDS - int(neighbour)]
     seqs = lm_examples(N_RECORDS) * 2
@@ -925,7 +931,13 @@ def run_trainer_units(*, neighbour: bool, noise_multiplier: float, public_size: 
             model=model,
             args=_trainer_args(tmp, per_device_train_batch_size=16),
             train_dataset=data,
-            data_collator=lambda rows: pad_batch([r["input_ids"] for r in rows], side="right"),
+            data_collator=(
+                PackingCollator(
+                    max_length=16, pad_token_id=PAD, mask_dtype=packing_mask_dtype(model)
+                )
+                if packed
+                else lambda rows: pad_batch([r["input_ids"] for r in rows], side="right")
+            ),
             privacy_args=PrivacyArguments(
                 noise_multiplier=noise_multiplier,
                 target_delta=1e-3,
@@ -952,8 +964,11 @@ def _word_tokenizer() -> Any:
     )
 
 
-def run_sft(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> Release:
-    """``DPSFTTrainer`` (TRL) on GPT-2 (exact norms), text rows tokenized by TRL."""
+def run_sft(
+    packing: bool = False, *, neighbour: bool, noise_multiplier: float, public_size: bool
+) -> Release:
+    """``DPSFTTrainer`` (TRL) on GPT-2 (exact norms), text rows tokenized by TRL; with
+    ``packing``, ``packing=True``: the sampled records packed into rows of 16 tokens."""
     import datasets
     import trl
 
@@ -979,6 +994,7 @@ def run_sft(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> R
             gradient_checkpointing=False,
             dataloader_pin_memory=False,
             max_length=16,
+            packing=packing,
             **SGD,
         )
         tr = DPSFTTrainer(
@@ -991,6 +1007,46 @@ def run_sft(*, neighbour: bool, noise_multiplier: float, public_size: bool) -> R
                 target_delta=1e-3,
                 max_grad_norm=C_LM,
                 expected_batch_size=BATCH,
+                seed=TRAINER_SEED,
+                dataset_size=N_RECORDS if public_size else None,
+            ),
+        )
+        return _train_one_step(tr, k)
+
+
+def run_trainer_packed(
+    arch: str, padding_free: bool = False, *, neighbour: bool, noise_multiplier: float,
+    public_size: bool,
+) -> Release:  # fmt: skip
+    """``DPTrainer`` with a ``PackingCollator``: each logical batch's sampled records packed
+    into rows of 16 tokens (several records a row; the block-diagonal mask, or none with
+    ``padding_free``), clipped per record; one micro-batch of at most ``N_RECORDS`` rows."""
+    from opacus_rc.integrations.packed_batches import packing_mask_dtype
+    from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
+    from opacus_rc.packing import PackingCollator
+
+    n = N_RECORDS - int(neighbour)
+    model, k = lm_model(arch)
+    data = [{"input_ids": ids} for ids in lm_examples(n)]
+    collator = PackingCollator(
+        max_length=16,
+        pad_token_id=PAD,
+        padding_free=padding_free,
+        mask_dtype=packing_mask_dtype(model),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = DPTrainer(
+            model=model,
+            args=_trainer_args(tmp),
+            train_dataset=data,
+            data_collator=collator,
+            privacy_args=PrivacyArguments(
+                noise_multiplier=noise_multiplier,
+                target_delta=1e-3,
+                max_grad_norm=C_LM,
+                expected_batch_size=BATCH,
+                sketch_dim=k or 2,
+                sketch_seed=3 if k else None,
                 seed=TRAINER_SEED,
                 dataset_size=N_RECORDS if public_size else None,
             ),
@@ -1032,4 +1088,9 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "trainer-llama-left": (_bind(run_trainer, "llama", "left"), True),
     "sft-trainer": (run_sft, True),
     "trainer-privacy-unit": (run_trainer_units, True),
+    "trainer-packed-gpt2": (_bind(run_trainer_packed, "gpt2"), True),
+    "trainer-packed-llama": (_bind(run_trainer_packed, "llama"), True),
+    "trainer-padding-free-llama": (_bind(run_trainer_packed, "llama", True), True),
+    "sft-trainer-packing": (_bind(run_sft, True), True),
+    "trainer-packed-privacy-unit": (_bind(run_trainer_units, True), True),
 }
