@@ -233,6 +233,16 @@ class ModuleNorms:
         with autocast_off(backprops.device):
             grad_samples = self._stash_grad_samplers[type(module)](module, activations, backprops)
         grad_samples = {p: grad_samples[p].detach() for p in params if p in grad_samples}
+        for p, gs in grad_samples.items():
+            # The clipped sum scales a B = 1 stash in place: a per-sample gradient that is the
+            # output gradient itself (Opacus' bias gradient of a rank-2 input), which autograd
+            # may share with another module, is copied first.
+            if (
+                gs.shape[:1] == (1,)
+                and gs.device.type != "meta"
+                and gs.untyped_storage().data_ptr() == backprops.untyped_storage().data_ptr()
+            ):
+                grad_samples[p] = gs.clone()
         if route.path is NormPath.TIED:
             self._sampled(module, route, params, activations, backprops, step, False)
         else:

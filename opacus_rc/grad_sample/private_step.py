@@ -504,13 +504,19 @@ class PrivateStep:
                     {p: torch.zeros(0, device=p.device, dtype=torch.float32) for p in params}
                 )
                 return
+            units = self.units
+            # Opacus' rescale to per-sample losses (x max_batch_len under "mean") copies the
+            # output gradient; times 1 (B = 1) is the gradient itself, so no copy is taken.
+            # Units rescale from Opacus' scaling (pack_for_units): Opacus' call as it is.
+            rescale = loss_reduction == "mean" and units is None
             acts, backprops = owner.rearrange_grad_samples(
                 module=module,
                 backprops=backprops.detach(),
-                loss_reduction=loss_reduction,
+                loss_reduction="sum" if rescale else loss_reduction,
                 batch_first=batch_first,
             )
-            units = self.units
+            if rescale and module.max_batch_len != 1:
+                backprops = backprops * module.max_batch_len
             if units is not None:  # units= (docs/privacy/units.md): per unit
                 acts, backprops = pack_for_units(
                     units, module, acts, backprops, loss_reduction=loss_reduction
