@@ -37,6 +37,13 @@ joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes 
 gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
 ``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)``
 floats per sample, which is smaller than ``V d`` at every practical ``T`` anyway.
+
+**An exact layer's stash** (every book-keeping step, checkpointed or not): a layer on the exact
+path whose type has a per-sample gradient function (the closed forms of the norm layers,
+:mod:`~opacus_rc.grad_sample.norm_layers`) computes its per-sample gradients for the norm anyway;
+where they are the smaller stash (``D`` against ``2 T D`` floats per sample for a norm layer)
+they are kept for the clipped sum instead of being computed a second time from its input and
+output gradient. Its norms are the exact norms of those gradients, as before.
 """
 
 from __future__ import annotations
@@ -204,9 +211,14 @@ class ModuleNorms:
             )
         elif (
             bookkeeping
-            and smaller_stash
             and params
-            and route.path in _MIXED_STASH_PATHS
+            and (
+                (smaller_stash and route.path in _MIXED_STASH_PATHS)
+                # An exact layer (a norm layer's closed form) computes its per-sample
+                # gradients for the norm anyway: kept, they are its clipped sum's stash, not
+                # computed a second time from A and G.
+                or route.path is NormPath.EXACT
+            )
             and type(module) in self._stash_grad_samplers
             and prefers_grad_sample_stash(params, activations, backprops)
         ):
@@ -223,7 +235,8 @@ class ModuleNorms:
         backprops: torch.Tensor,
         step: Any,
     ) -> None:
-        """Book-keeping with the per-sample-gradient stash (a checkpointed step).
+        """Book-keeping with the per-sample-gradient stash (a checkpointed step, or an exact
+        layer's; see the module docstring).
 
         A sketched layer's norms are the exact norms of its per-sample gradients (no probe is
         drawn); a tied head's norm is still the joint sketch of the shared weight. The
