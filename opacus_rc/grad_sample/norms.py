@@ -175,6 +175,7 @@ class ModuleNorms:
         self._generator_for = generator_for
         self._tied = tied
         self._name_of = name_of
+        self._scale: float = 1  # compute()'s backprop_scale, for the call in progress
 
     def compute(
         self,
@@ -187,6 +188,7 @@ class ModuleNorms:
         step: Any,
         bookkeeping: bool,
         smaller_stash: bool = False,
+        backprop_scale: float = 1,
     ) -> None:
         """Record the norms (and, with book-keeping, the stash) of this use of ``module``.
 
@@ -195,16 +197,24 @@ class ModuleNorms:
             route: Its resolved route.
             params: Its trainable parameters.
             activations: Its forward inputs, batch first.
-            backprops: Its output gradient, ``(B, ..., p)``, rescaled to per-sample losses.
+            backprops: Its output gradient, ``(B, ..., p)``; times ``backprop_scale`` it is
+                the gradient of the per-sample losses.
             step: The step state the norms go into.
             bookkeeping: Whether this step keeps tensors for the clipped sum.
             smaller_stash: With book-keeping, keep the per-sample gradients instead of the
                 input and output gradient where they are smaller (an activation-checkpointed
                 step; see the module docstring).
+            backprop_scale: Opacus' rescale to per-sample losses (``max_batch_len`` under
+                ``loss_reduction="mean"``), not applied to ``backprops``: norms and per-sample
+                gradients are linear in the output gradient, so the recorded norms are
+                multiplied by it and the stash carries it to the clip factors
+                (:class:`~opacus_rc.grad_sample.bookkeeping.BookkeepingStash` ``scale``), with
+                the same probes (the estimate scaled, up to float rounding).
 
         Raises:
             RuntimeError: If a sampler gives no norm for one of ``params``.
         """
+        self._scale = backprop_scale
         if route.path in _PER_SAMPLE_GRADIENT_PATHS:
             self._from_grad_samples(
                 module, route, params, activations, backprops, step, bookkeeping
@@ -261,7 +271,11 @@ class ModuleNorms:
         else:
             norms = exact_norms_of_grad_samples(grad_samples)
             self._record(module, params, norms, step, what="per-sample gradient function")
-        step.stash(BookkeepingStash(module, tuple(grad_samples), grad_samples=grad_samples))
+        step.stash(
+            BookkeepingStash(
+                module, tuple(grad_samples), grad_samples=grad_samples, scale=self._scale
+            )
+        )
 
     def _sampled(
         self,
@@ -298,7 +312,13 @@ class ModuleNorms:
         self._record(module, params, norms, step, what="norm sampler", deferred=deferred)
         if bookkeeping and params:
             step.stash(
-                BookkeepingStash(module, params, activations=activations, backprops=backprops)
+                BookkeepingStash(
+                    module,
+                    params,
+                    activations=activations,
+                    backprops=backprops,
+                    scale=self._scale,
+                )
             )
 
     def _record(
@@ -328,6 +348,8 @@ class ModuleNorms:
             )
         for p in params:
             count_down_use(p)
+        if self._scale != 1:
+            recorded = {p: n * self._scale for p, n in recorded.items()}
         step.record_norms(recorded)
 
     def _from_grad_samples(
@@ -366,6 +388,9 @@ class ModuleNorms:
                     done[p] = last[p]
                 p.grad_sample = None
         if last:
-            step.record_norms(exact_norms_of_grad_samples(last))
+            norms = exact_norms_of_grad_samples(last)
+            if self._scale != 1:
+                norms = {p: n * self._scale for p, n in norms.items()}
+            step.record_norms(norms)
         if done:
-            step.stash(BookkeepingStash(module, tuple(done), grad_samples=done))
+            step.stash(BookkeepingStash(module, tuple(done), grad_samples=done, scale=self._scale))

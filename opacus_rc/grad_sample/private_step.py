@@ -505,9 +505,10 @@ class PrivateStep:
                 )
                 return
             units = self.units
-            # Opacus' rescale to per-sample losses (x max_batch_len under "mean") copies the
-            # output gradient; times 1 (B = 1) is the gradient itself, so no copy is taken.
-            # Units rescale from Opacus' scaling (pack_for_units): Opacus' call as it is.
+            # Opacus' rescale to per-sample losses (x max_batch_len under "mean") would copy
+            # the output gradient; the factor goes to the norms and the clip factors instead
+            # (ModuleNorms.compute's backprop_scale: both are linear in G). Units rescale from
+            # Opacus' scaling (pack_for_units): Opacus' call as it is.
             rescale = loss_reduction == "mean" and units is None
             acts, backprops = owner.rearrange_grad_samples(
                 module=module,
@@ -515,8 +516,7 @@ class PrivateStep:
                 loss_reduction="sum" if rescale else loss_reduction,
                 batch_first=batch_first,
             )
-            if rescale and module.max_batch_len != 1:
-                backprops = backprops * module.max_batch_len
+            backprop_scale = module.max_batch_len if rescale else 1
             if units is not None:  # units= (docs/privacy/units.md): per unit
                 acts, backprops = pack_for_units(
                     units, module, acts, backprops, loss_reduction=loss_reduction
@@ -530,6 +530,7 @@ class PrivateStep:
                 step=self,
                 bookkeeping=self.bookkeeping,
                 smaller_stash=self.smaller_stash,
+                backprop_scale=backprop_scale,
             )
         except BaseException:
             self.abort()
@@ -589,7 +590,9 @@ class PrivateStep:
         old = self._stashes.get(id(stash.module))
         if old is not None and old.grad_samples is not None and stash.grad_samples is not None:
             merged = {**old.grad_samples, **stash.grad_samples}
-            stash = BookkeepingStash(stash.module, tuple(merged), grad_samples=merged)
+            stash = BookkeepingStash(
+                stash.module, tuple(merged), grad_samples=merged, scale=stash.scale
+            )
         self._stashes[id(stash.module)] = stash
 
     def stashed(self, module: nn.Module) -> BookkeepingStash | None:
