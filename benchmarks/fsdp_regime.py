@@ -379,13 +379,13 @@ def linear_shapes(arch: str, *, tied: bool) -> list[tuple[int, int]]:
 def closed_form_extra_flops(arch: str, *, T: int, k: int, B: int = 1) -> int:
     """Randomized clipping's matrix-product FLOPs over non-private's, checkpointing off
     (module docstring): ``sum 2BTk(p + d)`` over the Linears + ``2BTkd`` (tied embedding) +
-    ``2Bd`` per RMSNorm (``2L + 1`` of them: the book-keeping clipped sum of its closed form
-    contracts the ``(B,)`` clip factors with the ``(B, d)`` per-sample gradients as one
-    product)."""
+    ``2Bd`` per RMSNorm for ``B > 1`` (``2L + 1`` of them: the book-keeping clipped sum of its
+    closed form contracts the ``(B,)`` clip factors with the ``(B, d)`` per-sample gradients
+    it stashed as one product; for ``B = 1`` it scales the one row in place, no product)."""
     d = ARCHITECTURES[arch]["hidden_size"]
     norms = 2 * ARCHITECTURES[arch]["num_hidden_layers"] + 1
     linears = sum(2 * B * T * k * (p + din) for din, p in linear_shapes(arch, tied=True))
-    return linears + 2 * B * T * k * d + norms * 2 * B * d
+    return linears + 2 * B * T * k * d + (norms * 2 * B * d if B > 1 else 0)
 
 
 def per_rank(measured: dict[str, Any], W: int) -> dict[str, int]:

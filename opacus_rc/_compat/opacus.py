@@ -20,6 +20,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from opacus_rc._compat.torch import registered_submodule
 
@@ -64,8 +65,20 @@ def generate_noise(
     (Holohan and Braghin 2021, arXiv:2107.10138, Section 5.1, ``n = 2``). Test:
     ``test_opacus_contract.py::test_generate_noise_distribution``.
     """
-    return _generate_noise(
-        std=std, reference=reference, generator=generator, secure_mode=secure_mode
+    if std == 0 or secure_mode or isinstance(reference, DTensor):
+        return _generate_noise(
+            std=std, reference=reference, generator=generator, secure_mode=secure_mode
+        )
+    # Opacus' own draw for this case (its last branch), without the zeros tensor it allocates
+    # and fills first and only uses for std == 0 and secure mode: the same call, so the same
+    # values from the same generator state.
+    return torch.normal(
+        mean=0,
+        std=std,
+        size=reference.shape,
+        device=reference.device,
+        generator=generator,
+        dtype=reference.dtype,
     )
 
 

@@ -49,9 +49,12 @@ class BookkeepingStash(NamedTuple):
         params: The trainable parameters this stash gives a gradient to.
         activations: The layer's forward inputs, batch first (e.g. ``[A]`` with ``A`` of shape
             ``(B, ..., d)``), or None.
-        backprops: The output gradient ``G``, batch first, already rescaled to per-sample losses
-            (``(B, ..., p)``), or None.
+        backprops: The output gradient ``G``, batch first (``(B, ..., p)``), or None.
         grad_samples: ``{parameter: (B, *parameter.shape) tensor}``, or None.
+        scale: The factor that rescales ``backprops`` (and the per-sample gradients made from
+            them) to per-sample losses: Opacus' ``max_batch_len`` under
+            ``loss_reduction="mean"``, applied to the ``(B,)`` clip factors instead of to a copy
+            of ``G``; 1 where they are already rescaled.
     """
 
     module: nn.Module
@@ -59,6 +62,7 @@ class BookkeepingStash(NamedTuple):
     activations: list[torch.Tensor] | None = None
     backprops: torch.Tensor | None = None
     grad_samples: dict[nn.Parameter, torch.Tensor] | None = None
+    scale: float = 1
 
 
 def per_sample_weighted_sum(coef: torch.Tensor, grad_sample: torch.Tensor) -> torch.Tensor:
@@ -152,18 +156,16 @@ def compute_clipped_sums(
     with torch.no_grad():
         for stash in stashes:
             module = stash.module
+            # The stash's rescale to per-sample losses, on the (B,) factors.
+            c = coef if stash.scale == 1 else coef * stash.scale
             if stash.grad_samples is not None:
                 sums = {}
                 for p, gs in stash.grad_samples.items():  # consume_weighted_sum, in line
-                    sums[p] = apply_clip_factors(
-                        coef, gs, dtype=gs.dtype, reduce=True, consume=True
-                    )
+                    sums[p] = apply_clip_factors(c, gs, dtype=gs.dtype, reduce=True, consume=True)
             else:
                 fn = clipped_sums[type(module)]
                 assert stash.backprops is not None and stash.activations is not None
-                sums = fn(
-                    module, stash.activations, stash.backprops, coef.to(stash.backprops.device)
-                )
+                sums = fn(module, stash.activations, stash.backprops, c.to(stash.backprops.device))
             for p in stash.params:
                 g = sums.get(p)
                 if g is None or g.shape != p.shape:

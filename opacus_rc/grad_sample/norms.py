@@ -37,6 +37,13 @@ joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes 
 gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
 ``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)``
 floats per sample, which is smaller than ``V d`` at every practical ``T`` anyway.
+
+**An exact layer's stash** (every book-keeping step, checkpointed or not): a layer on the exact
+path whose type has a per-sample gradient function (the closed forms of the norm layers,
+:mod:`~opacus_rc.grad_sample.norm_layers`) computes its per-sample gradients for the norm anyway;
+where they are the smaller stash (``D`` against ``2 T D`` floats per sample for a norm layer)
+they are kept for the clipped sum instead of being computed a second time from its input and
+output gradient. Its norms are the exact norms of those gradients, as before.
 """
 
 from __future__ import annotations
@@ -168,6 +175,7 @@ class ModuleNorms:
         self._generator_for = generator_for
         self._tied = tied
         self._name_of = name_of
+        self._scale: float = 1  # compute()'s backprop_scale, for the call in progress
 
     def compute(
         self,
@@ -180,6 +188,7 @@ class ModuleNorms:
         step: Any,
         bookkeeping: bool,
         smaller_stash: bool = False,
+        backprop_scale: float = 1,
     ) -> None:
         """Record the norms (and, with book-keeping, the stash) of this use of ``module``.
 
@@ -188,25 +197,38 @@ class ModuleNorms:
             route: Its resolved route.
             params: Its trainable parameters.
             activations: Its forward inputs, batch first.
-            backprops: Its output gradient, ``(B, ..., p)``, rescaled to per-sample losses.
+            backprops: Its output gradient, ``(B, ..., p)``; times ``backprop_scale`` it is
+                the gradient of the per-sample losses.
             step: The step state the norms go into.
             bookkeeping: Whether this step keeps tensors for the clipped sum.
             smaller_stash: With book-keeping, keep the per-sample gradients instead of the
                 input and output gradient where they are smaller (an activation-checkpointed
                 step; see the module docstring).
+            backprop_scale: Opacus' rescale to per-sample losses (``max_batch_len`` under
+                ``loss_reduction="mean"``), not applied to ``backprops``: norms and per-sample
+                gradients are linear in the output gradient, so the recorded norms are
+                multiplied by it and the stash carries it to the clip factors
+                (:class:`~opacus_rc.grad_sample.bookkeeping.BookkeepingStash` ``scale``), with
+                the same probes (the estimate scaled, up to float rounding).
 
         Raises:
             RuntimeError: If a sampler gives no norm for one of ``params``.
         """
+        self._scale = backprop_scale
         if route.path in _PER_SAMPLE_GRADIENT_PATHS:
             self._from_grad_samples(
                 module, route, params, activations, backprops, step, bookkeeping
             )
         elif (
             bookkeeping
-            and smaller_stash
             and params
-            and route.path in _MIXED_STASH_PATHS
+            and (
+                (smaller_stash and route.path in _MIXED_STASH_PATHS)
+                # An exact layer (a norm layer's closed form) computes its per-sample
+                # gradients for the norm anyway: kept, they are its clipped sum's stash, not
+                # computed a second time from A and G.
+                or route.path is NormPath.EXACT
+            )
             and type(module) in self._stash_grad_samplers
             and prefers_grad_sample_stash(params, activations, backprops)
         ):
@@ -223,7 +245,8 @@ class ModuleNorms:
         backprops: torch.Tensor,
         step: Any,
     ) -> None:
-        """Book-keeping with the per-sample-gradient stash (a checkpointed step).
+        """Book-keeping with the per-sample-gradient stash (a checkpointed step, or an exact
+        layer's; see the module docstring).
 
         A sketched layer's norms are the exact norms of its per-sample gradients (no probe is
         drawn); a tied head's norm is still the joint sketch of the shared weight. The
@@ -233,12 +256,26 @@ class ModuleNorms:
         with autocast_off(backprops.device):
             grad_samples = self._stash_grad_samplers[type(module)](module, activations, backprops)
         grad_samples = {p: grad_samples[p].detach() for p in params if p in grad_samples}
+        for p, gs in grad_samples.items():
+            # The clipped sum scales a B = 1 stash in place: a per-sample gradient that is the
+            # output gradient itself (Opacus' bias gradient of a rank-2 input), which autograd
+            # may share with another module, is copied first.
+            if (
+                gs.shape[:1] == (1,)
+                and gs.device.type != "meta"
+                and gs.untyped_storage().data_ptr() == backprops.untyped_storage().data_ptr()
+            ):
+                grad_samples[p] = gs.clone()
         if route.path is NormPath.TIED:
             self._sampled(module, route, params, activations, backprops, step, False)
         else:
             norms = exact_norms_of_grad_samples(grad_samples)
             self._record(module, params, norms, step, what="per-sample gradient function")
-        step.stash(BookkeepingStash(module, tuple(grad_samples), grad_samples=grad_samples))
+        step.stash(
+            BookkeepingStash(
+                module, tuple(grad_samples), grad_samples=grad_samples, scale=self._scale
+            )
+        )
 
     def _sampled(
         self,
@@ -275,7 +312,13 @@ class ModuleNorms:
         self._record(module, params, norms, step, what="norm sampler", deferred=deferred)
         if bookkeeping and params:
             step.stash(
-                BookkeepingStash(module, params, activations=activations, backprops=backprops)
+                BookkeepingStash(
+                    module,
+                    params,
+                    activations=activations,
+                    backprops=backprops,
+                    scale=self._scale,
+                )
             )
 
     def _record(
@@ -305,6 +348,8 @@ class ModuleNorms:
             )
         for p in params:
             count_down_use(p)
+        if self._scale != 1:
+            recorded = {p: n * self._scale for p, n in recorded.items()}
         step.record_norms(recorded)
 
     def _from_grad_samples(
@@ -343,6 +388,9 @@ class ModuleNorms:
                     done[p] = last[p]
                 p.grad_sample = None
         if last:
-            step.record_norms(exact_norms_of_grad_samples(last))
+            norms = exact_norms_of_grad_samples(last)
+            if self._scale != 1:
+                norms = {p: n * self._scale for p, n in norms.items()}
+            step.record_norms(norms)
         if done:
-            step.stash(BookkeepingStash(module, tuple(done), grad_samples=done))
+            step.stash(BookkeepingStash(module, tuple(done), grad_samples=done, scale=self._scale))

@@ -504,17 +504,23 @@ class PrivateStep:
                     {p: torch.zeros(0, device=p.device, dtype=torch.float32) for p in params}
                 )
                 return
+            units = self.units
+            # Opacus' rescale to per-sample losses (x max_batch_len under "mean") would copy
+            # the output gradient; the factor goes to the norms and the clip factors instead
+            # (ModuleNorms.compute's backprop_scale: both are linear in G). Units rescale from
+            # Opacus' scaling (pack_for_units): Opacus' call as it is.
+            rescale = loss_reduction == "mean" and units is None
             acts, backprops = owner.rearrange_grad_samples(
                 module=module,
                 backprops=backprops.detach(),
-                loss_reduction=loss_reduction,
+                loss_reduction="sum" if rescale else loss_reduction,
                 batch_first=batch_first,
             )
-            units = self.units
             if getattr(units, "packed_rows", False) and units.record_norms(
                 self, module, self.routes[id(module)], params, acts, backprops, loss_reduction
             ):  # record_ids= (opacus_rc/packed_loss.py): an nn.Linear from the packed rows
                 return
+            backprop_scale = module.max_batch_len if rescale else 1
             if units is not None:  # units= (docs/privacy/units.md): per unit
                 acts, backprops = pack_for_units(
                     units, module, acts, backprops, loss_reduction=loss_reduction
@@ -528,6 +534,7 @@ class PrivateStep:
                 step=self,
                 bookkeeping=self.bookkeeping,
                 smaller_stash=self.smaller_stash,
+                backprop_scale=backprop_scale,
             )
         except BaseException:
             self.abort()
@@ -587,7 +594,9 @@ class PrivateStep:
         old = self._stashes.get(id(stash.module))
         if old is not None and old.grad_samples is not None and stash.grad_samples is not None:
             merged = {**old.grad_samples, **stash.grad_samples}
-            stash = BookkeepingStash(stash.module, tuple(merged), grad_samples=merged)
+            stash = BookkeepingStash(
+                stash.module, tuple(merged), grad_samples=merged, scale=stash.scale
+            )
         self._stashes[id(stash.module)] = stash
 
     def stashed(self, module: nn.Module) -> BookkeepingStash | None:

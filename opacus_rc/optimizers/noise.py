@@ -31,6 +31,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from opacus_rc._compat.opacus import check_processed_flag, generate_noise, mark_as_processed
@@ -93,7 +94,16 @@ def add_gaussian_noise(
                 noise = generate_noise(
                     std=std, reference=summed, generator=generator, secure_mode=secure_mode
                 )
-                p.grad = (summed + noise).view_as(p)
+                if (
+                    noise.shape == summed.shape
+                    and noise.dtype == summed.dtype
+                    and not isinstance(summed, DTensor)
+                ):
+                    # noise + summed in the noise's fresh tensor (IEEE addition commutes: the
+                    # same values as summed + noise, without a third tensor of p's size).
+                    p.grad = noise.add_(summed).view_as(p)
+                else:
+                    p.grad = (summed + noise).view_as(p)
             else:
                 p.grad = summed.clone().view_as(p)  # no aliasing of summed_grad (Opacus PR 707)
             mark_as_processed(summed)

@@ -394,11 +394,20 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         Unlike Opacus, a parameter without ``.grad`` (not reached by this batch) counts as a
         zero gradient, so it is still noised instead of failing. The step's clipped gradients
         are consumed (a new ``backward()`` is allowed).
+
+        When this step is noised now (not a physical batch that only accumulates), the first
+        sum is the gradient tensor itself, not a copy: :meth:`add_noise` replaces every
+        ``p.grad`` by a new tensor before anything (``zero_grad``, a backward) could change the
+        old one, and nothing writes to a clipped sum. A batch that only accumulates copies, as
+        Opacus does, since ``zero_grad(set_to_none=False)`` zeroes ``p.grad`` in place.
         """
+        noised_now = not next_step_skipped(self)
         for p in self.params:
             grad = p.grad.data if p.grad is not None else torch.zeros_like(p)
             if p.summed_grad is not None:
                 p.summed_grad.add_(grad)
+            elif noised_now:
+                p.summed_grad = grad
             else:
                 p.summed_grad = copy.deepcopy(grad)
         self._pending, self._pending_grads = None, []

@@ -51,6 +51,26 @@ def test_generate_noise_distribution(secure_mode: bool) -> None:
     assert torch.equal(zero, torch.zeros_like(ref))
 
 
+@pytest.mark.parametrize("secure_mode", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_generate_noise_is_opacus_draw(secure_mode: bool, dtype: torch.dtype) -> None:
+    """The adapter's draw is Opacus' ``_generate_noise`` bit for bit (same generator state,
+    same values, dtype and shape; the plain draw skips only Opacus' unused zeros tensor), and
+    leaves the generator where Opacus' leaves it (the next draw agrees too)."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    ref = torch.zeros(7, 13, dtype=dtype)
+    ours_gen, theirs_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ours = compat.generate_noise(
+            std=0.7, reference=ref, generator=ours_gen, secure_mode=secure_mode
+        )
+        theirs = _generate_noise(0.7, ref, generator=theirs_gen, secure_mode=secure_mode)
+        assert ours.dtype == theirs.dtype == dtype and ours.shape == ref.shape
+        assert torch.equal(ours, theirs)
+        assert ours.std().item() > 0.3
+
+
 def test_processed_flag_round_trip() -> None:
     t = torch.ones(3)
     compat.check_processed_flag(t)  # fresh: passes

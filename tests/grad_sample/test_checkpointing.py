@@ -692,3 +692,57 @@ def test_checkpoint_region_outside_every_module_names_the_cause() -> None:
         h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
     crit(module.head(h), y).backward()
     opt.step()
+
+
+class SummedHeads(nn.Module):
+    """Two ``Linear(8, 1)`` heads on a rank-2 input whose outputs are added: autograd hands
+    both heads one output-gradient tensor, and each keeps per-sample gradients in a
+    checkpointed book-keeping step (``1 * (8 + 1)`` floats either way), the bias's being
+    Opacus' view of that output gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Linear(8, 1)
+        self.register_buffer("spread", torch.tensor([[1.0, -2.0, 0.5]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch_checkpoint.checkpoint(self.inp, x, use_reentrant=False)
+        return (self.a(h) + self.b(h)) * self.spread
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_sample_shared_output_gradient_is_clipped_once(reduction: str) -> None:
+    """B = 1: the clipped sum scales a per-sample-gradient stash in place; where that stash is
+    the output gradient itself (a bias on a rank-2 input) and autograd shares that tensor with
+    another module, the other module's clipped sum must still see it unscaled. Oracle: every
+    gradient is ``c g`` with ``c = C / ||g||`` (the norms are exact here)."""
+    torch.manual_seed(0)
+    model = SummedHeads()
+    x, y = torch.randn(1, 8), torch.tensor([2])
+    ref = copy.deepcopy(model).double()
+    nn.functional.cross_entropy(ref(x.double()), y).backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    C = 0.5 * float(total_norms({n: g[None] for n, g in want.items()})[0])
+    gsm = GradSampleModuleRandomizedClipping(
+        model,
+        max_grad_norm=C,
+        sketch_dim=K,
+        sketch_generator=torch.Generator().manual_seed(3),
+        loss_reduction=reduction,
+    )
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+        loss_reduction=reduction,
+    )
+    crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(reduction=reduction), reduction)
+    crit(gsm(x), y).backward()
+    assert gsm.step_smaller_stash
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), 0.5 * want[name], rtol=1e-5, atol=1e-7)
+    opt.step()
+    gsm.cleanup()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opacus_rc.grad_sample import (
     CLIPPED_SUM_FUNCTIONS,
@@ -26,6 +27,7 @@ from opacus_rc.grad_sample.norm_layers import (
 )
 from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
 from opacus_rc.grad_sample.routing import NormPath
+from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
 
 
 def _llama_rms_norm(d: int) -> nn.Module:
@@ -205,3 +207,71 @@ def test_llama_rms_norm_used_twice_in_one_forward_is_refused_naming_it() -> None
     gsm = GradSampleModuleRandomizedClipping(TwiceNormed(), max_grad_norm=1.0)
     with pytest.raises(NotImplementedError, match=r"'norm' \(LlamaRMSNorm\) ran more than once"):
         gsm(torch.randn(2, 3, 6))
+
+
+class _Rsqrts(TorchDispatchMode):
+    """Counts ``aten.rsqrt`` calls (the closed form's normalisation of the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.n += func.overloadpacket is torch.ops.aten.rsqrt
+        return func(*args, **(kwargs or {}))
+
+
+class NormedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = _randomise(_llama_rms_norm(6), seed=5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.lin(x))).mean(1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_book_keeping_computes_the_closed_form_once_and_clips_it(batch: int) -> None:
+    """With book-keeping, an exact norm layer's per-sample gradients, computed for its norm,
+    are also its clipped sum's stash: the private backward normalises the layer's input once
+    (one ``rsqrt``; the model's own backward takes none), and every clipped gradient is the
+    oracle's ``sum_i c_i g_i`` with the step's factors (each sample's gradient computed alone,
+    in float64)."""
+    torch.manual_seed(0)
+    model = NormedHead()
+    x, y = torch.randn(batch, 4, 6), torch.randint(0, 3, (batch,))
+    ref = copy.deepcopy(model).double()
+    want = []
+    for i in range(batch):
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1]).backward()
+        want.append([p.grad.clone() for p in ref.parameters()])
+    C = 0.5 * min(float(torch.cat([g.flatten() for g in w]).norm()) for w in want)
+    gsm = GradSampleModuleRandomizedClipping(
+        model,
+        max_grad_norm=C,
+        loss_reduction="sum",
+        sketch_dim=4096,
+        sketch_generator=torch.Generator().manual_seed(1),
+    )
+    assert gsm.norm_routes["norm"].path is NormPath.EXACT
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        expected_batch_size=batch,
+        loss_reduction="sum",
+    )
+    crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(reduction="sum"), "sum")
+    loss = crit(gsm(x), y)
+    counter = _Rsqrts()
+    with counter:
+        loss.backward()
+    assert counter.n == 1
+    coef = (C / (gsm.per_sample_gradient_norms.double() + 1e-6)).clamp(max=1)
+    assert bool((coef < 1).all())
+    for j, p in enumerate(model.parameters()):
+        clipped = sum(coef[i] * want[i][j] for i in range(batch))
+        torch.testing.assert_close(p.grad.double(), clipped, rtol=1e-5, atol=1e-7)
