@@ -209,6 +209,19 @@ def explain_forward_error(
     """
     batch_dim = 0 if batch_first else 1
     if isinstance(err, Exception) and _is_empty_batch_call(args, kwargs, batch_dim):
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(sub, FSDPModule) for sub in model.modules()):
+            # Under FSDP2 every rank runs the forward and backward (their collectives line
+            # up), so noise_only_step() is refused there: only the random batch remains.
+            return RuntimeError(
+                f"the model's forward raised on an empty batch ({type(err).__name__}: "
+                f"{err}). Poisson sampling draws an empty batch (B = 0) with probability "
+                "(1 - q)^N at every step, and this model cannot take B = 0. Under FSDP2 "
+                "every rank must still run the forward and backward of the step (their "
+                "collectives line up), so pass rand_on_empty=True to make_private (a batch "
+                "of one random input that depends on no record)"
+            )
         return RuntimeError(
             f"the model's forward raised on an empty batch ({type(err).__name__}: "
             f"{err}). Poisson sampling draws an empty batch (B = 0) with probability "

@@ -74,6 +74,34 @@ def fsdp2_plugin(trainer: Any) -> Any:
     return getattr(trainer.accelerator.state, "fsdp_plugin", None)
 
 
+def _version_message(version: int) -> str:
+    return (
+        f"FSDP version {version} through a DP trainer is not supported: randomized "
+        "clipping shards with FSDP2 (torch.distributed.fsdp.fully_shard). Set "
+        'fsdp_config={"version": 2} (accelerate: fsdp_version: 2)'
+    )
+
+
+def refuse_fsdp_version(args: Any) -> None:
+    """Refuse FSDP version 1 from the ``TrainingArguments``, before accelerate builds its plugin
+    (on CPU accelerate would first fail on version 1's ``sync_module_states`` with a message
+    that does not say to use FSDP2).
+
+    Args:
+        args: The trainer's ``TrainingArguments``.
+
+    Raises:
+        NotImplementedError: ``fsdp`` is set and its plugin arguments ask for a version other
+            than 2.
+    """
+    if not getattr(args, "fsdp", None):
+        return
+    plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
+    version = int(plugin_args.get("fsdp_version", 2))
+    if version != 2:
+        raise NotImplementedError(_version_message(version))
+
+
 def refuse_unsupported_fsdp(trainer: Any) -> None:
     """Refuse what a DP trainer cannot run under FSDP (module docstring), saying what to change.
 
@@ -93,11 +121,7 @@ def refuse_unsupported_fsdp(trainer: Any) -> None:
         plugin_args = getattr(trainer.args, "fsdp_plugin_args", None) or {}
         version = int(plugin_args.get("fsdp_version", 1))
     if version != 2:
-        raise NotImplementedError(
-            f"FSDP version {version} through a DP trainer is not supported: randomized "
-            "clipping shards with FSDP2 (torch.distributed.fsdp.fully_shard). Set "
-            'fsdp_config={"version": 2} (accelerate: fsdp_version: 2)'
-        )
+        raise NotImplementedError(_version_message(version))
     if plugin is None:
         raise NotImplementedError(
             "TrainingArguments.fsdp is set but accelerate's state has no FSDP plugin (XLA "
@@ -129,8 +153,8 @@ def refuse_unsupported_fsdp(trainer: Any) -> None:
         getattr(plugin, "cpu_offload", None) is True
     ):
         what = (
-            "fsdp_config[\"cpu_offload\"] (the parameters' and gradients' offload to the CPU); "
-            "remove it"
+            'CPU offload (TrainingArguments(fsdp="... offload") or fsdp_config["cpu_offload"]: '
+            "the parameters' and gradients' offload to the CPU); remove it"
         )
     elif getattr(plugin, "cpu_ram_efficient_loading", False):
         what = (

@@ -166,6 +166,7 @@ from opacus_rc.integrations.fsdp import (
     filler_micro_batch,
     fsdp2_plugin,
     plain_optimizer,
+    refuse_fsdp_version,
     shard_for_randomized_clipping,
 )
 from opacus_rc.integrations.logical_batch_step import logical_batch_step, micro_batch_loss
@@ -404,6 +405,7 @@ class DPTrainerMixin(TrainerSeams):
         fresh accelerate state) with accelerate's FSDP2 path, which accelerate enables on
         accelerator devices only (:func:`~opacus_rc._compat.transformers.enable_fsdp2_on_cpu`):
         CPU runs take the path GPU runs take."""
+        refuse_fsdp_version(self.args)  # before accelerate builds a version 1 plugin
         earlier = accelerator_state_initialised()
         super().create_accelerator_and_postprocess()
         if not earlier:

@@ -431,6 +431,27 @@ def scenario_use_outside(rank: int) -> dict[str, Any]:
     return out
 
 
+def scenario_empty_batch(rank: int) -> str:
+    """An empty Poisson batch the tied Llama cannot take, under FSDP2: the error says to pass
+    ``rand_on_empty=True`` and not to call ``optimizer.noise_only_step()``, which FSDP2 refuses
+    (every rank runs the step's forward and backward)."""
+    gsm = GradSampleModuleRandomizedClippingFSDP(
+        shard(tied_llama()), max_grad_norm=1.0, loss_reduction="mean"
+    )
+    empty = torch.zeros((0, T), dtype=torch.long)
+    try:
+        gsm(input_ids=empty)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError("the tiny Llama took an empty batch")
+    finally:
+        gsm.cleanup()
+    assert "empty batch" in message and "rand_on_empty=True" in message, message
+    assert "noise_only_step" not in message, message
+    return message
+
+
 def _refusal(model: nn.Module, error: type[BaseException]) -> str:
     try:
         GradSampleModuleRandomizedClippingFSDP(model, max_grad_norm=1.0, loss_reduction="mean")
@@ -485,6 +506,7 @@ def run(rank: int, port: int | None, out: str) -> None:
             "layernorm_wrapper": lambda: scenario_tied(rank, norm_net="wrapper"),
             "refusals": lambda: scenario_refusals(rank),
             "use_outside": lambda: scenario_use_outside(rank),
+            "empty_batch": lambda: scenario_empty_batch(rank),
         }
         results = {k: f() for k, f in scenarios.items() if not only or k in only}
         if dist.get_rank() == 0:

@@ -82,3 +82,5 @@ def test_two_process_gloo_fsdp2_tied_llama(tmp_path: Path) -> None:
     assert set(res["use_outside"]) == {"bookkeeping", "two_pass"}
     for mode, message in res["use_outside"].items():  # refused in both modes, named
         assert "['lin2.weight'] are used outside the forward" in message, (mode, message)
+    # an empty batch the model cannot take: FSDP2's one way out, not noise_only_step()
+    assert "Under FSDP2" in res["empty_batch"] and "noise_only_step" not in res["empty_batch"]

@@ -51,6 +51,7 @@ import fsdp_trainer_worker as fw  # noqa: E402
 from opacus_rc import PrivacyEngine  # noqa: E402
 from opacus_rc.integrations.fsdp import (  # noqa: E402
     filler_micro_batch,
+    refuse_fsdp_version,
     refuse_unsupported_fsdp,
 )
 from opacus_rc.integrations.refusals import refuse_unsupported_parallelism  # noqa: E402
@@ -208,7 +209,7 @@ def _trainer(**plugin: Any) -> SimpleNamespace:
     [
         ({"fsdp_version": 1}, 'fsdp_config={"version": 2}'),
         ({"activation_checkpointing": True}, 'fsdp_config["activation_checkpointing"]=True'),
-        ({"cpu_offload": True}, 'fsdp_config["cpu_offload"]'),
+        ({"cpu_offload": True}, 'fsdp="... offload") or fsdp_config["cpu_offload"]'),
         ({"cpu_ram_efficient_loading": True}, "set it to False"),
         ({"ignored_modules": ["lm_head"]}, "ignored_modules"),
         ({"mixed_precision_policy": object()}, "train in full precision (bf16=False)"),
@@ -233,6 +234,32 @@ def test_fsdp_refuses_privacy_unit_and_a_missing_plugin() -> None:
     with pytest.raises(NotImplementedError, match="FSDP version 1"):
         refuse_unsupported_fsdp(trainer)
     refuse_unsupported_fsdp(_trainer())  # FSDP2 with the defaults: accepted
+
+
+def test_fsdp_version_1_is_refused_before_accelerate_builds_its_plugin(tmp_path: Path) -> None:
+    """FSDP version 1 gets the trainer's message (use version 2) at construction, before
+    accelerate's plugin fails on CPU with its own unrelated error (sync_module_states); FSDP2
+    (the default of ``fsdp=True``) and no FSDP pass."""
+    import trainer_helpers as th
+
+    from opacus_rc.integrations.transformers import DPTrainer, PrivacyArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v1 = th.training_args(tmp_path, fsdp=True, fsdp_config={"version": 1})
+        refuse_fsdp_version(th.training_args(tmp_path, fsdp=True))
+        refuse_fsdp_version(th.training_args(tmp_path))
+        with pytest.raises(NotImplementedError, match="FSDP version 1") as err:
+            refuse_fsdp_version(v1)
+        assert 'fsdp_config={"version": 2}' in str(err.value)
+        pa = PrivacyArguments(target_epsilon=4.0, expected_batch_size=8, target_delta=1e-5)
+        with pytest.raises(NotImplementedError, match="FSDP version 1"):
+            DPTrainer(
+                model=th.tiny_llama(),
+                args=v1,
+                train_dataset=th.token_examples(16),
+                privacy_args=pa,
+            )
 
 
 def test_deepspeed_is_refused_saying_why_and_what_to_use() -> None:
