@@ -170,8 +170,11 @@ def restore_privacy_state(
     # A checkpoint written before DDP support has no world size: one process.
     differ = {k: (state.get(k, 1), v) for k, v in mine.items() if state.get(k, 1) != v}
     if differ:
+        # The optimizer's expected batch size is a rank's share (the global one over the
+        # number of processes): say so, or a user who set the same global size is puzzled.
+        label = {"expected_batch_size": "expected_batch_size per process"}
         details = ", ".join(
-            f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
+            f"{label.get(k, k)}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items()
         )
         raise ValueError(
             "the checkpoint was trained with other privacy settings than this run "

@@ -319,6 +319,10 @@ def test_resume_refuses_missing_or_different_privacy_state(tmp_path: Path) -> No
     other = make(tmp_path / "b", privacy={"target_epsilon": 3.0}, **save)
     with pytest.raises(ValueError, match="other privacy settings.*noise_multiplier"):
         other.train(resume_from_checkpoint=str(checkpoint))
+    # The optimizer's expected batch size is a process's share: the message says so.
+    other = make(tmp_path / "d", privacy={"expected_batch_size": 10}, **save)
+    with pytest.raises(ValueError, match="expected_batch_size per process: checkpoint 8, this"):
+        other.train(resume_from_checkpoint=str(checkpoint))
     os.remove(checkpoint / PRIVACY_STATE_NAME)
     again = make(tmp_path / "c", **save)
     with pytest.raises(FileNotFoundError, match="no privacy state"):
