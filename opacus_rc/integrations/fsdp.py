@@ -61,6 +61,7 @@ __all__ = [
     "fsdp2_plugin",
     "lockstep_micro_batches",
     "plain_optimizer",
+    "refuse_fsdp_version",
     "refuse_unsupported_fsdp",
     "shard_for_randomized_clipping",
     "unsharded",
