@@ -519,6 +519,11 @@ def check_mask_structure(mask: torch.Tensor, record_ids: torch.Tensor) -> None:
         )
 
 
+#: The flash / varlen keyword inputs over the whole batch's records, left out of a segment's
+#: forward alone (its position ids give it one sequence).
+_VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+
+
 def _cut(value: Any, row: int, start: int, end: int, R: int, T: int) -> Any:
     """One segment of a model input: ``(R, T, ...)`` tensors cut to ``[row, start:end]``, a
     4D ``(R, H, T, T)`` mask to its block; any other value unchanged."""
@@ -620,7 +625,11 @@ def check_records_independent(
                 f"check_records_independent found no model output with {R} rows to compare"
             )
         for record, row, start, end in chosen:
-            one = {k: _cut(v, row, start, end, R, T) for k, v in kwargs.items()}
+            one = {
+                k: _cut(v, row, start, end, R, T)
+                for k, v in kwargs.items()
+                if k not in _VARLEN_KEYS  # alone, a segment is one sequence
+            }
             if isinstance(one.get("position_ids"), torch.Tensor):
                 # Alone, a record's positions are 0..l-1, whatever the pack gave it.
                 one["position_ids"] = torch.arange(
