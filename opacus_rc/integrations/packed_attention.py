@@ -57,6 +57,7 @@ __all__ = [
     "packed_sdpa_attention_forward",
     "register_packed_sdpa",
     "segment_starts",
+    "uses_packed_sdpa",
 ]
 
 #: The name under which :func:`register_packed_sdpa` registers the varlen attention (pass it as
@@ -92,6 +93,22 @@ def register_packed_sdpa() -> str:
     if AttentionMaskInterface._global_mapping.get(PACKED_SDPA) is not _padding_mask_only:
         AttentionMaskInterface.register(PACKED_SDPA, _padding_mask_only)
     return PACKED_SDPA
+
+
+def uses_packed_sdpa(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the Hugging Face model inside a wrapper) runs :data:`PACKED_SDPA`.
+
+    Args:
+        model: Any module; its submodules' ``config._attn_implementation`` are read.
+
+    Returns:
+        True if the first Hugging Face config found names :data:`PACKED_SDPA`.
+    """
+    for module in model.modules():
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl == PACKED_SDPA
+    return False
 
 
 def _padding_mask_only(
@@ -296,7 +313,8 @@ def packed_sdpa_attention_forward(
         raise _refuse(
             f"an attention_mask of shape {tuple(attention_mask.shape)} (a 4D mask, or one "
             f"not over the {T} tokens)",
-            "pass a 2D padding mask or none (records come from position_ids); with a 4D "
+            "pass a 2D padding mask or none: the records come from position_ids "
+            "(PackingCollator(padding_free=True), SFTConfig(padding_free=True)); with a 4D "
             "block-diagonal mask use attn_implementation='sdpa'",
         )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
