@@ -334,11 +334,21 @@ def packed_sdpa_attention_forward(
             raise _refuse(f"{H} query heads for {H_kv} key/value heads", "check the model")
         extra["enable_gqa"] = True
     Dv = value.shape[-1]
+    # unbind and split, not slices: their backward is one stack / cat, where each slice's
+    # backward would allocate and add a gradient of the whole tensor.
+    q_rows, k_rows, v_rows = query.unbind(0), key.unbind(0), value.unbind(0)
     rows = []
     for b, segments in enumerate(plan):
+        sizes = [e - s for s, e, _ in segments]
+        parts = zip(
+            segments,
+            q_rows[b].split(sizes, 1),
+            k_rows[b].split(sizes, 1),
+            v_rows[b].split(sizes, 1),
+        )
         outs = []
-        for s, e, real in segments:
-            q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e]
+        for (s, e, real), q, k, v in parts:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
             if real is None:
                 outs.append(_sdpa(q, k, v, scaling, extra))
                 continue
