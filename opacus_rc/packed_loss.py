@@ -480,7 +480,7 @@ class PackedAttentionGuard:
       comparisons, no forward); without a 4D mask, a varlen attention (the registered
       :data:`~opacus_rc.integrations.packed_attention.PACKED_SDPA`, ``flash_attention_2/3/4``)
       whose records (from ``cu_seq_lens_q`` or ``position_ids``) are not the packed records is
-      refused (:func:`check_varlen_segments`, ``O(R T)``);
+      refused (:func:`~opacus_rc.packed_loss.check_varlen_segments`, ``O(R T)``);
     * the first packed batch (with ``full_check``):
       :func:`~opacus_rc.packing.check_records_independent` on :data:`CHECKED_SEGMENTS` record
       segments, their logits alone against inside the pack (one forward of the batch and one
@@ -584,11 +584,11 @@ def check_varlen_segments(
     """Refuse a varlen attention whose records are not the packed batch's records.
 
     Runs when the model's attention implementation (``config._attn_implementation``) is one of
-    :data:`VARLEN_ATTENTION` and no 4D mask is given (otherwise nothing is checked here: the
-    4D mask, or the first batch's logits check, cover the other paths). Such an attention keeps
-    each segment of a row apart, the segments starting at the boundaries of ``cu_seq_lens_q``
-    if given, else wherever ``position_ids`` (``0..T-1`` if absent, as a Llama-style model makes
-    them) is not the previous position plus one
+    :data:`~opacus_rc.packed_loss.VARLEN_ATTENTION` and no 4D mask is given (otherwise nothing
+    is checked here: the 4D mask, or the first batch's logits check, cover the other paths).
+    Such an attention keeps each segment of a row apart, the segments starting at the
+    boundaries of ``cu_seq_lens_q`` if given, else wherever ``position_ids`` (``0..T-1`` if
+    absent, as a Llama-style model makes them) is not the previous position plus one
     (:func:`~opacus_rc.integrations.packed_attention.segment_starts`). Every record segment of
     ``record_ids`` must start a segment and hold no other start. A flash attention given a 2D
     padding mask with a zero unpads each row as one sequence and is refused;
