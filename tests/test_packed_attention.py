@@ -332,3 +332,27 @@ def test_varlen_segments_check() -> None:
     )
     # Other implementations are left to the 4D mask and the logits check.
     check_varlen_segments(Flash("sdpa"), {"position_ids": torch.arange(6)[None]}, rid)
+
+
+def test_segments_found_once_per_forward_follow_the_shape_and_in_place_changes() -> None:
+    # The segments are cached on the (weakly referenced) position ids object: reusing the
+    # object for another batch size, or changing it in place, must give the new segments.
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+
+    def want(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list) -> torch.Tensor:
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        outs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, s:e], kk[:, :, s:e], vv[:, :, s:e], is_causal=True
+            )
+            for s, e in bounds
+        ]
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    for B in (1, 2):
+        q, k, v = qkv(B=B)
+        out, _ = packed_sdpa_attention_forward(Attn(), q, k, v, None, position_ids=pos)
+        close(out, want(q, k, v, [(0, 3), (3, 6)]))
+    pos[0, 3:] = torch.tensor([3, 4, 5])  # one record now
+    out, _ = packed_sdpa_attention_forward(Attn(), q, k, v, None, position_ids=pos)
+    close(out, want(q, k, v, [(0, 6)]))

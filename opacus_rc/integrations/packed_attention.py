@@ -189,7 +189,9 @@ def segment_starts(
     return starts
 
 
-#: One plan per forward: every layer gets the same position ids, cu_seq_lens and mask objects.
+#: The last plan and its key (the rows' shape, weak references to the position ids,
+#: cu_seq_lens and mask and their versions): every layer of one forward gets the same objects,
+#: so the segments are found (one host read) once per forward, not once per layer.
 _last_plan: tuple[tuple[Any, ...], list[list[tuple[int, int, Any]]]] | None = None
 
 
@@ -218,8 +220,8 @@ def _plan(
     """Per row, its segments ``(start, end, real)``: ``real`` None (all tokens real), an empty
     list (all padding) or the ``(n,)`` index tensor of the real tokens in the segment."""
     global _last_plan
-    key = _key(position_ids, cu_seq_lens, padding)
-    if _last_plan is not None and _same(_last_plan[0], key):
+    key = ((B, T),) + _key(position_ids, cu_seq_lens, padding)
+    if _last_plan is not None and _last_plan[0][0] == (B, T) and _same(_last_plan[0][1:], key[1:]):
         return _last_plan[1]
     starts = segment_starts((B, T), position_ids=position_ids, cu_seq_lens=cu_seq_lens).cpu()
     real = None if padding is None else padding.to(device="cpu", dtype=torch.bool)
