@@ -612,7 +612,8 @@ def check_varlen_segments(
     mask = inputs.get("attention_mask")
     fix = (
         "Pass position_ids restarting at 0 at each record (opacus_rc.packing.PackingCollator "
-        "gives them), or cu_seq_lens_q over the records, and no 2D padding mask"
+        "gives them), or cu_seq_lens_q over the records (with flash attention, no 2D padding "
+        "mask)"
     )
     if (
         impl != PACKED_SDPA
