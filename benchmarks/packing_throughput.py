@@ -11,13 +11,25 @@ same Poisson logical batches (one sampler seed: the same records every step, ``e
 _size`` records per logical batch on average), micro-batches of at most ``physical_rows`` rows:
 
 * ``padded``: ``DPTrainer`` with a padding collator (each record a row, padded to the longest
-  of its micro-batch, ``physical_rows`` records a micro-batch);
+  of its micro-batch, ``physical_rows`` records a micro-batch), ``transformers``' SDPA with the
+  2D padding mask (a ``(B, 1, T, T)`` mask: every row pays ``T^2``): what a user runs today;
+* ``padded_varlen``: the same padded micro-batches through the varlen SDPA of
+  :mod:`opacus_rc.integrations.packed_attention` (each row's real tokens attended causally
+  alone, ``L_r^2``): the same attention kernel as the packed methods, so that
+  ``packed / padded_varlen`` is what packing saves outside the attention (the padding in the
+  token-wise layers, the LM head and the per-record norms);
 * ``packed``: ``DPTrainer`` with :class:`opacus_rc.packing.PackingCollator` (each logical
-  batch's records packed into rows of ``max_length`` tokens, a block-diagonal 4D mask,
-  per-record clipping through the criterion's ``record_ids=``);
-* ``padding_free``: the same packed rows without a mask (restarting ``position_ids``);
+  batch's records packed into rows of ``max_length`` tokens, per-record clipping through the
+  criterion's ``record_ids=``). With ``--attention varlen`` (the default) the model runs the
+  varlen SDPA over the records (no 4D mask: the records come from the restarting
+  ``position_ids``; a row of records costs ``sum_r L_r^2``); with ``--attention sdpa`` the
+  block-diagonal 4D mask and SDPA (a row costs all ``T^2`` pairs, most masked);
+* ``padding_free``: the same packed rows without a mask (restarting ``position_ids``): with
+  ``--attention varlen`` the same inputs as ``packed`` (a second measurement of it); with
+  ``sdpa``, ``transformers`` builds the block mask from the positions;
 * ``nonprivate_packed``: a plain ``transformers.Trainer`` on the same packed micro-batches of
-  the same logical batches (mean token loss, no clipping, no noise): the per-step baseline.
+  the same logical batches, with the same attention as ``packed`` (mean token loss, no
+  clipping, no noise): the per-step baseline.
 
 The DP methods share ``target_epsilon``, delta and the schedule, so the same noise multiplier
 (checked: their epsilons are equal). **Timing**: the methods are interleaved in one process, in
@@ -67,8 +79,12 @@ import torch
 from benchmarks import common
 
 NAME = "packing_throughput"
-METHODS = ("padded", "packed", "padding_free", "nonprivate_packed")
-DP_METHODS = ("padded", "packed", "padding_free")
+METHODS = ("padded", "padded_varlen", "packed", "padding_free", "nonprivate_packed")
+DP_METHODS = ("padded", "padded_varlen", "packed", "padding_free")
+#: The methods that run the varlen SDPA under ``--attention varlen`` (the default); under
+#: ``sdpa`` only ``padded_varlen`` does.
+VARLEN_METHODS = ("padded_varlen", "packed", "padding_free", "nonprivate_packed")
+ATTENTIONS = ("varlen", "sdpa")
 
 PROFILES: dict[str, dict[str, Any]] = {
     "full": {
@@ -208,7 +224,8 @@ def make_records(cfg: dict) -> tuple[list[dict], list[dict]]:
     return draw(cfg["n_train"], 0, 1), draw(cfg["n_heldout"], len(starts) - 1, -1)
 
 
-def make_model(cfg: dict) -> Any:
+def make_model(cfg: dict, *, varlen: bool = False) -> Any:
+    """The Llama of ``cfg``, with SDPA or (``varlen``) the varlen SDPA over records."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -225,7 +242,12 @@ def make_model(cfg: dict) -> Any:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(SEED)
-    return transformers.LlamaForCausalLM(config).train()
+    model = transformers.LlamaForCausalLM(config).train()
+    if varlen:
+        from opacus_rc.integrations.packed_attention import register_packed_sdpa
+
+        model.set_attn_implementation(register_packed_sdpa())
+    return model
 
 
 def pad_collate(rows: Sequence[dict]) -> dict[str, torch.Tensor]:
@@ -343,6 +365,7 @@ def run_method(
     steps: int,
     seed: int = SEED,
     memory: bool = False,
+    attention: str = "varlen",
 ) -> dict:
     """Train ``method`` for ``steps`` steps; its step times, tokens, epsilon and model."""
     import transformers
@@ -375,11 +398,13 @@ def run_method(
         dataloader_pin_memory=False,
         seed=seed,
     )
-    model = make_model(cfg)
+    varlen = method == "padded_varlen" or (attention == "varlen" and method in VARLEN_METHODS)
+    model = make_model(cfg, varlen=varlen)
     packing = PackingCollator(
         max_length=cfg["max_length"],
         pad_token_id=PAD,
-        padding_free=method == "padding_free",
+        # The varlen attention takes no 4D mask: the records come from the position ids.
+        padding_free=method == "padding_free" or varlen,
         mask_dtype=torch.bool,
     )
     if method == "nonprivate_packed":
@@ -415,7 +440,7 @@ def run_method(
             model=model,
             args=args,
             train_dataset=train,
-            data_collator=pad_collate if method == "padded" else packing,
+            data_collator=pad_collate if method.startswith("padded") else packing,
             privacy_args=privacy,
             callbacks=[_callback(times, cpu)],
         )
@@ -455,6 +480,14 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     p.add_argument("--utility-steps", type=int, default=None, help="steps of the utility runs")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per method and round")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="varlen",
+        help="attention of packed, padding_free and nonprivate_packed (default varlen: SDPA "
+        "on each record; sdpa: the block-diagonal mask); padded is SDPA, padded_varlen varlen",
+    )
     return p
 
 
@@ -467,6 +500,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg["rounds"] = args.rounds
     if args.utility_steps is not None:
         cfg["utility_steps"] = args.utility_steps
+    if args.steps:
+        cfg["steps"] = args.steps
+    cfg["attention"] = args.attention
     torch.set_num_threads(args.threads or cfg["threads"])
     out = args.out or (common.QUICK_RESULTS_DIR if args.quick else common.RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
@@ -490,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = METHODS[rnd % len(METHODS) :] + METHODS[: rnd % len(METHODS)]
         results = {}
         for method in order:
-            r = run_method(cfg, method, train, out, steps=n)
+            r = run_method(cfg, method, train, out, steps=n, attention=cfg["attention"])
             results[method] = r
             tok = sum(r["tokens"][w:])
             rows.append(
@@ -537,20 +573,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "packed_over_nonprivate_cpu": ratio("packed", "nonprivate_packed", "cpu_sum_s"),
         "padding_free_over_padded_cpu": 1 / ratio("padding_free", "padded", "cpu_sum_s"),
         "padding_free_over_nonprivate_cpu": ratio("padding_free", "nonprivate_packed", "cpu_sum_s"),
+        "packed_over_padded_varlen_tokens_per_s": 1 / ratio("packed", "padded_varlen"),
+        "packed_over_padded_varlen_cpu": 1 / ratio("packed", "padded_varlen", "cpu_sum_s"),
+        "padded_varlen_over_padded_cpu": 1 / ratio("padded_varlen", "padded", "cpu_sum_s"),
         "epsilon": per_round[0]["packed"]["epsilon"],
         "sigma": per_round[0]["packed"]["sigma"],
     }
 
     memory = {}
     for method in METHODS:
-        r = run_method(cfg, method, train, out, steps=1, memory=True)
+        r = run_method(cfg, method, train, out, steps=1, memory=True, attention=cfg["attention"])
         memory[method] = max(r["memory"])
         print(f"peak memory {method:18s} {common.fmt_bytes(memory[method])}", flush=True)
 
     utility = []
     for s in range(cfg["utility_seeds"] if cfg["utility_steps"] > 0 else 0):
         for method in ("padded", "packed"):
-            r = run_method(cfg, method, train, out, steps=cfg["utility_steps"], seed=SEED + s)
+            r = run_method(
+                cfg,
+                method,
+                train,
+                out,
+                steps=cfg["utility_steps"],
+                seed=SEED + s,
+                attention=cfg["attention"],
+            )
             utility.append(
                 {
                     "seed": SEED + s,
@@ -569,8 +616,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     info["uptime_load_average_after"] = load_average()
     write_report(out, stem, cfg, rows, summary, memory, utility, initial, lengths, info)
     print(
-        f"packed / padded tokens per second: {summary['packed_over_padded_tokens_per_s']:.2f}x; "
-        f"packed DP / packed non-private per step: {summary['packed_over_nonprivate_step']:.3f}x"
+        f"packed / padded tokens per second: {summary['packed_over_padded_tokens_per_s']:.2f}x "
+        f"wall, {summary['packed_over_padded_cpu']:.2f}x CPU; packed / padded_varlen: "
+        f"{summary['packed_over_padded_varlen_tokens_per_s']:.2f}x wall, "
+        f"{summary['packed_over_padded_varlen_cpu']:.2f}x CPU; packed DP / packed non-private "
+        f"per step: {summary['packed_over_nonprivate_step']:.3f}x wall, "
+        f"{summary['packed_over_nonprivate_cpu']:.3f}x CPU"
     )
     print(f"wrote {out / (stem + '.md')} in {info['wall_s']} s")
     return 0
@@ -593,16 +644,24 @@ def write_report(
     quant = ", ".join(
         f"{p}%: {q[min(len(q) - 1, int(p / 100 * len(q)))]}" for p in (10, 50, 90, 99)
     )
+    attention = (
+        "the varlen SDPA over records (opacus_rc.integrations.packed_attention)"
+        if cfg["attention"] == "varlen"
+        else "SDPA with the block-diagonal 4D mask (padding_free: built from the positions)"
+    )
     mem_rows = [{"method": m, "peak_step_bytes": memory[m], "peak": common.fmt_bytes(memory[m])}
                 for m in METHODS]  # fmt: skip
     lines = [
         f"# Padded vs packed vs padding-free DP SFT ({cfg['profile']} profile)",
         "",
         "`OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m benchmarks.packing_throughput"
-        f"{'' if stem == NAME else ' --profile ' + cfg['profile']}` "
+        f"{'' if stem == NAME else ' --profile ' + cfg['profile']}"
+        f"{'' if cfg['attention'] == 'varlen' else ' --attention ' + cfg['attention']}` "
         "(module docstring: what is measured and how).",
         f"Model: Llama causal LM, d = {cfg['hidden_size']}, {cfg['num_hidden_layers']} blocks, "
-        f"byte-level vocab {cfg['vocab_size']} (tied), SDPA. Records: {len(lengths)} Brown "
+        f"byte-level vocab {cfg['vocab_size']} (tied). Attention: padded SDPA (2D padding "
+        f"mask), padded_varlen the varlen SDPA, packed, padding_free and nonprivate_packed "
+        f"{attention}. Records: {len(lengths)} Brown "
         f"passages, lengths log-uniform in [{cfg['min_len']}, {cfg['max_length']}] (mean "
         f"{statistics.fmean(lengths):.0f}; quantiles {quant}); rows of {cfg['max_length']} "
         f"tokens; expected {cfg['expected_batch_size']} records per logical batch, at most "
@@ -617,6 +676,11 @@ def write_report(
         f"{summary['packed_over_padded_cpu']:.2f}x CPU time** (floor: >= 2x); padding-free / "
         f"padded {summary['padding_free_over_padded_tokens_per_s']:.2f}x wall, "
         f"{summary['padding_free_over_padded_cpu']:.2f}x CPU.",
+        "",
+        f"**packed / padded_varlen tokens per second (the same attention kernel, the padding "
+        f"of the other layers only): {summary['packed_over_padded_varlen_tokens_per_s']:.2f}x "
+        f"wall time, {summary['packed_over_padded_varlen_cpu']:.2f}x CPU time**; padded_varlen "
+        f"/ padded {summary['padded_varlen_over_padded_cpu']:.2f}x CPU.",
         "",
         f"**packed DP / packed non-private, time per step: "
         f"{summary['packed_over_nonprivate_step']:.3f}x wall time, "

@@ -50,6 +50,7 @@ from torch import nn
 from opacus_rc._compat.opacus import wrapped_module
 from opacus_rc.batch_independence import BatchIndependenceError  # noqa: F401  (raised)
 from opacus_rc.grad_sample.packed import RecordLayout
+from opacus_rc.integrations.packed_attention import PACKED_SDPA, segment_starts
 from opacus_rc.packing import (
     check_mask_structure,
     check_records_independent,
@@ -59,7 +60,9 @@ from opacus_rc.units.layout import check_unit_routes
 from opacus_rc.units.split import _check_split
 
 __all__ = [
+    "VARLEN_ATTENTION",
     "PackedAttentionGuard",
+    "check_varlen_segments",
     "PackedRecordLayout",
     "packed_record_losses",
     "record_losses_for_loss",
@@ -474,7 +477,10 @@ class PackedAttentionGuard:
 
     * every batch: a 4D ``attention_mask`` that lets a real token attend another record's token
       or padding is refused (:func:`~opacus_rc.packing.check_mask_structure`; ``O(R T^2)``
-      comparisons, no forward);
+      comparisons, no forward); without a 4D mask, a varlen attention (the registered
+      :data:`~opacus_rc.integrations.packed_attention.PACKED_SDPA`, ``flash_attention_2/3/4``)
+      whose records (from ``cu_seq_lens_q`` or ``position_ids``) are not the packed records is
+      refused (:func:`~opacus_rc.packed_loss.check_varlen_segments`, ``O(R T)``);
     * the first packed batch (with ``full_check``):
       :func:`~opacus_rc.packing.check_records_independent` on :data:`CHECKED_SEGMENTS` record
       segments, their logits alone against inside the pack (one forward of the batch and one
@@ -525,6 +531,8 @@ class PackedAttentionGuard:
             return  # the meta device (FLOPs and memory counted): no values, nothing released
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             check_mask_structure(mask, record_ids)
+        else:
+            check_varlen_segments(self.model, kwargs, record_ids)
         if self.full_checked or not self.full_check:
             return
         self.full_checked = True
@@ -546,6 +554,120 @@ class PackedAttentionGuard:
             record_ids=record_ids,
             max_segments=CHECKED_SEGMENTS,
             hooks=self.hooks,
+        )
+
+
+#: Attention implementations that find a packed row's records from ``cu_seq_lens_q`` or
+#: ``position_ids`` alone (no 4D mask): ``transformers``' flash kernels and the varlen SDPA of
+#: :mod:`opacus_rc.integrations.packed_attention`.
+VARLEN_ATTENTION = (
+    PACKED_SDPA,
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
+
+
+def _attn_implementation(model: nn.Module) -> str | None:
+    """The ``config._attn_implementation`` of the (first) Hugging Face model inside ``model``."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl
+    return None
+
+
+def check_varlen_segments(
+    model: nn.Module, inputs: dict[str, Any], record_ids: torch.Tensor
+) -> None:
+    """Refuse a varlen attention whose records are not the packed batch's records.
+
+    Runs when the model's attention implementation (``config._attn_implementation``) is one of
+    :data:`~opacus_rc.packed_loss.VARLEN_ATTENTION` and no 4D mask is given (otherwise nothing
+    is checked here: the 4D mask, or the first batch's logits check, cover the other paths).
+    Such an attention keeps each segment of a row apart, the segments starting at the
+    boundaries of ``cu_seq_lens_q`` if given, else wherever ``position_ids`` (``0..T-1`` if
+    absent, as a Llama-style model makes them) is not the previous position plus one
+    (:func:`~opacus_rc.integrations.packed_attention.segment_starts`). Every record segment of
+    ``record_ids`` must start a segment and hold no other start. A flash attention given a 2D
+    padding mask with a zero unpads each row as one sequence and is refused;
+    ``opacus_rc_packed_sdpa`` keeps padding out of every segment and accepts it (a record may
+    then follow padding inside a segment: it attends none of it).
+
+    Args:
+        model: The model (any wrapper around a Hugging Face model).
+        inputs: The forward's keyword inputs.
+        record_ids: ``(R, T)`` record of each token, -1 at padding.
+
+    Raises:
+        BatchIndependenceError: A record's attention would reach another record or padding
+            before it.
+    """
+    impl = _attn_implementation(model)
+    if impl not in VARLEN_ATTENTION:
+        return
+    rid = record_ids
+    R, T = rid.shape
+    mask = inputs.get("attention_mask")
+    fix = (
+        "Pass position_ids restarting at 0 at each record (opacus_rc.packing.PackingCollator "
+        "gives them), or cu_seq_lens_q over the records (with flash attention, no 2D padding "
+        "mask)"
+    )
+    if (
+        impl != PACKED_SDPA
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and not bool(mask.bool().all())
+    ):
+        raise BatchIndependenceError(
+            f"the packed batch's attention crosses records: {impl} with a 2D padding mask "
+            "unpads each row as one sequence, so the records of a row attend each other. " + fix
+        )
+    pos = inputs.get("position_ids")
+    cu = inputs.get("cu_seq_lens_q")
+    if isinstance(pos, torch.Tensor) and pos.is_meta:
+        return
+    if not isinstance(pos, torch.Tensor) and not isinstance(cu, torch.Tensor):
+        pos = torch.arange(T, device=rid.device).unsqueeze(0)
+    try:
+        starts = segment_starts(
+            (R, T),
+            position_ids=pos if isinstance(pos, torch.Tensor) else None,
+            cu_seq_lens=cu if isinstance(cu, torch.Tensor) else None,
+        ).to(rid.device)
+    except ValueError as err:
+        raise BatchIndependenceError(
+            f"the packed batch's attention crosses records: {impl} cannot find its records "
+            f"({err}). " + fix
+        ) from err
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == (R, T):
+        # opacus_rc_packed_sdpa: padding attends nothing and is attended by nothing, so a
+        # real token starts a segment where the real token before it is in another segment.
+        keep = mask.to(rid.device).bool()
+        seg = starts.long().cumsum(1)
+        at = torch.arange(T, device=rid.device).expand(R, T)
+        before = torch.where(keep, at, -1).cummax(1).values
+        before = torch.cat([before.new_full((R, 1), -1), before[:, :-1]], dim=1)
+        seg_before = torch.where(before >= 0, seg.gather(1, before.clamp(min=0)), -1)
+        starts = keep & (seg_before != seg)
+    first = torch.ones_like(rid, dtype=torch.bool)
+    first[:, 1:] = rid[:, 1:] != rid[:, :-1]
+    real = rid >= 0
+    wrong = real & (first != starts)
+    if bool(wrong.any()):
+        r, t = (int(v) for v in wrong.nonzero()[0])
+        what = (
+            "starts no attention segment (it attends the tokens before it)"
+            if bool(first[r, t])
+            else "starts a new attention segment inside its record"
+        )
+        raise BatchIndependenceError(
+            f"the packed batch's attention crosses records: {impl} finds the records from "
+            f"{'cu_seq_lens_q' if isinstance(cu, torch.Tensor) else 'position_ids'}, and in "
+            f"row {r} token {t} of record {int(rid[r, t])} {what} ({int(wrong.sum())} such "
+            "tokens). " + fix
         )
 
 

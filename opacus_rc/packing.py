@@ -476,7 +476,8 @@ _FIX = (
     "mask) with position_ids restarting at 0 at each record (pack_records returns both; "
     "PackedBatch.model_inputs() builds the inputs), or the model's padding-free path "
     "(attention_mask=None and restarting position_ids, with flash attention's varlen "
-    "kernel or transformers >= 5)"
+    "kernel, the varlen SDPA of opacus_rc.integrations.packed_attention.register_packed_sdpa(), "
+    "or transformers >= 5)"
 )
 
 
@@ -517,6 +518,11 @@ def check_mask_structure(mask: torch.Tensor, record_ids: torch.Tensor) -> None:
             "query-key pairs). A record's gradient would then depend on the other records of "
             "its row, and clipping it per record would not bound its contribution. " + _FIX
         )
+
+
+#: The flash / varlen keyword inputs over the whole batch's records, left out of a segment's
+#: forward alone (its position ids give it one sequence).
+_VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 
 def _cut(value: Any, row: int, start: int, end: int, R: int, T: int) -> Any:
@@ -620,7 +626,11 @@ def check_records_independent(
                 f"check_records_independent found no model output with {R} rows to compare"
             )
         for record, row, start, end in chosen:
-            one = {k: _cut(v, row, start, end, R, T) for k, v in kwargs.items()}
+            one = {
+                k: _cut(v, row, start, end, R, T)
+                for k, v in kwargs.items()
+                if k not in _VARLEN_KEYS  # alone, a segment is one sequence
+            }
             if isinstance(one.get("position_ids"), torch.Tensor):
                 # Alone, a record's positions are 0..l-1, whatever the pack gave it.
                 one["position_ids"] = torch.arange(

@@ -67,6 +67,11 @@ def records(seed: int = 0) -> list[torch.Tensor]:
 def tiny(arch: str) -> nn.Module:
     if arch == "llama":
         model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
+    elif arch == "llama-varlen":  # the varlen SDPA over records (tests/test_packed_attention.py)
+        from opacus_rc.integrations.packed_attention import register_packed_sdpa
+
+        model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
+        model.set_attn_implementation(register_packed_sdpa())
     elif arch == "llama-checkpointed":  # a checkpointed step: the smaller stash per layer
         model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

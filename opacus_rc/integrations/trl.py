@@ -45,6 +45,7 @@ except ImportError as err:  # pragma: no cover - depends on the install
         "opacus_rc.integrations.transformers.DPTrainer"
     ) from err
 
+from opacus_rc.integrations.packed_attention import uses_packed_sdpa
 from opacus_rc.integrations.packed_batches import packing_mask_dtype
 from opacus_rc.integrations.transformers import DPTrainerMixin, PrivacyArguments
 from opacus_rc.packing import PackingCollator
@@ -162,6 +163,7 @@ class DPSFTTrainer(DPTrainerMixin, trl.SFTTrainer):
         return PackingCollator(
             max_length=int(length),
             pad_token_id=int(pad),
-            padding_free=mode == "padding_free",
+            # The varlen attention finds the records from the position ids: no 4D mask.
+            padding_free=mode == "padding_free" or uses_packed_sdpa(self.model),
             mask_dtype=packing_mask_dtype(self.model),
         )

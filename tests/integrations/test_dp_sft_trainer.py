@@ -245,6 +245,33 @@ def test_packing_equals_the_padded_sft_run(tmp_path: Path, config: dict) -> None
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [{"packing": True}, {"padding_free": True}],
+                         ids=["packing", "padding_free"])  # fmt: skip
+def test_varlen_packing_equals_the_padded_sdpa_sft_run(tmp_path: Path, config: dict) -> None:
+    """The varlen SDPA over records (``opacus_rc.integrations.packed_attention``): the
+    trainer's packed rows carry no 4D mask (the records come from the position ids, also with
+    ``packing=True``) and give the padded SDPA run's update (same seeds, sigma = 0)."""
+    from opacus_rc.integrations.packed_attention import register_packed_sdpa
+
+    model = th.tiny_llama()
+    model.set_attn_implementation(register_packed_sdpa())
+    kw = {"max_steps": 2, "per_device_train_batch_size": 3, "max_length": 24, **SGD}
+    padded = _sft_run(tmp_path, "padded", SIGMA0, **kw)
+    packed = make(tmp_path / "varlen", privacy=SIGMA0, cls=Recording, model=model, **config, **kw)
+    packed.train()
+    micro = [inputs for inputs, _ in packed.losses]
+    assert all("record_ids" in m and "attention_mask" not in m for m in micro)
+    assert any((m["record_ids"][:, 0] != m["record_ids"].max(dim=1).values).any() for m in micro)
+    torch.testing.assert_close(
+        torch.cat([loss for _, loss in packed.losses]).sort().values,
+        torch.cat([loss for _, loss in padded.losses]).sort().values,
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    a, b = th.params(padded.model), th.params(packed.model)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+
+
 def test_packed_sft_epsilon_is_the_padded_epsilon(tmp_path: Path) -> None:
     padded = _sft_run(tmp_path, "padded", {}, max_steps=3)
     packed = _sft_run(tmp_path, "packed", {}, max_steps=3, packing=True)

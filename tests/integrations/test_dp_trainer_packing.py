@@ -274,3 +274,57 @@ def test_evaluation_gets_packed_rows_without_the_criterion_keys(tmp_path: Path) 
     tr.train()
     metrics = tr.evaluate(eval_dataset=th.token_examples(6, seed=9))
     assert math.isfinite(metrics["eval_loss"])
+
+
+def tiny_llama_varlen() -> Any:
+    """:func:`trainer_helpers.tiny_llama` with the varlen SDPA over records."""
+    from opacus_rc.integrations.packed_attention import PACKED_SDPA, register_packed_sdpa
+
+    model = th.tiny_llama()
+    model.set_attn_implementation(register_packed_sdpa())
+    assert model.config._attn_implementation == PACKED_SDPA
+    return model
+
+
+def test_varlen_packed_run_equals_the_padded_sdpa_run(tmp_path: Path) -> None:
+    """A ``PackingCollator(padding_free=True)`` with the varlen attention (no 4D mask: SDPA
+    on each record segment) against the padded run with plain SDPA (same seeds, sigma = 0,
+    C above every norm): the same update; its evaluation runs padded rows with a 2D mask."""
+    privacy = {"noise_multiplier": 0.0, "target_epsilon": None, "max_grad_norm": 1e3}
+    kw = {"max_steps": 3, "per_device_train_batch_size": 3, "privacy": privacy, **SGD}
+    padded = _run(tmp_path, "padded", th.tiny_llama, th.pad_collate, **kw)
+    packed = _run(tmp_path, "varlen", tiny_llama_varlen, packing(padding_free=True), **kw)
+    assert packed.model.config._attn_implementation != padded.model.config._attn_implementation
+    micro = [m for b in packed.batches for m in b.micro_batches]
+    assert all("attention_mask" not in m for m in micro)
+    assert any((m["record_ids"][:, 0] != m["record_ids"].max(dim=1).values).any() for m in micro)
+    a, b = th.params(padded.model), th.params(packed.model)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+    start = th.params(th.tiny_llama())
+    assert any(not torch.allclose(start[n], b[n]) for n in b)
+    assert math.isfinite(packed.evaluate(eval_dataset=th.token_examples(6, seed=9))["eval_loss"])
+
+
+def test_varlen_run_whose_positions_do_not_restart_is_refused(tmp_path: Path) -> None:
+    """The varlen attention reads the records from the position ids: a collator whose
+    positions run over the whole row is refused before any step."""
+
+    class WholeRowPositions(PackingCollator):
+        def __call__(self, examples: Any) -> dict:
+            out = super().__call__(examples)
+            out["position_ids"] = torch.arange(out["input_ids"].shape[1]).expand_as(
+                out["input_ids"]
+            )
+            return out
+
+    model = tiny_llama_varlen()
+    start = th.params(model)
+    collator = WholeRowPositions(max_length=16, pad_token_id=th.PAD, padding_free=True)
+    tr = make(tmp_path, model=model, collator=collator, max_steps=1)
+    # The trainer's first-batch logits check refuses it (the guard's segment check would too).
+    with pytest.raises(BatchIndependenceError, match="other logits alone.*register_packed_sdpa"):
+        tr.train()
+    assert len(tr.privacy_engine.accountant) == 0
+    after = th.params(tr.model)
+    assert all(torch.equal(start[n], after[n]) for n in start)

@@ -520,6 +520,8 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
     ``"gpt2"``: learned absolute positions, every norm exact (``Conv1D`` by functorch,
     embeddings, layer norms; the LM head untied and frozen). ``"llama"``: rotary positions,
     tied embedding and head, ``nn.Linear`` layers sketched at ``k = LARGE_K``.
+    ``"llama-varlen"``: that Llama with ``opacus_rc.integrations.packed_attention``'s varlen
+    SDPA (each record segment attended alone, the records from the position ids).
     """
     import tiny_hf_models as hf
 
@@ -532,6 +534,10 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
     else:
         model = hf.llama(vocab=LM_VOCAB, tie=True, intermediate_size=32, seed=0, pad_token_id=PAD)
         k = LARGE_K
+        if arch == "llama-varlen":  # the varlen SDPA over records (no 4D mask)
+            from opacus_rc.integrations.packed_attention import register_packed_sdpa
+
+            model.set_attn_implementation(register_packed_sdpa())
     return add_probe(model), k
 
 
@@ -1076,6 +1082,7 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-packed-gpt2": (_bind(run_engine_packed, "gpt2"), True),
     "engine-packed-llama": (_bind(run_engine_packed, "llama"), True),
     "engine-packed-llama-padding-free": (_bind(run_engine_packed, "llama", True), True),
+    "engine-packed-llama-varlen": (_bind(run_engine_packed, "llama-varlen", True), True),
     "engine-packed-units": (run_engine_packed_units, False),
     "engine-units": (_bind(run_units, "whole"), True),
     "unit-loader-virtual": (_bind(run_units, "virtual"), True),
@@ -1091,6 +1098,7 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "trainer-packed-gpt2": (_bind(run_trainer_packed, "gpt2"), True),
     "trainer-packed-llama": (_bind(run_trainer_packed, "llama"), True),
     "trainer-padding-free-llama": (_bind(run_trainer_packed, "llama", True), True),
+    "trainer-packed-llama-varlen": (_bind(run_trainer_packed, "llama-varlen", True), True),
     "sft-trainer-packing": (_bind(run_sft, True), True),
     "trainer-packed-privacy-unit": (_bind(run_trainer_units, True), True),
 }
