@@ -106,6 +106,9 @@ class PackedRecordLayout:
         self.buffered: list[int] = []
         #: ids of the modules whose book-keeping stash holds token rows (the fast path).
         self._token_rows: set[int] = set()
+        #: Tensors re-laid per record by :meth:`pack` (``(N, max T_r, ...)``) in this step:
+        #: 0 when every hooked module took a packed-row path.
+        self.relaid = 0
 
     def record_norms(
         self,
@@ -144,6 +147,10 @@ class PackedRecordLayout:
 
         R, T = self.record_ids.shape
         A = activations[0] if len(activations) == 1 else None
+        if route.path is NormPath.TIED:
+            return self._tied_norms(step, module, params, A, backprops, loss_reduction)
+        if route.path in (NormPath.EXACT, NormPath.GRAD_SAMPLER) and _is_norm_layer(module):
+            return self._norm_layer_norms(step, module, params, A, backprops, loss_reduction)
         if not (
             type(module) is nn.Linear
             and route.path is NormPath.SKETCHED
@@ -196,6 +203,117 @@ class PackedRecordLayout:
             del module.max_batch_len
         return True
 
+    def _packed_rows(self, step: Any, x: Any, backprops: torch.Tensor, *, ids: bool) -> bool:
+        """Whether a module's input ``x`` and output gradient are ``(R, T, ...)`` token rows
+        in a plain (not checkpointed, not FSDP2) step: the packed-row paths' condition."""
+        R, T = self.record_ids.shape
+        return (
+            type(step).__name__ == "PrivateStep"  # not FSDP2's reduce-scattered sums
+            and not step.smaller_stash
+            and isinstance(x, torch.Tensor)
+            and x.dim() == (2 if ids else 3)
+            and tuple(x.shape[:2]) == (R, T)
+            and backprops.dim() == 3
+            and tuple(backprops.shape[:2]) == (R, T)
+        )
+
+    def _rescaled(self, module: nn.Module, backprops: torch.Tensor, loss_reduction: str):
+        """The output gradient rescaled to the per-record losses' (as :meth:`pack`'s callers
+        do, :func:`~opacus_rc.units.pack_for_units`); the module's ``max_batch_len`` ``N``."""
+        n = self.num_units
+        if loss_reduction == "mean":
+            backprops = backprops * (n / getattr(module, "max_batch_len", self.batch_size))
+        module.max_batch_len = n
+        return backprops
+
+    def _tied_norms(
+        self,
+        step: Any,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        x: Any,
+        backprops: torch.Tensor,
+        loss_reduction: str,
+    ) -> bool:
+        """A tied embedding or LM head (the joint sketch,
+        :class:`~opacus_rc.grad_sample.tied.TiedSketches`) straight from the packed rows:
+        each part summed per record chunk by chunk, one probe per record shared by both parts
+        (the same draw as on ``N`` re-laid samples), ``O(tokens)``. With book-keeping the
+        module keeps its ``R T`` token rows, clipped by their record's factor."""
+        from opacus_rc._compat.opacus import count_down_use
+        from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
+
+        group = step.tied.group_of(module)
+        if group is None or not self._packed_rows(
+            step, x, backprops, ids=module is group.embedding
+        ):
+            return False
+        G = self._rescaled(module, backprops, loss_reduction)
+        norms, deferred = step.tied.sample(
+            module,
+            [x],
+            G,
+            sketch_dim=step.config.sketch_dim,
+            generator=step.generator_for(G.device),
+            layout=self.records,
+        )
+        have = {id(p) for p in norms}
+        missing = [p for p in params if id(p) not in have and id(p) not in deferred]
+        if missing:  # the tied sketch covers the shared weight and the head's bias only
+            step.tied.clear()
+            raise RuntimeError(
+                f"record_ids=: the tied module '{step.name_of(module)}' has "
+                f"{len(missing)} trainable parameter(s) its joint sketch gives no norm for"
+            )
+        for p in params:
+            count_down_use(p)
+        step.record_norms(norms)
+        if step.bookkeeping and params:
+            R, T = self.record_ids.shape
+            rows = x.reshape(R * T, 1) if x.dim() == 2 else x.reshape(R * T, 1, x.shape[2])
+            step.stash(
+                BookkeepingStash(
+                    module, params, activations=[rows], backprops=G.reshape(R * T, 1, G.shape[2])
+                )
+            )
+            self._token_rows.add(id(module))
+        if not getattr(module, "activations", None):
+            del module.max_batch_len
+        return True
+
+    def _norm_layer_norms(
+        self,
+        step: Any,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        x: Any,
+        backprops: torch.Tensor,
+        loss_reduction: str,
+    ) -> bool:
+        """A LayerNorm / RMSNorm straight from the packed rows: its exact per-record
+        gradients (:func:`~opacus_rc.grad_sample.norm_layers.norm_layer_record_grads`, one
+        ``index_add`` over the token-to-record map, ``O(tokens)``), recorded as the
+        per-sample-gradient paths do (:meth:`~opacus_rc.grad_sample.norms.ModuleNorms.record_grad_samples`;
+        with book-keeping the ``(N, D)`` gradients are the clipped sum's stash)."""
+        from opacus_rc.grad_sample.norm_layers import norm_layer_record_grads
+
+        if not params or not self._packed_rows(step, x, backprops, ids=False):
+            return False
+        if tuple(x.shape) != tuple(backprops.shape) or x.shape[2:] != params[0].shape[-1:]:
+            return False
+        G = self._rescaled(module, backprops, loss_reduction)
+        grads = norm_layer_record_grads(
+            module, x, G, record_ids=self.record_ids, num_records=self.num_units
+        )
+        keep = {id(p) for p in params}
+        grads = {p: g for p, g in grads.items() if id(p) in keep}
+        step.norms.record_grad_samples(
+            module, params, grads, step=step, bookkeeping=step.bookkeeping
+        )
+        if not getattr(module, "activations", None):
+            del module.max_batch_len
+        return True
+
     def write_clipped_sums(
         self, ready: list[Any], coef: torch.Tensor, *, clipped_sums: Any, name_of: Any
     ) -> None:
@@ -245,7 +363,21 @@ class PackedRecordLayout:
                 "each token of the (R, T) batch (pass record_ids of the model's input_ids "
                 "shape, batch first)"
             )
+        self.relaid += 1
         return self.records.per_record(x)
+
+
+def _is_norm_layer(module: nn.Module) -> bool:
+    """A normalisation layer with the closed forms of
+    :mod:`opacus_rc.grad_sample.norm_layers` (``nn.LayerNorm``, ``nn.RMSNorm``, the registered
+    ``transformers`` RMSNorms), by exact type."""
+    from opacus_rc.grad_sample.norm_layers import norm_layer_per_sample_grads
+    from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
+
+    t = type(module)
+    return (
+        t in (nn.LayerNorm, nn.RMSNorm) or STASH_GRAD_SAMPLERS.get(t) is norm_layer_per_sample_grads
+    )
 
 
 def _integer_tensor(value: Any, name: str, dims: int) -> torch.Tensor:
