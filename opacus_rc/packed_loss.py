@@ -293,8 +293,9 @@ class PackedRecordLayout:
         """A LayerNorm / RMSNorm straight from the packed rows: its exact per-record
         gradients (:func:`~opacus_rc.grad_sample.norm_layers.norm_layer_record_grads`, one
         ``index_add`` over the token-to-record map, ``O(tokens)``), recorded as the
-        per-sample-gradient paths do (:meth:`~opacus_rc.grad_sample.norms.ModuleNorms.record_grad_samples`;
-        with book-keeping the ``(N, D)`` gradients are the clipped sum's stash)."""
+        per-sample-gradient paths do
+        (:meth:`~opacus_rc.grad_sample.norms.ModuleNorms.record_grad_samples`; with
+        book-keeping the ``(N, D)`` gradients are the clipped sum's stash)."""
         from opacus_rc.grad_sample.norm_layers import norm_layer_record_grads
 
         if not params or not self._packed_rows(step, x, backprops, ids=False):

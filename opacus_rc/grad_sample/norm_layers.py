@@ -189,7 +189,7 @@ def norm_layer_record_grads(
             ``record_ids`` is not ``x``'s ``(R, T)``.
     """
     R, T, D = _check(layer, x, backprops, "per-record gradient")
-    if x.dim() < 2 or tuple(record_ids.shape) != tuple(x.shape[:2]) or T != x.shape[1]:
+    if x.dim() < 2 or tuple(record_ids.shape) != tuple(x.shape[:2]) or x.shape[1] != T:
         raise ValueError(
             f"{type(layer).__name__} per-record gradient: record_ids of shape "
             f"{tuple(record_ids.shape)} for an input of shape {tuple(x.shape)} ((R, T) first, "

@@ -388,7 +388,7 @@ class JointSketch:
 
 
 def _record_sums(G: torch.Tensor, layout: Any, dtype: torch.dtype) -> torch.Tensor:
-    """``(N, V)``: each record's sum of the token rows of ``G`` (``(R, T, V)``), padding left out."""
+    """``(N, V)``: each record's sum of the token rows of ``G`` (``(R, T, V)``), no padding."""
     R, T = layout.record_ids.shape
     rid = layout.record_ids.to(G.device).reshape(-1)
     rows = G.reshape(R * T, -1).to(dtype).masked_fill((rid < 0).unsqueeze(1), 0)
