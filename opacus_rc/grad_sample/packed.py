@@ -93,6 +93,8 @@ class RecordLayout:
         record_index: ``(N, max T_r)`` long, the flat index of each record's tokens in
             order of position in the packed rows (row-major), ``R * T`` past its end; for
             :meth:`per_record`.
+        token_empty, record_empty: ``(E,)`` long, the flat positions in ``token_index``
+            and ``record_index`` that hold ``R * T`` (no token): zeroed after a gather.
     """
 
     record_ids: torch.Tensor
@@ -104,6 +106,8 @@ class RecordLayout:
     pair_right: torch.Tensor
     tokens: torch.Tensor
     record_index: torch.Tensor
+    token_empty: torch.Tensor | None = None
+    record_empty: torch.Tensor | None = None
 
     @classmethod
     def from_record_ids(
@@ -186,6 +190,8 @@ class RecordLayout:
             pair_right=cstart[pair_record] + q % k.clamp(min=1),
             tokens=counts,
             record_index=record_index.view(n, longest),
+            token_empty=(token_index == R * T).nonzero().squeeze(1),
+            record_empty=(record_index == R * T).nonzero().squeeze(1),
         )
 
     @property
@@ -206,7 +212,7 @@ class RecordLayout:
         Raises:
             ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
         """
-        return self._take(x, self.token_index, dtype)
+        return self._take(x, self.token_index, dtype, self.token_empty)
 
     def per_record(self, x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Each record as one sample: ``(R, T, F)`` to ``(N, max T_r, F)``, zero-padded.
@@ -229,10 +235,14 @@ class RecordLayout:
         Raises:
             ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
         """
-        return self._take(x, self.record_index, dtype)
+        return self._take(x, self.record_index, dtype, self.record_empty)
 
     def _take(
-        self, x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        dtype: torch.dtype | None,
+        empty: torch.Tensor | None,
     ) -> torch.Tensor:
         R, T = self.record_ids.shape
         if tuple(x.shape[:2]) != (R, T):
@@ -241,10 +251,18 @@ class RecordLayout:
             )
         rest = x.shape[2:]
         flat = x.reshape(R * T, *rest)
+        if empty is None or R * T == 0:
+            if dtype is not None:
+                flat = flat.to(dtype)
+            flat = torch.cat([flat, flat.new_zeros(1, *rest)])
+            return flat[index]
+        # One copy: the rows (an empty slot reads row 0), cast, then the empty slots zeroed.
+        idx = index.reshape(-1).to(flat.device)
+        out = flat.index_select(0, idx.clamp(max=R * T - 1))
         if dtype is not None:
-            flat = flat.to(dtype)
-        flat = torch.cat([flat, flat.new_zeros(1, *rest)])
-        return flat[index]
+            out = out.to(dtype)
+        out.index_fill_(0, empty.to(out.device), 0)
+        return out.view(*index.shape, *rest)
 
 
 def _check_linear(
