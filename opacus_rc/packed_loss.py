@@ -21,10 +21,15 @@ record longer than a row cut across rows; :func:`opacus_rc.packing.pack_records`
   runs on ``N`` samples. For a token-wise module a record's gradient is a sum over its tokens,
   and a zero output-gradient row adds nothing, so the norms, the clip factors and the
   book-keeping clipped sum are per record; one backward pass with book-keeping, the second
-  pass of ``sum_r c_r loss_r`` without. An ``nn.Linear`` on the sketched route (Hutchinson,
-  not checkpointed) skips the re-layout: its per-record sketch comes from the packed rows in
-  chunks and its clipped sum from ``R T`` token rows weighted by their record's factor
-  (:meth:`PackedRecordLayout.record_norms`), linear in each record's tokens.
+  pass of ``sum_r c_r loss_r`` without. Three kinds of module skip the re-layout (outside
+  an activation-checkpointed step and FSDP2; :meth:`PackedRecordLayout.record_norms`), their
+  cost linear in the packed tokens whatever the longest record: an ``nn.Linear`` on the
+  sketched route (Hutchinson), its per-record sketch from the packed rows in chunks and its
+  clipped sum from ``R T`` token rows weighted by their record's factor; a weight tied between
+  the input embedding and the LM head, its joint sketch per record from the packed rows (one
+  probe per record shared by both parts) and both modules' clipped sums from token rows; and
+  the norm layers (``nn.LayerNorm``, ``nn.RMSNorm``, the ``transformers`` RMSNorms), their
+  exact per-record gradients by one ``index_add`` over the token-to-record map.
 
 The optimizer clips ``N`` (or ``U``) records; its divisor (the public expected batch size,
 counted in records or units) and the accounting are unchanged. A module that is not
@@ -120,7 +125,11 @@ class PackedRecordLayout:
         backprops: torch.Tensor,
         loss_reduction: str,
     ) -> bool:
-        """The sketched per-record norms of an ``nn.Linear`` straight from the packed rows.
+        """Per-record norms straight from the packed rows, where the module allows it.
+
+        A tied embedding or LM head (:meth:`_tied_norms`) and a norm layer
+        (:meth:`_norm_layer_norms`) have their own branches; the rest of this docstring is
+        the ``nn.Linear`` branch: the sketched per-record norms of an ``nn.Linear``.
 
         The chunked estimator
         :func:`~opacus_rc.grad_sample.packed.linear_record_sketched_sqnorms` (one fresh probe
