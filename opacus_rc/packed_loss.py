@@ -176,9 +176,9 @@ class PackedRecordLayout:
             return False
         n = self.num_units
         G = backprops
-        if loss_reduction == "mean":  # as pack_for_units: to the per-record losses' gradient
-            G = G * (n / getattr(module, "max_batch_len", R))
-        module.max_batch_len = n
+        # As pack_for_units: to the per-record losses' gradient, G times this scale; folded
+        # into the norms and the stash's clip factors (both linear in G), not copied into G.
+        scale = self._scale(module, loss_reduction)
         dtype = torch.float64 if torch.float64 in (A.dtype, G.dtype) else torch.float32
         sq = linear_record_sketched_sqnorms(
             A,
@@ -194,6 +194,8 @@ class PackedRecordLayout:
             rows = G.reshape(R * T, -1).to(dtype).masked_fill(~keep, 0)
             g_sum = rows.new_zeros(n, rows.shape[1]).index_add(0, where.clamp(min=0), rows)
             norms[module.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(dtype)
+        if scale != 1:
+            norms = {p: v * scale for p, v in norms.items()}
         for p in params:
             count_down_use(p)
         step.record_norms(norms)
@@ -205,6 +207,7 @@ class PackedRecordLayout:
                     params,
                     activations=[A.reshape(R * T, 1, d)],
                     backprops=G.reshape(R * T, 1, p_out),
+                    scale=scale,
                 )
             )
             self._token_rows.add(id(module))
@@ -225,6 +228,17 @@ class PackedRecordLayout:
             and backprops.dim() == 3
             and tuple(backprops.shape[:2]) == (R, T)
         )
+
+    def _scale(self, module: nn.Module, loss_reduction: str) -> float:
+        """The factor from Opacus' output gradient to the per-record losses' (``N /
+        max_batch_len`` under ``"mean"``, as :func:`~opacus_rc.units.pack_for_units`); the
+        module's ``max_batch_len`` becomes ``N``."""
+        n = self.num_units
+        scale = 1
+        if loss_reduction == "mean":
+            scale = n / getattr(module, "max_batch_len", self.batch_size)
+        module.max_batch_len = n
+        return scale
 
     def _rescaled(self, module: nn.Module, backprops: torch.Tensor, loss_reduction: str):
         """The output gradient rescaled to the per-record losses' (as :meth:`pack`'s callers
@@ -311,12 +325,12 @@ class PackedRecordLayout:
             return False
         if tuple(x.shape) != tuple(backprops.shape) or x.shape[2:] != params[0].shape[-1:]:
             return False
-        G = self._rescaled(module, backprops, loss_reduction)
+        scale = self._scale(module, loss_reduction)  # on the (N, D) gradients, not on G
         grads = norm_layer_record_grads(
-            module, x, G, record_ids=self.record_ids, num_records=self.num_units
+            module, x, backprops, record_ids=self.record_ids, num_records=self.num_units
         )
         keep = {id(p) for p in params}
-        grads = {p: g for p, g in grads.items() if id(p) in keep}
+        grads = {p: g if scale == 1 else g * scale for p, g in grads.items() if id(p) in keep}
         step.norms.record_grad_samples(
             module, params, grads, step=step, bookkeeping=step.bookkeeping
         )
