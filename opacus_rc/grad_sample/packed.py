@@ -95,6 +95,9 @@ class RecordLayout:
             :meth:`per_record`.
         token_empty, record_empty: ``(E,)`` long, the flat positions in ``token_index``
             and ``record_index`` that hold ``R * T`` (no token): zeroed after a gather.
+        segments: On a CPU, the runs of consecutive flat token indices of one record, as
+            ``(record, start, end)`` Python ints (a record inside one row is one run, a record
+            cut across rows one per row), in record order; None on other devices.
     """
 
     record_ids: torch.Tensor
@@ -108,6 +111,7 @@ class RecordLayout:
     record_index: torch.Tensor
     token_empty: torch.Tensor | None = None
     record_empty: torch.Tensor | None = None
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def from_record_ids(
@@ -177,6 +181,18 @@ class RecordLayout:
         pair_record = torch.repeat_interleave(records, pairs)
         q = torch.arange(int(pairs.sum()), device=device) - (pairs.cumsum(0) - pairs)[pair_record]
         k = nch[pair_record]
+        segments = None
+        if device.type == "cpu":  # runs of one record's consecutive tokens (host ints)
+            cut = torch.ones_like(tok, dtype=torch.bool)
+            cut[1:] = (rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)
+            starts = cut.nonzero().squeeze(1)
+            lengths = torch.diff(starts, append=starts.new_tensor([tok.numel()]))
+            segments = tuple(
+                (r, t, t + m)
+                for r, t, m in zip(
+                    rec[starts].tolist(), tok[starts].tolist(), lengths.tolist(), strict=True
+                )
+            )
         longest = int(counts.max()) if n else 0
         record_index = torch.full((n * longest,), R * T, dtype=torch.long, device=device)
         record_index[rec * longest + pos] = tok
@@ -192,6 +208,7 @@ class RecordLayout:
             record_index=record_index.view(n, longest),
             token_empty=(token_index == R * T).nonzero().squeeze(1),
             record_empty=(record_index == R * T).nonzero().squeeze(1),
+            segments=segments,
         )
 
     @property
@@ -351,6 +368,7 @@ def linear_record_sketched_sqnorms(
     generator: torch.Generator | None = None,
     probes: torch.Tensor | None = None,
     side: str = "auto",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Hutchinson estimates of each record's ``||sum_{t in r} g_t a_t^T||_F^2`` in packed rows.
 
@@ -371,13 +389,19 @@ def linear_record_sketched_sqnorms(
         probes: Explicit ``(N, rows, k)`` probes, already scaled (for tests).
         side: ``"output"`` (``p``), ``"input"`` (``d``) or ``"auto"`` (the smaller; with
             ``probes``, the side their rows match, output first), as ``hutchinson_sqnorm``.
+        method: ``"chunks"`` (batched products over the layout's chunks, then an
+            ``index_add``), ``"segments"`` (two products per run of a record's consecutive
+            tokens, on views of the packed rows: no copy and no padded slot; the layout's
+            ``segments``, CPU only) or ``"auto"`` (segments where the layout has them). The
+            same estimate up to rounding.
 
     Returns:
         ``(N,)`` estimates, float32 (float64 for float64 inputs).
 
     Raises:
         TypeError: If ``sketch_dim`` is not an int.
-        ValueError: If ``sketch_dim < 1``, a shape disagrees, or ``side`` is unknown.
+        ValueError: If ``sketch_dim < 1``, a shape disagrees, ``side`` or ``method`` is
+            unknown, or ``"segments"`` is asked of a layout without them.
     """
     validate_sketch_dim(sketch_dim)
     d, p = _check_linear(activations, backprops, layout)
@@ -400,7 +424,19 @@ def linear_record_sketched_sqnorms(
         if probes.dim() != 3 or tuple(probes.shape[:2]) != (n, rows):
             raise ValueError(f"probes must have shape ({n}, {rows}, k), got {tuple(probes.shape)}")
         omega = probes.to(device=G.device, dtype=dtype)
+    if method not in ("auto", "chunks", "segments"):
+        raise ValueError(f"method must be 'auto', 'chunks' or 'segments', got {method!r}")
+    if method == "segments" and layout.segments is None:
+        raise ValueError("method='segments' needs a layout built on a CPU (layout.segments)")
     with autocast_off(G.device):
+        if method != "chunks" and layout.segments is not None:
+            R, T = layout.record_ids.shape
+            A2 = A.reshape(R * T, A.shape[2]).to(dtype)
+            G2 = G.reshape(R * T, rows).to(dtype)
+            V = torch.zeros(n, A2.shape[1], omega.shape[2], dtype=dtype, device=G.device)
+            for r, start, end in layout.segments:  # V_r += A_s^T (G_s Omega_r)
+                V[r].addmm_(A2[start:end].t(), G2[start:end] @ omega[r])
+            return V.pow(2).sum(dim=(1, 2))
         Ac = layout.gather(A, dtype=dtype)
         Gc = layout.gather(G, dtype=dtype)
         U = torch.bmm(Gc, omega[layout.chunk_record])  # (C, L, k)

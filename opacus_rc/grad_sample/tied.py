@@ -293,6 +293,21 @@ class JointSketch:
         with autocast_off(backprops.device):
             e_a = _record_pow2_exponent(activations, layout, dtype)
             e_g = _record_pow2_exponent(backprops, layout, dtype)
+            if layout.segments is not None:  # CPU: views of each record's runs, no copy
+                d, V = activations.shape[2], self.num_embeddings
+                A2 = activations.reshape(R * T, d).to(dtype)
+                G2 = backprops.reshape(R * T, V).to(dtype)
+                # As the chunks: A's scale on Omega, then G's on A Omega (no combined factor
+                # that could underflow).
+                scaled, inv_g = omega * _pow2(-e_a, dtype), _pow2(-e_g, dtype)
+                part = torch.zeros(
+                    layout.num_records, V, omega.shape[2], dtype=dtype, device=G2.device
+                )
+                for r, start, end in layout.segments:  # Y_r += G_s^T (A_s Omega_r)
+                    U = (A2[start:end] @ scaled[r]).mul_(inv_g[r])
+                    part[r].addmm_(G2[start:end].t(), U)
+                self._add_part(part, e_a + e_g)
+                return
             scaled = (omega * _pow2(-e_a, dtype))[chunk]  # (C, d, k)
             U = torch.bmm(layout.gather(activations, dtype=dtype), scaled)  # (C, L, k)
             del scaled
@@ -303,14 +318,18 @@ class JointSketch:
             part = torch.zeros(n, *Yc.shape[1:], dtype=dtype, device=Yc.device)
             part.index_add_(0, chunk, Yc)
             del Yc
-            part = part.to(self.probes.device)
-            factor = self._align((e_a + e_g).to(self.probes.device))
-            if factor is not None:
-                part.mul_(factor)
-            if self._y is None:
-                self._y = part
-            else:
-                self._y.add_(part)
+            self._add_part(part, e_a + e_g)
+
+    def _add_part(self, part: torch.Tensor, exponent: torch.Tensor) -> None:
+        """Add a whole ``(N, V, k)`` part scaled by ``2^-exponent`` (per sample)."""
+        part = part.to(self.probes.device)
+        factor = self._align(exponent.to(self.probes.device))
+        if factor is not None:
+            part.mul_(factor)
+        if self._y is None:
+            self._y = part
+        else:
+            self._y.add_(part)
 
     def add_embedding_packed(
         self, ids: torch.Tensor, backprops: torch.Tensor, *, padding_idx: int | None, layout: Any
@@ -350,6 +369,19 @@ class JointSketch:
                 g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
             chunk = layout.chunk_record.to(device)
             e_g = _record_pow2_exponent(g, layout, dtype)
+            if layout.segments is not None:  # CPU: views of each record's runs, no copy
+                n, V, k = layout.num_records, self.num_embeddings, self.probes.shape[2]
+                scaled = self.probes * _pow2(-e_g, dtype)
+                factor = self._align(e_g)
+                if self._y is None:
+                    self._y = torch.zeros(n, V, k, device=device, dtype=dtype)
+                g2, ids2 = g.reshape(R * T, g.shape[2]), ids.reshape(R * T)
+                for r, start, end in layout.segments:  # rows x_t of Y_r += g_t^T Omega_r
+                    values = g2[start:end] @ scaled[r]
+                    if factor is not None:
+                        values.mul_(factor[r])
+                    self._y[r].index_add_(0, ids2[start:end], values)
+                return
             scaled = (self.probes * _pow2(-e_g, dtype))[chunk]  # (C, d, k)
             values = torch.bmm(layout.gather(g), scaled)  # (C, L, k), zero at empty slots
             del scaled

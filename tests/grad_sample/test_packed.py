@@ -9,6 +9,7 @@ and output gradient rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -380,16 +381,21 @@ def _joint_packed(A, Gh, ids, Ge, layout, probes, padding_idx, *, head_first: bo
 
 @pytest.mark.parametrize("padding_idx", [None, 0])
 @pytest.mark.parametrize("head_first", [True, False])
+@pytest.mark.parametrize("runs", ["segments", "chunks"])
 def test_joint_sketch_from_packed_rows_is_each_records_joint_sketch(
-    padding_idx: int | None, head_first: bool
+    padding_idx: int | None, head_first: bool, runs: str
 ) -> None:
     # Issue 32 (no re-layout): the packed-row parts of the joint sketch, with the same probe
     # per record, give the joint sketch of each record laid out alone (identity probes: the
-    # exact squared norm of the tied weight's gradient, cross term included).
+    # exact squared norm of the tied weight's gradient, cross term included). On a CPU the
+    # parts run over each record's runs of tokens (views); elsewhere over chunks.
     from opacus_rc.grad_sample.tied import tied_hutchinson_sqnorm
 
     alone, packed, (A, Gh, ids, Ge) = _tied_case(padding_idx)
     layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    assert layout.segments is not None and len(layout.segments) > layout.num_records  # a cut
+    if runs == "chunks":
+        layout = dataclasses.replace(layout, segments=None)
     n = len(LENGTHS)
     eye = torch.eye(D, dtype=torch.float64).expand(n, D, D).contiguous()
     exact = _joint_packed(A, Gh, ids, Ge, layout, eye, padding_idx, head_first=head_first)
@@ -456,3 +462,28 @@ def test_norm_layer_record_grads_equal_each_record_alone(kind: str) -> None:
     for i, p in enumerate(params):
         want = torch.stack([a[i] for a in alone])
         torch.testing.assert_close(got[p], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("d", "p"), [(6, 4), (3, 7)])  # output side, input side
+def test_sketch_over_runs_equals_sketch_over_chunks(d: int, p: int) -> None:
+    # Issue 32: the CPU path (two products per run of a record's tokens, on views) and the
+    # chunked path give the same estimate with the same probes; "segments" is refused for a
+    # layout without runs (built off the CPU).
+    _, _, A, G, packed = _linear_case(d=d, p=p)
+    layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    kw = {"layout": layout, "sketch_dim": 3}
+    runs = linear_record_sketched_sqnorms(
+        A, G, generator=torch.Generator().manual_seed(8), method="segments", **kw
+    )
+    chunks = linear_record_sketched_sqnorms(
+        A, G, generator=torch.Generator().manual_seed(8), method="chunks", **kw
+    )
+    auto = linear_record_sketched_sqnorms(A, G, generator=torch.Generator().manual_seed(8), **kw)
+    torch.testing.assert_close(runs, chunks, rtol=1e-12, atol=0)
+    assert torch.equal(auto, runs)
+    assert not torch.equal(runs, linear_record_sketched_sqnorms(A, G, **kw))  # fresh draws
+    no_runs = dataclasses.replace(layout, segments=None)
+    with pytest.raises(ValueError, match="segments"):
+        linear_record_sketched_sqnorms(A, G, layout=no_runs, sketch_dim=3, method="segments")
+    with pytest.raises(ValueError, match="method"):
+        linear_record_sketched_sqnorms(A, G, layout=layout, sketch_dim=3, method="rows")
