@@ -24,12 +24,13 @@ record longer than a row cut across rows; :func:`opacus_rc.packing.pack_records`
   pass of ``sum_r c_r loss_r`` without. Three kinds of module skip the re-layout (outside
   an activation-checkpointed step and FSDP2; :meth:`PackedRecordLayout.record_norms`), their
   cost linear in the packed tokens whatever the longest record: an ``nn.Linear`` on the
-  sketched route (Hutchinson), its per-record sketch from the packed rows in chunks and its
-  clipped sum from ``R T`` token rows weighted by their record's factor; a weight tied between
-  the input embedding and the LM head, its joint sketch per record from the packed rows (one
-  probe per record shared by both parts) and both modules' clipped sums from token rows; and
-  the norm layers (``nn.LayerNorm``, ``nn.RMSNorm``, the ``transformers`` RMSNorms), their
-  exact per-record gradients by one ``index_add`` over the token-to-record map.
+  sketched route (Hutchinson), its per-record sketch from the packed rows (in chunks, or on a
+  CPU per run of a record's consecutive tokens) and its clipped sum from ``R T`` token rows
+  weighted by their record's factor; a weight tied between the input embedding and the LM
+  head, its joint sketch per record from the packed rows (one probe per record shared by both
+  parts) and both modules' clipped sums from token rows; and the norm layers
+  (``nn.LayerNorm``, ``nn.RMSNorm``, the ``transformers`` RMSNorms), their exact per-record
+  gradients by one ``index_add`` over the token-to-record map.
 
 The optimizer clips ``N`` (or ``U``) records; its divisor (the public expected batch size,
 counted in records or units) and the accounting are unchanged. A module that is not
@@ -260,7 +261,8 @@ class PackedRecordLayout:
     ) -> bool:
         """A tied embedding or LM head (the joint sketch,
         :class:`~opacus_rc.grad_sample.tied.TiedSketches`) straight from the packed rows:
-        each part summed per record chunk by chunk, one probe per record shared by both parts
+        each part summed per record (chunk by chunk, or on a CPU run by run of the record's
+        consecutive tokens), one probe per record shared by both parts
         (the same draw as on ``N`` re-laid samples), ``O(tokens)``. With book-keeping the
         module keeps its ``R T`` token rows, clipped by their record's factor."""
         from opacus_rc._compat.opacus import count_down_use

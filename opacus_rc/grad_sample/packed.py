@@ -19,7 +19,10 @@ of one record each; ``C <= R T / L + N`` chunks. A record of ``l`` tokens occupi
 ``ceil(l / L)`` chunks, so the layout wastes at most ``L - 1`` slots per record (where padding
 every record to the longest one, ``N x max l``, would waste most of a ragged batch). Every
 per-record quantity below is a batched product over chunks followed by an ``index_add`` over
-the chunks of each record: linear in each record's tokens.
+the chunks of each record: linear in each record's tokens. On a CPU the layout also lists the
+*runs* of each record (its consecutive tokens in the flat ``R T`` order: one per row it lies
+in), and the sketches take two products per run on views of the packed rows instead (no
+copy, no padded slot; the same estimate up to rounding).
 
 * :func:`linear_record_sketched_sqnorms`: the Hutchinson estimate of
   ``||M_r||_F^2`` of :func:`opacus_rc.sketching.hutchinson_sqnorm`, with one fresh probe
