@@ -241,15 +241,6 @@ class PackedRecordLayout:
         module.max_batch_len = n
         return scale
 
-    def _rescaled(self, module: nn.Module, backprops: torch.Tensor, loss_reduction: str):
-        """The output gradient rescaled to the per-record losses' (as :meth:`pack`'s callers
-        do, :func:`~opacus_rc.units.pack_for_units`); the module's ``max_batch_len`` ``N``."""
-        n = self.num_units
-        if loss_reduction == "mean":
-            backprops = backprops * (n / getattr(module, "max_batch_len", self.batch_size))
-        module.max_batch_len = n
-        return backprops
-
     def _tied_norms(
         self,
         step: Any,
@@ -273,7 +264,8 @@ class PackedRecordLayout:
             step, x, backprops, ids=module is group.embedding
         ):
             return False
-        G = self._rescaled(module, backprops, loss_reduction)
+        G = backprops  # times scale: folded into the norms and the stash's clip factors
+        scale = self._scale(module, loss_reduction)
         norms, deferred = step.tied.sample(
             module,
             [x],
@@ -281,6 +273,7 @@ class PackedRecordLayout:
             sketch_dim=step.config.sketch_dim,
             generator=step.generator_for(G.device),
             layout=self.records,
+            scale=scale,
         )
         have = {id(p) for p in norms}
         missing = [p for p in params if id(p) not in have and id(p) not in deferred]
@@ -298,7 +291,11 @@ class PackedRecordLayout:
             rows = x.reshape(R * T, 1) if x.dim() == 2 else x.reshape(R * T, 1, x.shape[2])
             step.stash(
                 BookkeepingStash(
-                    module, params, activations=[rows], backprops=G.reshape(R * T, 1, G.shape[2])
+                    module,
+                    params,
+                    activations=[rows],
+                    backprops=G.reshape(R * T, 1, G.shape[2]),
+                    scale=scale,
                 )
             )
             self._token_rows.add(id(module))

@@ -256,7 +256,12 @@ class JointSketch:
             self._y.view(B * V, k).index_add_(0, rows, values.reshape(B * T, k))
 
     def add_linear_packed(
-        self, activations: torch.Tensor, backprops: torch.Tensor, *, layout: Any
+        self,
+        activations: torch.Tensor,
+        backprops: torch.Tensor,
+        *,
+        layout: Any,
+        scale: float = 1,
     ) -> None:
         """Add the head's part per record of packed rows (``record_ids=``), ``O(tokens)``.
 
@@ -272,6 +277,8 @@ class JointSketch:
             backprops: ``G``, ``(R, T, V)``, rescaled to per-record losses.
             layout: The batch's :class:`~opacus_rc.grad_sample.packed.RecordLayout`
                 (``N`` records: the probes' batch size).
+            scale: The part is that of ``scale * G`` (the rescale to per-record losses,
+                applied to the ``T x k`` products rather than copied into ``G``).
 
         Raises:
             ValueError: Shapes that disagree with each other, the layout or the probes.
@@ -299,7 +306,7 @@ class JointSketch:
                 G2 = backprops.reshape(R * T, V).to(dtype)
                 # As the chunks: A's scale on Omega, then G's on A Omega (no combined factor
                 # that could underflow).
-                scaled, inv_g = omega * _pow2(-e_a, dtype), _pow2(-e_g, dtype)
+                scaled, inv_g = omega * _pow2(-e_a, dtype), _pow2(-e_g, dtype) * scale
                 part = torch.zeros(
                     layout.num_records, V, omega.shape[2], dtype=dtype, device=G2.device
                 )
@@ -311,7 +318,7 @@ class JointSketch:
             scaled = (omega * _pow2(-e_a, dtype))[chunk]  # (C, d, k)
             U = torch.bmm(layout.gather(activations, dtype=dtype), scaled)  # (C, L, k)
             del scaled
-            U.mul_(_pow2(-e_g, dtype)[chunk])
+            U.mul_((_pow2(-e_g, dtype) * scale)[chunk])
             Yc = torch.bmm(layout.gather(backprops, dtype=dtype).transpose(1, 2), U)  # (C, V, k)
             del U
             n = layout.num_records
@@ -332,7 +339,13 @@ class JointSketch:
             self._y.add_(part)
 
     def add_embedding_packed(
-        self, ids: torch.Tensor, backprops: torch.Tensor, *, padding_idx: int | None, layout: Any
+        self,
+        ids: torch.Tensor,
+        backprops: torch.Tensor,
+        *,
+        padding_idx: int | None,
+        layout: Any,
+        scale: float = 1,
     ) -> None:
         """Add the embedding's part per record of packed rows (``record_ids=``), ``O(tokens)``.
 
@@ -345,6 +358,7 @@ class JointSketch:
             backprops: ``(R, T, d)``, rescaled to per-record losses.
             padding_idx: The (normalised) padding id, or None.
             layout: The batch's :class:`~opacus_rc.grad_sample.packed.RecordLayout`.
+            scale: The part is that of ``scale * g`` (applied to the probes, not to ``g``).
 
         Raises:
             ValueError: Shapes that disagree with each other, the layout or the probes.
@@ -371,7 +385,7 @@ class JointSketch:
             e_g = _record_pow2_exponent(g, layout, dtype)
             if layout.segments is not None:  # CPU: views of each record's runs, no copy
                 n, V, k = layout.num_records, self.num_embeddings, self.probes.shape[2]
-                scaled = self.probes * _pow2(-e_g, dtype)
+                scaled = self.probes * (_pow2(-e_g, dtype) * scale)
                 factor = self._align(e_g)
                 if self._y is None:
                     self._y = torch.zeros(n, V, k, device=device, dtype=dtype)
@@ -382,7 +396,7 @@ class JointSketch:
                         values.mul_(factor[r])
                     self._y[r].index_add_(0, ids2[start:end], values)
                 return
-            scaled = (self.probes * _pow2(-e_g, dtype))[chunk]  # (C, d, k)
+            scaled = (self.probes * (_pow2(-e_g, dtype) * scale))[chunk]  # (C, d, k)
             values = torch.bmm(layout.gather(g), scaled)  # (C, L, k), zero at empty slots
             del scaled
             factor = self._align(e_g)
@@ -551,6 +565,7 @@ class TiedSketches:
         sketch_dim: int,
         generator: torch.Generator | None,
         layout: Any = None,
+        scale: float = 1,
     ) -> tuple[dict[nn.Parameter, torch.Tensor], frozenset[int]]:
         """One tied module's backward: its part of the joint sketch, and its other norms.
 
@@ -567,6 +582,8 @@ class TiedSketches:
                 taken straight from the packed rows: :meth:`JointSketch.add_linear_packed`,
                 :meth:`JointSketch.add_embedding_packed`). Both modules of a group must get
                 the same layout.
+            scale: With ``layout``: the output gradient of the per-record losses is
+                ``scale * backprops`` (folded into the norms, not copied into the gradient).
 
         Returns:
             ``(norms, deferred)``: ``{parameter: (B,) norm}`` (the head's own bias, exact; the
@@ -591,6 +608,8 @@ class TiedSketches:
                     else:  # each record's summed output gradient rows (padding left out)
                         g_sum = _record_sums(G, layout, acc)
                     norms[bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(acc)
+                    if scale != 1:
+                        norms[bias] = norms[bias] * scale
             dtype, batch, d = _dtype_of(A, G), A.shape[0], A.shape[-1]
         else:
             ids, G = _ids_and_rows(group.embedding, activations, backprops, "tied sketch")
@@ -623,13 +642,15 @@ class TiedSketches:
                 if layout is None:
                     pending.sketch.add_linear(A, G)
                 else:
-                    pending.sketch.add_linear_packed(A, G, layout=layout)
+                    pending.sketch.add_linear_packed(A, G, layout=layout, scale=scale)
             else:
                 pad = _padding_index(group.embedding)
                 if layout is None:
                     pending.sketch.add_embedding(ids, G, padding_idx=pad)
                 else:
-                    pending.sketch.add_embedding_packed(ids, G, padding_idx=pad, layout=layout)
+                    pending.sketch.add_embedding_packed(
+                        ids, G, padding_idx=pad, layout=layout, scale=scale
+                    )
         except BaseException:
             self.clear()
             raise
