@@ -21,10 +21,16 @@ record longer than a row cut across rows; :func:`opacus_rc.packing.pack_records`
   runs on ``N`` samples. For a token-wise module a record's gradient is a sum over its tokens,
   and a zero output-gradient row adds nothing, so the norms, the clip factors and the
   book-keeping clipped sum are per record; one backward pass with book-keeping, the second
-  pass of ``sum_r c_r loss_r`` without. An ``nn.Linear`` on the sketched route (Hutchinson,
-  not checkpointed) skips the re-layout: its per-record sketch comes from the packed rows in
-  chunks and its clipped sum from ``R T`` token rows weighted by their record's factor
-  (:meth:`PackedRecordLayout.record_norms`), linear in each record's tokens.
+  pass of ``sum_r c_r loss_r`` without. Three kinds of module skip the re-layout (outside
+  an activation-checkpointed step and FSDP2; :meth:`PackedRecordLayout.record_norms`), their
+  cost linear in the packed tokens whatever the longest record: an ``nn.Linear`` on the
+  sketched route (Hutchinson), its per-record sketch from the packed rows (in chunks, or on a
+  CPU per run of a record's consecutive tokens) and its clipped sum from ``R T`` token rows
+  weighted by their record's factor; a weight tied between the input embedding and the LM
+  head, its joint sketch per record from the packed rows (one probe per record shared by both
+  parts) and both modules' clipped sums from token rows; and the norm layers
+  (``nn.LayerNorm``, ``nn.RMSNorm``, the ``transformers`` RMSNorms), their exact per-record
+  gradients by one ``index_add`` over the token-to-record map.
 
 The optimizer clips ``N`` (or ``U``) records; its divisor (the public expected batch size,
 counted in records or units) and the accounting are unchanged. A module that is not
@@ -109,6 +115,9 @@ class PackedRecordLayout:
         self.buffered: list[int] = []
         #: ids of the modules whose book-keeping stash holds token rows (the fast path).
         self._token_rows: set[int] = set()
+        #: Tensors re-laid per record by :meth:`pack` (``(N, max T_r, ...)``) in this step:
+        #: 0 when every hooked module took a packed-row path.
+        self.relaid = 0
 
     def record_norms(
         self,
@@ -120,7 +129,11 @@ class PackedRecordLayout:
         backprops: torch.Tensor,
         loss_reduction: str,
     ) -> bool:
-        """The sketched per-record norms of an ``nn.Linear`` straight from the packed rows.
+        """Per-record norms straight from the packed rows, where the module allows it.
+
+        A tied embedding or LM head (:meth:`_tied_norms`) and a norm layer
+        (:meth:`_norm_layer_norms`) have their own branches; the rest of this docstring is
+        the ``nn.Linear`` branch: the sketched per-record norms of an ``nn.Linear``.
 
         The chunked estimator
         :func:`~opacus_rc.grad_sample.packed.linear_record_sketched_sqnorms` (one fresh probe
@@ -147,6 +160,10 @@ class PackedRecordLayout:
 
         R, T = self.record_ids.shape
         A = activations[0] if len(activations) == 1 else None
+        if route.path is NormPath.TIED:
+            return self._tied_norms(step, module, params, A, backprops, loss_reduction)
+        if route.path in (NormPath.EXACT, NormPath.GRAD_SAMPLER) and _is_norm_layer(module):
+            return self._norm_layer_norms(step, module, params, A, backprops, loss_reduction)
         if not (
             type(module) is nn.Linear
             and route.path is NormPath.SKETCHED
@@ -163,9 +180,9 @@ class PackedRecordLayout:
             return False
         n = self.num_units
         G = backprops
-        if loss_reduction == "mean":  # as pack_for_units: to the per-record losses' gradient
-            G = G * (n / getattr(module, "max_batch_len", R))
-        module.max_batch_len = n
+        # As pack_for_units: to the per-record losses' gradient, G times this scale; folded
+        # into the norms and the stash's clip factors (both linear in G), not copied into G.
+        scale = self._scale(module, loss_reduction)
         dtype = torch.float64 if torch.float64 in (A.dtype, G.dtype) else torch.float32
         sq = linear_record_sketched_sqnorms(
             A,
@@ -181,6 +198,8 @@ class PackedRecordLayout:
             rows = G.reshape(R * T, -1).to(dtype).masked_fill(~keep, 0)
             g_sum = rows.new_zeros(n, rows.shape[1]).index_add(0, where.clamp(min=0), rows)
             norms[module.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(dtype)
+        if scale != 1:
+            norms = {p: v * scale for p, v in norms.items()}
         for p in params:
             count_down_use(p)
         step.record_norms(norms)
@@ -192,10 +211,132 @@ class PackedRecordLayout:
                     params,
                     activations=[A.reshape(R * T, 1, d)],
                     backprops=G.reshape(R * T, 1, p_out),
+                    scale=scale,
                 )
             )
             self._token_rows.add(id(module))
         if not getattr(module, "activations", None):  # its last use (the hook returns here)
+            del module.max_batch_len
+        return True
+
+    def _packed_rows(self, step: Any, x: Any, backprops: torch.Tensor, *, ids: bool) -> bool:
+        """Whether a module's input ``x`` and output gradient are ``(R, T, ...)`` token rows
+        in a plain (not checkpointed, not FSDP2) step: the packed-row paths' condition."""
+        R, T = self.record_ids.shape
+        return (
+            type(step).__name__ == "PrivateStep"  # not FSDP2's reduce-scattered sums
+            and not step.smaller_stash
+            and isinstance(x, torch.Tensor)
+            and x.dim() == (2 if ids else 3)
+            and tuple(x.shape[:2]) == (R, T)
+            and backprops.dim() == 3
+            and tuple(backprops.shape[:2]) == (R, T)
+        )
+
+    def _scale(self, module: nn.Module, loss_reduction: str) -> float:
+        """The factor from Opacus' output gradient to the per-record losses' (``N /
+        max_batch_len`` under ``"mean"``, as :func:`~opacus_rc.units.pack_for_units`); the
+        module's ``max_batch_len`` becomes ``N``."""
+        n = self.num_units
+        scale = 1
+        if loss_reduction == "mean":
+            scale = n / getattr(module, "max_batch_len", self.batch_size)
+        module.max_batch_len = n
+        return scale
+
+    def _tied_norms(
+        self,
+        step: Any,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        x: Any,
+        backprops: torch.Tensor,
+        loss_reduction: str,
+    ) -> bool:
+        """A tied embedding or LM head (the joint sketch,
+        :class:`~opacus_rc.grad_sample.tied.TiedSketches`) straight from the packed rows:
+        each part summed per record (chunk by chunk, or on a CPU run by run of the record's
+        consecutive tokens), one probe per record shared by both parts
+        (the same draw as on ``N`` re-laid samples), ``O(tokens)``. With book-keeping the
+        module keeps its ``R T`` token rows, clipped by their record's factor."""
+        from opacus_rc._compat.opacus import count_down_use
+        from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
+
+        group = step.tied.group_of(module)
+        if group is None or not self._packed_rows(
+            step, x, backprops, ids=module is group.embedding
+        ):
+            return False
+        G = backprops  # times scale: folded into the norms and the stash's clip factors
+        scale = self._scale(module, loss_reduction)
+        norms, deferred = step.tied.sample(
+            module,
+            [x],
+            G,
+            sketch_dim=step.config.sketch_dim,
+            generator=step.generator_for(G.device),
+            layout=self.records,
+            scale=scale,
+        )
+        have = {id(p) for p in norms}
+        missing = [p for p in params if id(p) not in have and id(p) not in deferred]
+        if missing:  # the tied sketch covers the shared weight and the head's bias only
+            step.tied.clear()
+            raise RuntimeError(
+                f"record_ids=: the tied module '{step.name_of(module)}' has "
+                f"{len(missing)} trainable parameter(s) its joint sketch gives no norm for"
+            )
+        for p in params:
+            count_down_use(p)
+        step.record_norms(norms)
+        if step.bookkeeping and params:
+            R, T = self.record_ids.shape
+            rows = x.reshape(R * T, 1) if x.dim() == 2 else x.reshape(R * T, 1, x.shape[2])
+            step.stash(
+                BookkeepingStash(
+                    module,
+                    params,
+                    activations=[rows],
+                    backprops=G.reshape(R * T, 1, G.shape[2]),
+                    scale=scale,
+                )
+            )
+            self._token_rows.add(id(module))
+        if not getattr(module, "activations", None):
+            del module.max_batch_len
+        return True
+
+    def _norm_layer_norms(
+        self,
+        step: Any,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        x: Any,
+        backprops: torch.Tensor,
+        loss_reduction: str,
+    ) -> bool:
+        """A LayerNorm / RMSNorm straight from the packed rows: its exact per-record
+        gradients (:func:`~opacus_rc.grad_sample.norm_layers.norm_layer_record_grads`, one
+        ``index_add`` over the token-to-record map, ``O(tokens)``), recorded as the
+        per-sample-gradient paths do
+        (:meth:`~opacus_rc.grad_sample.norms.ModuleNorms.record_grad_samples`; with
+        book-keeping the ``(N, D)`` gradients are the clipped sum's stash)."""
+        from opacus_rc.grad_sample.norm_layers import norm_layer_record_grads
+
+        if not params or not self._packed_rows(step, x, backprops, ids=False):
+            return False
+        if tuple(x.shape) != tuple(backprops.shape) or x.shape[2:] != params[0].shape[-1:]:
+            return False
+        scale = self._scale(module, loss_reduction)  # on the (N, D) gradients, not on G
+        grads = norm_layer_record_grads(
+            module, x, backprops, record_ids=self.record_ids, num_records=self.num_units
+        )
+        keep = {id(p) for p in params}
+        grads = {p: g if scale == 1 else g * scale for p, g in grads.items() if id(p) in keep}
+        step.norms.record_grad_samples(
+            module, params, grads, step=step, bookkeeping=step.bookkeeping
+        )
+        if not getattr(module, "activations", None):
             del module.max_batch_len
         return True
 
@@ -248,7 +389,21 @@ class PackedRecordLayout:
                 "each token of the (R, T) batch (pass record_ids of the model's input_ids "
                 "shape, batch first)"
             )
+        self.relaid += 1
         return self.records.per_record(x)
+
+
+def _is_norm_layer(module: nn.Module) -> bool:
+    """A normalisation layer with the closed forms of
+    :mod:`opacus_rc.grad_sample.norm_layers` (``nn.LayerNorm``, ``nn.RMSNorm``, the registered
+    ``transformers`` RMSNorms), by exact type."""
+    from opacus_rc.grad_sample.norm_layers import norm_layer_per_sample_grads
+    from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS
+
+    t = type(module)
+    return (
+        t in (nn.LayerNorm, nn.RMSNorm) or STASH_GRAD_SAMPLERS.get(t) is norm_layer_per_sample_grads
+    )
 
 
 def _integer_tensor(value: Any, name: str, dims: int) -> torch.Tensor:

@@ -204,9 +204,12 @@ def check(arch: str, *, units: torch.Tensor | None = None, active: bool = True, 
     norms, grad, n, layout = packed_step(model, packed, c=c, units=units, **kw)
     assert n == G.shape[0]
     if arch == "llama" and kw.get("bookkeeping", True):
-        # Every nn.Linear but the tied head (the joint sketch) took the packed-row path.
+        # Every nn.Linear, the tied head and embedding (the joint sketch) and the RMSNorms
+        # took the packed-row paths: the linear layers and the tied pair keep token rows, and
+        # nothing was re-laid per record (N x max T_r).
         linears = [x for x in model.modules() if type(x) is nn.Linear]
-        assert len(layout._token_rows) == len(linears) - 1 > 0
+        assert len(layout._token_rows) == len(linears) + 1 > 1
+        assert layout.relaid == 0
     if arch == "llama-checkpointed":  # each layer's smaller stash, re-laid per record
         assert not layout._token_rows
     exact = arch == "gpt2"

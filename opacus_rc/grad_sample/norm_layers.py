@@ -65,6 +65,7 @@ __all__ = [
     "compute_norm_layer_clipped_sum",
     "compute_norm_layer_norm_sample",
     "norm_layer_per_sample_grads",
+    "norm_layer_record_grads",
     "register_loaded_transformers_norms",
 ]
 
@@ -153,6 +154,62 @@ def norm_layer_per_sample_grads(
             ret[weight] = (G3 * xhat).sum(dim=1).reshape(B, *shape)
         if _trainable(bias):
             ret[bias] = G3.sum(dim=1).reshape(B, *shape)
+    return ret
+
+
+def norm_layer_record_grads(
+    layer: nn.Module,
+    x: torch.Tensor,
+    backprops: torch.Tensor,
+    *,
+    record_ids: torch.Tensor,
+    num_records: int,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Exact per-record gradients of a normalisation layer in packed rows (``record_ids=``).
+
+    Record ``r``'s gradients are :func:`norm_layer_per_sample_grads`' sums taken over its
+    tokens wherever they lie: ``sum_{t in r} G[t] * xhat[t]`` (weight) and ``sum_{t in r}
+    G[t]`` (bias), one elementwise product over the ``R T`` token rows and one ``index_add``
+    over the token-to-record map (padding, record -1, left out). ``O(R T D)``: no row padded
+    to the longest record.
+
+    Args:
+        layer: An ``nn.LayerNorm``, ``nn.RMSNorm`` or a :data:`TRANSFORMERS_RMS_NORMS` class.
+        x: The layer input, ``(R, T, *normalized_shape)``.
+        backprops: ``G``, ``x``'s shape, the gradient of the per-record losses.
+        record_ids: ``(R, T)`` integer, the record ``0..N-1`` of each token, -1 at padding.
+        num_records: ``N``.
+
+    Returns:
+        ``{parameter: (N, *parameter.shape)}`` in float32 (float64 for float64 inputs) for
+        each trainable parameter.
+
+    Raises:
+        ValueError: If the shapes disagree (as :func:`norm_layer_per_sample_grads`) or
+            ``record_ids`` is not ``x``'s ``(R, T)``.
+    """
+    R, T, D = _check(layer, x, backprops, "per-record gradient")
+    if x.dim() < 2 or tuple(record_ids.shape) != tuple(x.shape[:2]) or x.shape[1] != T:
+        raise ValueError(
+            f"{type(layer).__name__} per-record gradient: record_ids of shape "
+            f"{tuple(record_ids.shape)} for an input of shape {tuple(x.shape)} ((R, T) first, "
+            "then the normalized shape, expected)"
+        )
+    shape = _normalized_shape(layer)
+    acc = torch.float64 if torch.float64 in (x.dtype, backprops.dtype) else torch.float32
+    weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    rid = record_ids.to(backprops.device).reshape(R * T).long()
+    where = rid.clamp(min=0)
+    ret: dict[nn.Parameter, torch.Tensor] = {}
+    with autocast_off(backprops.device):
+        G2 = backprops.reshape(R * T, D).to(acc).masked_fill((rid < 0).unsqueeze(1), 0)
+        if _trainable(weight):
+            xhat = _normalized_input(layer, x, acc).reshape(R * T, D)
+            out = G2.new_zeros(num_records, D).index_add_(0, where, G2 * xhat)
+            ret[weight] = out.reshape(num_records, *shape)
+        if _trainable(bias):
+            out = G2.new_zeros(num_records, D).index_add_(0, where, G2)
+            ret[bias] = out.reshape(num_records, *shape)
     return ret
 
 

@@ -373,6 +373,43 @@ class ModuleNorms:
         else:
             grad_sampler_fn = self._functorch[id(module)]
         grad_samples = grad_sampler_fn(module, activations, backprops)
+        self._accumulate_and_record(module, params, grad_samples, step, bookkeeping)
+
+    def record_grad_samples(
+        self,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        grad_samples: dict[nn.Parameter, torch.Tensor],
+        *,
+        step: Any,
+        bookkeeping: bool,
+    ) -> None:
+        """Record exact norms from per-sample gradients computed by the caller.
+
+        As the per-sample-gradient paths do with their sampler's output (accumulated over a
+        module's uses, the norm taken at a parameter's last use, kept for the clipped sum with
+        book-keeping); for per-record gradients of packed rows
+        (:meth:`opacus_rc.packed_loss.PackedRecordLayout.record_norms`), already the
+        gradients of the per-record losses (no rescale).
+
+        Args:
+            module: The hooked module (its ``max_batch_len`` the number of samples).
+            params: Its trainable parameters.
+            grad_samples: ``{param: (N, *param.shape)}`` for each of ``params``.
+            step: The step state.
+            bookkeeping: Keep the per-sample gradients for the clipped sum.
+        """
+        self._scale = 1
+        self._accumulate_and_record(module, params, grad_samples, step, bookkeeping)
+
+    def _accumulate_and_record(
+        self,
+        module: nn.Module,
+        params: tuple[nn.Parameter, ...],
+        grad_samples: dict[nn.Parameter, torch.Tensor],
+        step: Any,
+        bookkeeping: bool,
+    ) -> None:
         for param, gs in grad_samples.items():
             create_or_accumulate_grad_sample(
                 param=param, grad_sample=gs, max_batch_len=module.max_batch_len

@@ -19,7 +19,10 @@ of one record each; ``C <= R T / L + N`` chunks. A record of ``l`` tokens occupi
 ``ceil(l / L)`` chunks, so the layout wastes at most ``L - 1`` slots per record (where padding
 every record to the longest one, ``N x max l``, would waste most of a ragged batch). Every
 per-record quantity below is a batched product over chunks followed by an ``index_add`` over
-the chunks of each record: linear in each record's tokens.
+the chunks of each record: linear in each record's tokens. On a CPU the layout also lists the
+*runs* of each record (its consecutive tokens in the flat ``R T`` order: one per row it lies
+in), and the sketches take two products per run on views of the packed rows instead (no
+copy, no padded slot; the same estimate up to rounding).
 
 * :func:`linear_record_sketched_sqnorms`: the Hutchinson estimate of
   ``||M_r||_F^2`` of :func:`opacus_rc.sketching.hutchinson_sqnorm`, with one fresh probe
@@ -93,6 +96,11 @@ class RecordLayout:
         record_index: ``(N, max T_r)`` long, the flat index of each record's tokens in
             order of position in the packed rows (row-major), ``R * T`` past its end; for
             :meth:`per_record`.
+        token_empty, record_empty: ``(E,)`` long, the flat positions in ``token_index``
+            and ``record_index`` that hold ``R * T`` (no token): zeroed after a gather.
+        segments: On a CPU, the runs of consecutive flat token indices of one record, as
+            ``(record, start, end)`` Python ints (a record inside one row is one run, a record
+            cut across rows one per row), in record order; None on other devices.
     """
 
     record_ids: torch.Tensor
@@ -104,6 +112,9 @@ class RecordLayout:
     pair_right: torch.Tensor
     tokens: torch.Tensor
     record_index: torch.Tensor
+    token_empty: torch.Tensor | None = None
+    record_empty: torch.Tensor | None = None
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def from_record_ids(
@@ -173,6 +184,18 @@ class RecordLayout:
         pair_record = torch.repeat_interleave(records, pairs)
         q = torch.arange(int(pairs.sum()), device=device) - (pairs.cumsum(0) - pairs)[pair_record]
         k = nch[pair_record]
+        segments = None
+        if device.type == "cpu":  # runs of one record's consecutive tokens (host ints)
+            cut = torch.ones_like(tok, dtype=torch.bool)
+            cut[1:] = (rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)
+            starts = cut.nonzero().squeeze(1)
+            lengths = torch.diff(starts, append=starts.new_tensor([tok.numel()]))
+            segments = tuple(
+                (r, t, t + m)
+                for r, t, m in zip(
+                    rec[starts].tolist(), tok[starts].tolist(), lengths.tolist(), strict=True
+                )
+            )
         longest = int(counts.max()) if n else 0
         record_index = torch.full((n * longest,), R * T, dtype=torch.long, device=device)
         record_index[rec * longest + pos] = tok
@@ -186,6 +209,9 @@ class RecordLayout:
             pair_right=cstart[pair_record] + q % k.clamp(min=1),
             tokens=counts,
             record_index=record_index.view(n, longest),
+            token_empty=(token_index == R * T).nonzero().squeeze(1),
+            record_empty=(record_index == R * T).nonzero().squeeze(1),
+            segments=segments,
         )
 
     @property
@@ -206,7 +232,7 @@ class RecordLayout:
         Raises:
             ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
         """
-        return self._take(x, self.token_index, dtype)
+        return self._take(x, self.token_index, dtype, self.token_empty)
 
     def per_record(self, x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Each record as one sample: ``(R, T, F)`` to ``(N, max T_r, F)``, zero-padded.
@@ -229,10 +255,14 @@ class RecordLayout:
         Raises:
             ValueError: If ``x``'s leading shape is not the layout's ``(R, T)``.
         """
-        return self._take(x, self.record_index, dtype)
+        return self._take(x, self.record_index, dtype, self.record_empty)
 
     def _take(
-        self, x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        dtype: torch.dtype | None,
+        empty: torch.Tensor | None,
     ) -> torch.Tensor:
         R, T = self.record_ids.shape
         if tuple(x.shape[:2]) != (R, T):
@@ -241,10 +271,18 @@ class RecordLayout:
             )
         rest = x.shape[2:]
         flat = x.reshape(R * T, *rest)
+        if empty is None or R * T == 0:
+            if dtype is not None:
+                flat = flat.to(dtype)
+            flat = torch.cat([flat, flat.new_zeros(1, *rest)])
+            return flat[index]
+        # One copy: the rows (an empty slot reads row 0), cast, then the empty slots zeroed.
+        idx = index.reshape(-1).to(flat.device)
+        out = flat.index_select(0, idx.clamp(max=R * T - 1))
         if dtype is not None:
-            flat = flat.to(dtype)
-        flat = torch.cat([flat, flat.new_zeros(1, *rest)])
-        return flat[index]
+            out = out.to(dtype)
+        out.index_fill_(0, empty.to(out.device), 0)
+        return out.view(*index.shape, *rest)
 
 
 def _check_linear(
@@ -333,6 +371,7 @@ def linear_record_sketched_sqnorms(
     generator: torch.Generator | None = None,
     probes: torch.Tensor | None = None,
     side: str = "auto",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Hutchinson estimates of each record's ``||sum_{t in r} g_t a_t^T||_F^2`` in packed rows.
 
@@ -353,13 +392,19 @@ def linear_record_sketched_sqnorms(
         probes: Explicit ``(N, rows, k)`` probes, already scaled (for tests).
         side: ``"output"`` (``p``), ``"input"`` (``d``) or ``"auto"`` (the smaller; with
             ``probes``, the side their rows match, output first), as ``hutchinson_sqnorm``.
+        method: ``"chunks"`` (batched products over the layout's chunks, then an
+            ``index_add``), ``"segments"`` (two products per run of a record's consecutive
+            tokens, on views of the packed rows: no copy and no padded slot; the layout's
+            ``segments``, CPU only) or ``"auto"`` (segments where the layout has them). The
+            same estimate up to rounding.
 
     Returns:
         ``(N,)`` estimates, float32 (float64 for float64 inputs).
 
     Raises:
         TypeError: If ``sketch_dim`` is not an int.
-        ValueError: If ``sketch_dim < 1``, a shape disagrees, or ``side`` is unknown.
+        ValueError: If ``sketch_dim < 1``, a shape disagrees, ``side`` or ``method`` is
+            unknown, or ``"segments"`` is asked of a layout without them.
     """
     validate_sketch_dim(sketch_dim)
     d, p = _check_linear(activations, backprops, layout)
@@ -382,7 +427,19 @@ def linear_record_sketched_sqnorms(
         if probes.dim() != 3 or tuple(probes.shape[:2]) != (n, rows):
             raise ValueError(f"probes must have shape ({n}, {rows}, k), got {tuple(probes.shape)}")
         omega = probes.to(device=G.device, dtype=dtype)
+    if method not in ("auto", "chunks", "segments"):
+        raise ValueError(f"method must be 'auto', 'chunks' or 'segments', got {method!r}")
+    if method == "segments" and layout.segments is None:
+        raise ValueError("method='segments' needs a layout built on a CPU (layout.segments)")
     with autocast_off(G.device):
+        if method != "chunks" and layout.segments is not None:
+            R, T = layout.record_ids.shape
+            A2 = A.reshape(R * T, A.shape[2]).to(dtype)
+            G2 = G.reshape(R * T, rows).to(dtype)
+            V = torch.zeros(n, A2.shape[1], omega.shape[2], dtype=dtype, device=G.device)
+            for r, start, end in layout.segments:  # V_r += A_s^T (G_s Omega_r)
+                V[r].addmm_(A2[start:end].t(), G2[start:end] @ omega[r])
+            return V.pow(2).sum(dim=(1, 2))
         Ac = layout.gather(A, dtype=dtype)
         Gc = layout.gather(G, dtype=dtype)
         U = torch.bmm(Gc, omega[layout.chunk_record])  # (C, L, k)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,6 +103,27 @@ def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``2^exponent`` as a ``(B, 1, 1)`` tensor of ``dtype`` (0 where it underflows)."""
     one = torch.ones(exponent.shape, dtype=dtype, device=exponent.device)
     return torch.ldexp(one, exponent.to(dtype)).view(-1, 1, 1)
+
+
+def _record_pow2_exponent(t: torch.Tensor, layout: Any, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_pow2_exponent` per record of packed rows ``(R, T, ...)``: ``(N,)`` int32.
+
+    Each record's largest absolute entry over its tokens (a segment maximum over the
+    ``(R, T)`` token-to-record map, padding left out): the value the record laid out alone
+    (zeros after its end) gives, with no re-layout.
+    """
+    n = layout.num_records
+    if dtype == torch.float64 or t.numel() == 0:
+        return torch.zeros(n, dtype=torch.int32, device=t.device)
+    R, T = layout.record_ids.shape
+    flat = t.reshape(R * T, -1)
+    amax = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg()).to(dtype)  # (R T,)
+    rid = layout.record_ids.to(t.device).reshape(-1)
+    keep = rid >= 0
+    amax = torch.where(keep, amax, torch.zeros_like(amax))
+    out = torch.zeros(n, dtype=dtype, device=t.device)
+    out.scatter_reduce_(0, rid.clamp(min=0), amax, reduce="amax", include_self=True)
+    return pow2_scale(out)[1]
 
 
 class JointSketch:
@@ -233,6 +255,159 @@ class JointSketch:
             rows = (ids + torch.arange(B, device=device).view(B, 1) * V).reshape(B * T)
             self._y.view(B * V, k).index_add_(0, rows, values.reshape(B * T, k))
 
+    def add_linear_packed(
+        self,
+        activations: torch.Tensor,
+        backprops: torch.Tensor,
+        *,
+        layout: Any,
+        scale: float = 1,
+    ) -> None:
+        """Add the head's part per record of packed rows (``record_ids=``), ``O(tokens)``.
+
+        Record ``r``'s part is ``sum_{t in r} G_t (a_t^T Omega_r)``, taken chunk by chunk
+        (:class:`~opacus_rc.grad_sample.packed.RecordLayout`) and summed per record with an
+        ``index_add``: the value of :meth:`add_linear` on the record's tokens laid out alone,
+        with the same probe and the same per-record power-of-two scaling (each record's
+        largest entry of ``A`` and of ``G``), up to float rounding. No ``(N, max T_r, ...)``
+        re-layout.
+
+        Args:
+            activations: ``A``, ``(R, T, d)``.
+            backprops: ``G``, ``(R, T, V)``, rescaled to per-record losses.
+            layout: The batch's :class:`~opacus_rc.grad_sample.packed.RecordLayout`
+                (``N`` records: the probes' batch size).
+            scale: The part is that of ``scale * G`` (the rescale to per-record losses,
+                applied to the ``T x k`` products rather than copied into ``G``).
+
+        Raises:
+            ValueError: Shapes that disagree with each other, the layout or the probes.
+        """
+        R, T = layout.record_ids.shape
+        if (
+            activations.dim() != 3
+            or tuple(activations.shape[:2]) != (R, T)
+            or tuple(backprops.shape) != (R, T, self.num_embeddings)
+        ):
+            raise ValueError(
+                f"tied weight sketch: head input {tuple(activations.shape)} and output gradient "
+                f"{tuple(backprops.shape)} are not packed rows ({R}, {T}, ...) with "
+                f"V = {self.num_embeddings}"
+            )
+        self._check("head input", layout.num_records, activations.shape[2])
+        dtype, omega = self.dtype, self.probes.to(activations.device)
+        chunk = layout.chunk_record.to(activations.device)
+        with autocast_off(backprops.device):
+            e_a = _record_pow2_exponent(activations, layout, dtype)
+            e_g = _record_pow2_exponent(backprops, layout, dtype)
+            if layout.segments is not None:  # CPU: views of each record's runs, no copy
+                d, V = activations.shape[2], self.num_embeddings
+                A2 = activations.reshape(R * T, d).to(dtype)
+                G2 = backprops.reshape(R * T, V).to(dtype)
+                # As the chunks: A's scale on Omega, then G's on A Omega (no combined factor
+                # that could underflow).
+                scaled, inv_g = omega * _pow2(-e_a, dtype), _pow2(-e_g, dtype) * scale
+                part = torch.zeros(
+                    layout.num_records, V, omega.shape[2], dtype=dtype, device=G2.device
+                )
+                for r, start, end in layout.segments:  # Y_r += G_s^T (A_s Omega_r)
+                    U = (A2[start:end] @ scaled[r]).mul_(inv_g[r])
+                    part[r].addmm_(G2[start:end].t(), U)
+                self._add_part(part, e_a + e_g)
+                return
+            scaled = (omega * _pow2(-e_a, dtype))[chunk]  # (C, d, k)
+            U = torch.bmm(layout.gather(activations, dtype=dtype), scaled)  # (C, L, k)
+            del scaled
+            U.mul_((_pow2(-e_g, dtype) * scale)[chunk])
+            Yc = torch.bmm(layout.gather(backprops, dtype=dtype).transpose(1, 2), U)  # (C, V, k)
+            del U
+            n = layout.num_records
+            part = torch.zeros(n, *Yc.shape[1:], dtype=dtype, device=Yc.device)
+            part.index_add_(0, chunk, Yc)
+            del Yc
+            self._add_part(part, e_a + e_g)
+
+    def _add_part(self, part: torch.Tensor, exponent: torch.Tensor) -> None:
+        """Add a whole ``(N, V, k)`` part scaled by ``2^-exponent`` (per sample)."""
+        part = part.to(self.probes.device)
+        factor = self._align(exponent.to(self.probes.device))
+        if factor is not None:
+            part.mul_(factor)
+        if self._y is None:
+            self._y = part
+        else:
+            self._y.add_(part)
+
+    def add_embedding_packed(
+        self,
+        ids: torch.Tensor,
+        backprops: torch.Tensor,
+        *,
+        padding_idx: int | None,
+        layout: Any,
+        scale: float = 1,
+    ) -> None:
+        """Add the embedding's part per record of packed rows (``record_ids=``), ``O(tokens)``.
+
+        Record ``r``'s part is the ``index_add`` of the rows ``g_t^T Omega_r`` (``t`` in
+        ``r``, padding id skipped) at rows ``x_t`` of ``Y_r``: :meth:`add_embedding` on the
+        record's tokens laid out alone, same probe and per-record scaling, up to rounding.
+
+        Args:
+            ids: ``(R, T)`` integer ids in ``[0, V)``.
+            backprops: ``(R, T, d)``, rescaled to per-record losses.
+            padding_idx: The (normalised) padding id, or None.
+            layout: The batch's :class:`~opacus_rc.grad_sample.packed.RecordLayout`.
+            scale: The part is that of ``scale * g`` (applied to the probes, not to ``g``).
+
+        Raises:
+            ValueError: Shapes that disagree with each other, the layout or the probes.
+        """
+        R, T = layout.record_ids.shape
+        if (
+            tuple(ids.shape) != (R, T)
+            or backprops.dim() != 3
+            or tuple(backprops.shape[:2]) != (R, T)
+        ):
+            raise ValueError(
+                f"tied weight sketch: ids {tuple(ids.shape)} and embedding output gradient "
+                f"{tuple(backprops.shape)} are not packed rows ({R}, {T}, ...)"
+            )
+        self._check("embedding output gradient", layout.num_records, backprops.shape[2])
+        dtype = self.dtype
+        device = self.probes.device
+        with autocast_off(backprops.device):
+            g = backprops.to(device=device, dtype=dtype)
+            ids = ids.to(device).long()
+            if padding_idx is not None:  # autograd gives the padding row nothing
+                g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+            chunk = layout.chunk_record.to(device)
+            e_g = _record_pow2_exponent(g, layout, dtype)
+            if layout.segments is not None:  # CPU: views of each record's runs, no copy
+                n, V, k = layout.num_records, self.num_embeddings, self.probes.shape[2]
+                scaled = self.probes * (_pow2(-e_g, dtype) * scale)
+                factor = self._align(e_g)
+                if self._y is None:
+                    self._y = torch.zeros(n, V, k, device=device, dtype=dtype)
+                g2, ids2 = g.reshape(R * T, g.shape[2]), ids.reshape(R * T)
+                for r, start, end in layout.segments:  # rows x_t of Y_r += g_t^T Omega_r
+                    values = g2[start:end] @ scaled[r]
+                    if factor is not None:
+                        values.mul_(factor[r])
+                    self._y[r].index_add_(0, ids2[start:end], values)
+                return
+            scaled = (self.probes * (_pow2(-e_g, dtype) * scale))[chunk]  # (C, d, k)
+            values = torch.bmm(layout.gather(g), scaled)  # (C, L, k), zero at empty slots
+            del scaled
+            factor = self._align(e_g)
+            if factor is not None:
+                values.mul_(factor[chunk])
+            n, V, k = layout.num_records, self.num_embeddings, values.shape[2]
+            if self._y is None:
+                self._y = torch.zeros(n, V, k, device=device, dtype=dtype)
+            rows = chunk.unsqueeze(1) * V + layout.gather(ids)  # (C, L)
+            self._y.view(n * V, k).index_add_(0, rows.reshape(-1), values.reshape(-1, k))
+
     def sqnorm_and_exponent(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(||Y_i / 2^{e_i}||_F^2 in float64, e_i)``: ``n_hat_i = 2^{2 e_i}`` times the first.
 
@@ -256,6 +431,14 @@ class JointSketch:
         self._y = None
         self._exponent = None
         self.probes = torch.empty(0)
+
+
+def _record_sums(G: torch.Tensor, layout: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``(N, V)``: each record's sum of the token rows of ``G`` (``(R, T, V)``), no padding."""
+    R, T = layout.record_ids.shape
+    rid = layout.record_ids.to(G.device).reshape(-1)
+    rows = G.reshape(R * T, -1).to(dtype).masked_fill((rid < 0).unsqueeze(1), 0)
+    return rows.new_zeros(layout.num_records, rows.shape[1]).index_add_(0, rid.clamp(min=0), rows)
 
 
 def _dtype_of(*tensors: torch.Tensor) -> torch.dtype:
@@ -381,6 +564,8 @@ class TiedSketches:
         *,
         sketch_dim: int,
         generator: torch.Generator | None,
+        layout: Any = None,
+        scale: float = 1,
     ) -> tuple[dict[nn.Parameter, torch.Tensor], frozenset[int]]:
         """One tied module's backward: its part of the joint sketch, and its other norms.
 
@@ -390,6 +575,15 @@ class TiedSketches:
             backprops: Its output gradient, rescaled to per-sample losses.
             sketch_dim: ``k``.
             generator: The sketch generator for the probes' device.
+            layout: Packed rows (``record_ids=``): the batch's
+                :class:`~opacus_rc.grad_sample.packed.RecordLayout`; ``activations`` and
+                ``backprops`` are then ``(R, T, ...)`` token rows, and the norms are per
+                record (``N`` probes, one per record, drawn as for ``N`` samples; each part
+                taken straight from the packed rows: :meth:`JointSketch.add_linear_packed`,
+                :meth:`JointSketch.add_embedding_packed`). Both modules of a group must get
+                the same layout.
+            scale: With ``layout``: the output gradient of the per-record losses is
+                ``scale * backprops`` (folded into the norms, not copied into the gradient).
 
         Returns:
             ``(norms, deferred)``: ``{parameter: (B,) norm}`` (the head's own bias, exact; the
@@ -409,12 +603,19 @@ class TiedSketches:
             if bias is not None and bias.requires_grad:
                 acc = _dtype_of(A, G)
                 with autocast_off(G.device):
-                    g_sum = G.sum(dim=1, dtype=acc)  # (B, V): the exact bias gradient
+                    if layout is None:
+                        g_sum = G.sum(dim=1, dtype=acc)  # (B, V): the exact bias gradient
+                    else:  # each record's summed output gradient rows (padding left out)
+                        g_sum = _record_sums(G, layout, acc)
                     norms[bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(acc)
+                    if scale != 1:
+                        norms[bias] = norms[bias] * scale
             dtype, batch, d = _dtype_of(A, G), A.shape[0], A.shape[-1]
         else:
             ids, G = _ids_and_rows(group.embedding, activations, backprops, "tied sketch")
             dtype, batch, d = _dtype_of(G), G.shape[0], G.shape[-1]
+        if layout is not None:
+            batch = layout.num_records
         if not weight.requires_grad:  # frozen after make_private: nothing to sketch
             return norms, frozenset()
         pending = self._pending.get(id(weight))
@@ -438,10 +639,18 @@ class TiedSketches:
             first = False
         try:
             if module is group.linear:
-                pending.sketch.add_linear(A, G)
+                if layout is None:
+                    pending.sketch.add_linear(A, G)
+                else:
+                    pending.sketch.add_linear_packed(A, G, layout=layout, scale=scale)
             else:
                 pad = _padding_index(group.embedding)
-                pending.sketch.add_embedding(ids, G, padding_idx=pad)
+                if layout is None:
+                    pending.sketch.add_embedding(ids, G, padding_idx=pad)
+                else:
+                    pending.sketch.add_embedding_packed(
+                        ids, G, padding_idx=pad, layout=layout, scale=scale
+                    )
         except BaseException:
             self.clear()
             raise

@@ -9,6 +9,7 @@ and output gradient rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -362,3 +363,127 @@ def test_tied_sketch_is_the_joint_sketch_of_each_record_alone(padding_idx: int |
         generator=torch.Generator().manual_seed(9),
     )
     torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=0)
+
+
+def _joint_packed(A, Gh, ids, Ge, layout, probes, padding_idx, *, head_first: bool):
+    """The step's path (JointSketch's packed-row parts): ``(N,)`` squared-norm estimates."""
+    from opacus_rc.grad_sample.tied import JointSketch
+
+    sketch = JointSketch(probes, num_embeddings=VOCAB)
+    parts = [
+        lambda: sketch.add_linear_packed(A, Gh, layout=layout),
+        lambda: sketch.add_embedding_packed(ids, Ge, padding_idx=padding_idx, layout=layout),
+    ]
+    for part in parts if head_first else parts[::-1]:
+        part()
+    return sketch.norm().double().square()
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("head_first", [True, False])
+@pytest.mark.parametrize("runs", ["segments", "chunks"])
+def test_joint_sketch_from_packed_rows_is_each_records_joint_sketch(
+    padding_idx: int | None, head_first: bool, runs: str
+) -> None:
+    # Issue 32 (no re-layout): the packed-row parts of the joint sketch, with the same probe
+    # per record, give the joint sketch of each record laid out alone (identity probes: the
+    # exact squared norm of the tied weight's gradient, cross term included). On a CPU the
+    # parts run over each record's runs of tokens (views); elsewhere over chunks.
+    from opacus_rc.grad_sample.tied import tied_hutchinson_sqnorm
+
+    alone, packed, (A, Gh, ids, Ge) = _tied_case(padding_idx)
+    layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    assert layout.segments is not None and len(layout.segments) > layout.num_records  # a cut
+    if runs == "chunks":
+        layout = dataclasses.replace(layout, segments=None)
+    n = len(LENGTHS)
+    eye = torch.eye(D, dtype=torch.float64).expand(n, D, D).contiguous()
+    exact = _joint_packed(A, Gh, ids, Ge, layout, eye, padding_idx, head_first=head_first)
+    torch.testing.assert_close(
+        exact, torch.stack([w.pow(2).sum() for w in alone]), rtol=1e-12, atol=0
+    )
+    probes = torch.randn(n, D, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = _joint_packed(A, Gh, ids, Ge, layout, probes, padding_idx, head_first=head_first)
+    want = tied_hutchinson_sqnorm(
+        layout.per_record(A),
+        layout.per_record(Gh),
+        layout.per_record(ids),
+        layout.per_record(Ge),
+        sketch_dim=3,
+        padding_idx=padding_idx,
+        probes=probes,
+    )
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    # float32 beyond its range without the per-record power-of-two scaling: entries of size
+    # 2^40 give squared norms near 2^160 (> 3.4e38) while the norms (~2^80) are finite.
+    big = 2.0**40
+    got32 = _joint_packed(
+        (A * big).float(),
+        (Gh * big).float(),
+        ids,
+        (Ge * big**2).float(),
+        layout,
+        probes.float(),
+        padding_idx,
+        head_first=head_first,
+    )
+    assert bool(torch.isfinite(got32.sqrt()).all())
+    torch.testing.assert_close(got32.sqrt() / big**2, got.sqrt(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "layer_norm_no_bias"])
+def test_norm_layer_record_grads_equal_each_record_alone(kind: str) -> None:
+    # Issue 32: a norm layer's exact per-record gradients from the packed token rows (one
+    # index_add over the token-to-record map) equal autograd's on each record alone.
+    from opacus_rc.grad_sample.norm_layers import norm_layer_record_grads
+
+    _, packed = _records(seed=3)
+    torch.manual_seed(2)
+    layer = nn.RMSNorm(D) if kind == "rms_norm" else nn.LayerNorm(D, bias=kind == "layer_norm")
+    layer = layer.double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, D, generator=g, dtype=torch.float64) for n in LENGTHS]
+    ys = [torch.randn(n, D, generator=g, dtype=torch.float64) for n in LENGTHS]
+    params = list(layer.parameters())
+    alone = [torch.autograd.grad(_token_loss(layer(x), y), params) for x, y in zip(xs, ys)]
+    X = _place(xs, packed)
+    X[packed.record_ids < 0] = 3.0  # padding rows: anything, left out
+    out = layer(X)
+    valid = (packed.record_ids >= 0).unsqueeze(-1)
+    (G,) = torch.autograd.grad(_token_loss(out * valid, _place(ys, packed)), out)
+    G = G + (~valid) * 7.0  # a padding gradient must not count either
+    got = norm_layer_record_grads(
+        layer, X, G, record_ids=packed.record_ids, num_records=packed.num_records
+    )
+    assert len(got) == len(params)
+    for i, p in enumerate(params):
+        want = torch.stack([a[i] for a in alone])
+        torch.testing.assert_close(got[p], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("d", "p"), [(6, 4), (3, 7)])  # output side, input side
+def test_sketch_over_runs_equals_sketch_over_chunks(d: int, p: int) -> None:
+    # Issue 32: the CPU path (two products per run of a record's tokens, on views) and the
+    # chunked path give the same estimate with the same probes; "segments" is refused for a
+    # layout without runs (built off the CPU).
+    _, _, A, G, packed = _linear_case(d=d, p=p)
+    layout = RecordLayout.from_record_ids(packed.record_ids, chunk_size=4)
+    kw = {"layout": layout, "sketch_dim": 3}
+    runs = linear_record_sketched_sqnorms(
+        A, G, generator=torch.Generator().manual_seed(8), method="segments", **kw
+    )
+    chunks = linear_record_sketched_sqnorms(
+        A, G, generator=torch.Generator().manual_seed(8), method="chunks", **kw
+    )
+    auto = linear_record_sketched_sqnorms(A, G, generator=torch.Generator().manual_seed(8), **kw)
+    torch.testing.assert_close(runs, chunks, rtol=1e-12, atol=0)
+    assert torch.equal(auto, runs)
+    assert not torch.equal(runs, linear_record_sketched_sqnorms(A, G, **kw))  # fresh draws
+    no_runs = dataclasses.replace(layout, segments=None)
+    with pytest.raises(ValueError, match="segments"):
+        linear_record_sketched_sqnorms(A, G, layout=no_runs, sketch_dim=3, method="segments")
+    with pytest.raises(ValueError, match="method"):
+        linear_record_sketched_sqnorms(A, G, layout=layout, sketch_dim=3, method="rows")

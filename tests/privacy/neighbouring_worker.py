@@ -359,12 +359,18 @@ def engine_units(
 TRAINER_N, TRAINER_E, TRAINER_C, TRAINER_DEAD_ROWS = 40, 8, 1.5, 12
 
 
-def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) -> dict[str, Any]:
-    """One step of ``DPTrainer`` (the launch makes it DDP) on the first ``n`` examples."""
+def trainer_run(
+    rank: int, out: Path, *, n: int, sigma: float, seed: int = 0, packed: bool = False
+) -> dict[str, Any]:
+    """One step of ``DPTrainer`` (the launch makes it DDP) on the first ``n`` examples;
+    ``packed``: with a ``PackingCollator`` (each rank's sampled examples packed into rows of
+    16 tokens, per-record clipping through ``record_ids=``, issue 32; positions restart at each
+    record, so the dead position rows stay dead)."""
     import trainer_helpers as th
 
     from opacus_rc.integrations.train_data import trainer_schedule
     from opacus_rc.integrations.transformers import DPTrainer, LogicalBatch, PrivacyArguments
+    from opacus_rc.packing import PackingCollator
 
     shares: list[int] = []
 
@@ -388,7 +394,9 @@ def trainer_run(rank: int, out: Path, *, n: int, sigma: float, seed: int = 0) ->
             weight_decay=0.0,
         ),  # fmt: skip
         train_dataset=th.token_examples(TRAINER_N)[:n],
-        data_collator=th.pad_collate,
+        data_collator=PackingCollator(max_length=16, pad_token_id=th.PAD)
+        if packed
+        else th.pad_collate,
         privacy_args=PrivacyArguments(
             noise_multiplier=sigma,
             max_grad_norm=TRAINER_C,
@@ -684,6 +692,13 @@ def main() -> None:
             ),
             TRAINER_N - 1,
         )
+        results["trainer-packed-ddp"] = neighbours(
+            lambda *, n, sigma, seed=0: trainer_run(
+                rank, out / f"r{rank}-p-{n}-{sigma}-{seed}", n=n, sigma=sigma, seed=seed,
+                packed=True,
+            ),
+            TRAINER_N - 1,
+        )  # fmt: skip
         if rank == 0:
             (out / "results.json").write_text(json.dumps(results))
     finally:

@@ -69,6 +69,7 @@ CASES: dict[str, tuple[float, float | None, float]] = {
     "fsdp2-records-size": (C_RECORDS, 8.0, 1e-5),
     "ddp-units-size": (C_UNITS, 3.0, 1 / (1 - EPS_UNITS) - 1),  # int(12 units * 0.25)
     "trainer-ddp": (C_TRAINER, 8.0, 1e-5),  # PrivacyArguments.expected_batch_size
+    "trainer-packed-ddp": (C_TRAINER, 8.0, 1e-5),  # the same with a PackingCollator (issue 32)
     "trainer-fsdp2": (C_TRAINER_FSDP, 8.0, 1e-5),  # exact norms (the input embedding)
     # Sketched, every record clipped: the bound of neighbouring.sensitivity_bound, per pair
     # (SKETCHED_CLIPPED); the slack here is unused.
