@@ -519,7 +519,10 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
 
     ``"gpt2"``: learned absolute positions, every norm exact (``Conv1D`` by functorch,
     embeddings, layer norms; the LM head untied and frozen). ``"llama"``: rotary positions,
-    tied embedding and head, ``nn.Linear`` layers sketched at ``k = LARGE_K``.
+    tied embedding and head, ``nn.Linear`` layers sketched at ``k = LARGE_K``;
+    ``"llama-untied"``: the same with an untied, trainable LM head (every hooked layer an
+    ``nn.Linear``, ``nn.Embedding`` or RMSNorm: a checkpoint's recomputation may stop early,
+    opacus_rc/grad_sample/checkpointing.py).
     """
     import tiny_hf_models as hf
 
@@ -530,7 +533,8 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
         model.lm_head.weight.requires_grad_(False)
         k = None
     else:
-        model = hf.llama(vocab=LM_VOCAB, tie=True, intermediate_size=32, seed=0, pad_token_id=PAD)
+        tie = arch != "llama-untied"
+        model = hf.llama(vocab=LM_VOCAB, tie=tie, intermediate_size=32, seed=0, pad_token_id=PAD)
         k = LARGE_K
     return add_probe(model), k
 
@@ -539,6 +543,7 @@ def run_engine_lm(
     arch: str,
     side: str,
     ignore_pad_targets: bool = True,
+    checkpointing: bool = False,
     *,
     neighbour: bool,
     noise_multiplier: float,
@@ -546,9 +551,12 @@ def run_engine_lm(
 ) -> Release:
     """The engine on a tiny HF LM, padded on ``side``, ``position_ids`` from the mask (what a
     user of the engine passes), and, with ``ignore_pad_targets``, no target predicted from a
-    pad position (:func:`pad_batch`)."""
+    pad position (:func:`pad_batch`); with ``checkpointing``, HF's non-reentrant
+    ``gradient_checkpointing_enable()``."""
     n = N_RECORDS - int(neighbour)
     model, k = lm_model(arch)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def collate(rows: list) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         batch = pad_batch([r[0] for r in rows], side=side, ignore_pad_targets=ignore_pad_targets)
@@ -1073,6 +1081,10 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-gpt2-left-pad-target": (_bind(run_engine_lm, "gpt2", "left", False), True),
     "engine-llama-right": (_bind(run_engine_lm, "llama", "right"), True),
     "engine-llama-left": (_bind(run_engine_lm, "llama", "left"), True),
+    "engine-llama-untied-checkpointed": (
+        _bind(run_engine_lm, "llama-untied", "right", True, True),
+        True,
+    ),
     "engine-packed-gpt2": (_bind(run_engine_packed, "gpt2"), True),
     "engine-packed-llama": (_bind(run_engine_packed, "llama"), True),
     "engine-packed-llama-padding-free": (_bind(run_engine_packed, "llama", True), True),
