@@ -425,12 +425,13 @@ class PrivateStep:
         """Forward pre-hook inside a backward (a checkpoint's recomputation) of a layer whose
         forward hook needs only its inputs
         (:class:`~opacus_rc.grad_sample.checkpointing.RecordBeforeForward`): records them now,
-        as :meth:`forward_hook` would after the forward, so that the recomputation may stop
-        early inside the layer; the forward hook of this call then does nothing.
+        as :meth:`forward_hook` would after the forward (through the owner's forward hook, e.g.
+        FSDP2's on the sharded parameters), so that the recomputation may stop early inside the
+        layer; the forward hook of this call then does nothing.
         """
         key = id(module)
         self._recorded_before_forward.discard(key)  # left by a recomputation that stopped
-        self.forward_hook(module, forward_input, None)
+        self._owner.capture_activations_hook(module, forward_input, None)
         self._recorded_before_forward.add(key)
 
     def _on_forward(self) -> None:
