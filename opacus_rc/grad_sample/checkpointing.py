@@ -222,11 +222,15 @@ class RecordBeforeForward:
         record: Any,
     ) -> None:
         self._record = record
-        self._modules = list(modules)
         self._all_eligible = True
-        for module in self._modules:
+        # (weight, the module's other parameters) of each module, read at every forward.
+        self._weights: list[tuple[Any, tuple[Any, ...]]] = []
+        for module in modules:
             if records_before_forward(module, routes.get(id(module))):
                 handles.append(module.register_forward_pre_hook(self._pre))
+                weight = module.weight
+                others = tuple(p for p in module.parameters(recurse=False) if p is not weight)
+                self._weights.append((weight, others))
             else:
                 self._all_eligible = False
 
@@ -241,9 +245,7 @@ class RecordBeforeForward:
         frozen since make_private counts."""
         if not self._all_eligible:
             return False
-        for module in self._modules:
-            if not module.weight.requires_grad and any(
-                p.requires_grad for p in module.parameters(recurse=False)
-            ):
+        for weight, others in self._weights:
+            if not weight.requires_grad and any(p.requires_grad for p in others):
                 return False
         return True
