@@ -17,6 +17,14 @@ inputs per step.
   every module above a hooked one (PyTorch reads the setting when a region is created, inside
   some module's forward), so every hooked module of the region is recorded, also when the user
   calls a submodule directly (``model.body(x)`` then ``model.head(h)``, Opacus issue 582).
+  Except where that cannot skip a recording (:class:`RecordBeforeForward`): a hooked
+  ``nn.Linear`` or norm layer whose weight is trainable saves a tensor in its forward (its
+  input, or the normalised input, for the weight's gradient), and its inputs are recorded by a
+  forward *pre*-hook in the recomputation; when every hooked module is such a layer, each
+  one's recording comes before its first saved tensor, hence before the region's last, and the
+  recomputation keeps PyTorch's early stop. It then skips what follows the last saved tensor
+  (in a Llama block the MLP's down projection, 2.7% of the step's FLOPs at T = 1024,
+  ``benchmarks/step_overhead.py``), as the non-private step does.
 * **Reentrant** (``use_reentrant=True``): the original forward runs under ``torch.no_grad()``
   (nothing is recorded: Opacus' hooks skip it), and the recomputation runs a nested backward in
   which the region's backward hooks fire. PyTorch refuses ``backward(inputs=...)`` through such
@@ -39,14 +47,18 @@ from torch import nn
 
 from opacus_rc._compat.torch import in_backward as _engine_in_backward
 from opacus_rc._compat.torch import non_reentrant_checkpoint_pack_hook_active
+from opacus_rc.grad_sample.norm_layers import TRANSFORMERS_RMS_NORMS
+from opacus_rc.grad_sample.routing import NormPath
 
 __all__ = [
     "REENTRANT_NODE",
     "NoEarlyStop",
+    "RecordBeforeForward",
     "has_reentrant_checkpoint",
     "in_backward",
     "in_checkpointed_forward",
     "modules_above",
+    "records_before_forward",
 ]
 
 #: The autograd node of a reentrant checkpoint region.
@@ -143,3 +155,97 @@ class NoEarlyStop:
         _, ctx = self._contexts.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)
+
+
+#: Module types (exact) whose forward saves a tensor for the backward whenever their ``weight``
+#: requires a gradient (``nn.Linear`` its input, the norm layers their normalised input,
+#: ``nn.Embedding`` its ids, for the weight's gradient), and whose forward hook needs only their
+#: inputs: see :class:`RecordBeforeForward`.
+_SAVING_TYPES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding)
+
+#: Routes whose forward hook needs the module's output (the tied group's first-pass edge, the
+#: functorch path's single-output check): recorded after the forward, as before.
+_OUTPUT_ROUTES = (NormPath.TIED, NormPath.FUNCTORCH)
+
+
+def records_before_forward(module: nn.Module, route: Any) -> bool:
+    """Whether ``module``'s inputs may be recorded by a forward pre-hook in a recomputation
+    (:class:`RecordBeforeForward`): an ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
+    ``nn.RMSNorm`` or a transformers RMSNorm
+    (:data:`~opacus_rc.grad_sample.norm_layers.TRANSFORMERS_RMS_NORMS`), by exact type (a
+    subclass may have another forward), on a route whose forward hook needs no output (not
+    tied, not functorch).
+
+    Args:
+        module: A hooked module.
+        route: Its :class:`~opacus_rc.grad_sample.routing.NormRoute`, or None.
+
+    Returns:
+        True if it may be recorded before its forward.
+    """
+    cls = type(module)
+    return (
+        route is not None
+        and route.path not in _OUTPUT_ROUTES
+        and (cls in _SAVING_TYPES or (cls.__module__, cls.__name__) in TRANSFORMERS_RMS_NORMS)
+    )
+
+
+class RecordBeforeForward:
+    """Forward pre-hooks that record a hooked layer's inputs in a checkpoint's recomputation,
+    and the test that lets that recomputation stop early.
+
+    Inside the backward (the recomputation of a non-reentrant checkpoint region) each module
+    for which :func:`records_before_forward` holds gets its inputs recorded by
+    ``record(module, args)`` before its forward runs (the grad-sample module's forward hook
+    then skips it). When every hooked module is such a module and each one with a trainable
+    parameter has a trainable ``weight`` (:meth:`allows_early_stop`), every hooked forward
+    saves a tensor after its recording, so PyTorch's early stop (at the region's last saved
+    tensor) comes after every recording, and :class:`NoEarlyStop` is not needed. Only the
+    step's cost changes: the same input tensors are recorded (those the forward hook would
+    see; these layers do not modify their inputs), and the same probes are drawn.
+
+    Args:
+        modules: The hooked modules.
+        routes: ``{id(module): NormRoute}``.
+        handles: The list the hook handles go into (removed with the other hooks).
+        record: ``record(module, args)``, called by the pre-hook of an eligible module inside
+            a backward.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        routes: Any,
+        handles: list[Any],
+        *,
+        record: Any,
+    ) -> None:
+        self._record = record
+        self._all_eligible = True
+        # (weight, the module's other parameters) of each module, read at every forward.
+        self._weights: list[tuple[Any, tuple[Any, ...]]] = []
+        for module in modules:
+            if records_before_forward(module, routes.get(id(module))):
+                handles.append(module.register_forward_pre_hook(self._pre))
+                weight = module.weight
+                others = tuple(p for p in module.parameters(recurse=False) if p is not weight)
+                self._weights.append((weight, others))
+            else:
+                self._all_eligible = False
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            self._record(module, args)
+
+    def allows_early_stop(self) -> bool:
+        """Whether a recomputation may stop early: every hooked module records before its
+        forward, and each with a trainable parameter has a trainable ``weight`` (a layer with
+        only a trainable bias may save nothing). Read at each forward of the model, so a weight
+        frozen since make_private counts."""
+        if not self._all_eligible:
+            return False
+        for weight, others in self._weights:
+            if not weight.requires_grad and any(p.requires_grad for p in others):
+                return False
+        return True

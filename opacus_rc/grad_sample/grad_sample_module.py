@@ -41,7 +41,7 @@ from opacus_rc._compat.opacus import (
 )
 from opacus_rc.config import RandomizedClippingConfig
 from opacus_rc.grad_sample import private_step as private_step_module
-from opacus_rc.grad_sample.checkpointing import NoEarlyStop, modules_above
+from opacus_rc.grad_sample.checkpointing import NoEarlyStop, RecordBeforeForward, modules_above
 from opacus_rc.grad_sample.checks import (
     ParameterUseCheck,
     TrainableSetGuard,
@@ -241,13 +241,21 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
                 self.autograd_grad_sample_hooks.append(
                     sub.register_forward_pre_hook(inputs.record_call_kwargs, with_kwargs=True)
                 )
-            # Early stop off in the forward of the model and of every module above a hooked one,
-            # so that a submodule called directly (model.body(x), then model.head(h)) records
-            # every layer of its checkpointed regions too.
+            # A recomputation records nn.Linear and norm layers before their forward; where
+            # that covers every hooked module it may stop early (checkpointing.py). Otherwise
+            # early stop is off in the forward of the model and of every module above a hooked
+            # one, so that a submodule called directly (model.body(x), then model.head(h))
+            # records every layer of its checkpointed regions too.
+            early = RecordBeforeForward(
+                hooked,
+                routes,
+                self.autograd_grad_sample_hooks,
+                record=lambda module, args: self.private_step.record_before_forward(module, args),
+            )
             NoEarlyStop(
                 [m, *modules_above(m, hooked)],
                 self.autograd_grad_sample_hooks,
-                active=lambda: self.hooks_enabled,
+                active=lambda: self.hooks_enabled and not early.allows_early_stop(),
             )
             trainable = TrainableSetGuard(m, name_of=self._name_of)
             self._log_norm_paths()

@@ -342,6 +342,7 @@ class PrivateStep:
         self.checkpointed = False
         self.smaller_stash = False
         self._told_checkpointing = False
+        self._recorded_before_forward: set[int] = set()
 
     # ------------------------------------------------------------------------------------------
     # The forward hook, the backward hook and the post-accumulate-grad hook
@@ -357,6 +358,13 @@ class PrivateStep:
             NotImplementedError: A norm-sampled module used twice in one step.
             RuntimeError: A parameter made trainable, replaced or tied since make_private.
         """
+        if (
+            self._recorded_before_forward
+            and id(module) in self._recorded_before_forward
+            and in_backward()
+        ):
+            self._recorded_before_forward.discard(id(module))
+            return  # recorded by record_before_forward, at this call's forward pre-hook
         owner = self._owner
         kwargs = self.inputs.take_call_kwargs(module)
         recording = owner.hooks_enabled and torch.is_grad_enabled() and module.training
@@ -413,6 +421,19 @@ class PrivateStep:
         if fixed is not None:
             module.activations[-1] = fixed
 
+    def record_before_forward(self, module: nn.Module, forward_input: Any) -> None:
+        """Forward pre-hook inside a backward (a checkpoint's recomputation) of a layer whose
+        forward hook needs only its inputs
+        (:class:`~opacus_rc.grad_sample.checkpointing.RecordBeforeForward`): records them now,
+        as :meth:`forward_hook` would after the forward (through the owner's forward hook, e.g.
+        FSDP2's on the sharded parameters), so that the recomputation may stop early inside the
+        layer; the forward hook of this call then does nothing.
+        """
+        key = id(module)
+        self._recorded_before_forward.discard(key)  # left by a recomputation that stopped
+        self._owner.capture_activations_hook(module, forward_input, None)
+        self._recorded_before_forward.add(key)
+
     def _on_forward(self) -> None:
         """A hooked forward pass records activations: a new step starts if the last ended
         (its stale norms and book-keeping tensors dropped)."""
@@ -430,6 +451,7 @@ class PrivateStep:
         self.units, self._units_given = None, False
         self.checkpointed = False
         self.smaller_stash = False
+        self._recorded_before_forward.clear()
         self.phase = StepPhase.RECORDED
 
     def _record_first_pass_inputs(

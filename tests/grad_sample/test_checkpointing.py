@@ -48,6 +48,7 @@ from opacus_rc.grad_sample.bookkeeping import (
     consume_weighted_sum,
     write_clipped_sums,
 )
+from opacus_rc.grad_sample.checkpointing import in_backward
 from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
 from opacus_rc.grad_sample.private_step import StepPhase
 from opacus_rc.grad_sample.routing import NormPath
@@ -676,12 +677,64 @@ def test_hf_model_and_lm_head_called_directly_under_gradient_checkpointing(
 
 
 @pytest.mark.filterwarnings("ignore:book-keeping \\(one backward pass\\) is off:UserWarning")
-def test_checkpoint_region_outside_every_module_names_the_cause() -> None:
+@pytest.mark.parametrize("bookkeeping", [True, False])
+def test_checkpoint_region_outside_every_module_is_recorded(bookkeeping: bool) -> None:
     """A region created in the training loop (``checkpoint(module.body, x)``) is outside every
-    module's forward, so PyTorch's early stop skips the last layer's forward hook in the
-    recomputation; the error now says so and what to do (it used to name only hooks disabled
-    or ``no_grad``)."""
+    module's forward, so PyTorch's early stop stays on in its recomputation. Every hooked layer
+    of the body is an ``nn.Linear``, recorded by its forward pre-hook there (issue 34), so the
+    early stop skips no recording: the step is the oracle's (rank-2 inputs: exact norms). It was
+    refused ("inputs were not recorded") when the inputs were recorded after the forward."""
     model = BodyHead(None)
+    g = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(layer_oracle.B, 6, generator=g),
+        torch.randint(0, 3, (layer_oracle.B,), generator=g),
+    )
+
+    def loss_of(ref: nn.Module, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+
+    want = layer_oracle.per_sample_oracle(model, loss_of)
+    C = float(layer_oracle.total_norms(want).median())
+    _, module, opt, crit = layer_oracle.private(model, C=C, bookkeeping=bookkeeping)
+    h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
+    crit(module.head(h), y).backward()
+    coef = layer_oracle.check_step(model, module, want, C=C, rtol_sq=2 * layer_oracle.EXACT_RTOL)
+    assert bool((coef < 1).any()) and bool((coef == 1).any())
+    opt.step()
+
+
+class NormBody(nn.Module):
+    """A linear layer and a ``GroupNorm`` (Opacus' grad sampler; recorded after its forward):
+    the recomputation's early stop comes inside the norm's forward, before its forward hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.tanh(self.inp(x)))
+
+
+class NormBodyHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = NormBody()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.filterwarnings("ignore:book-keeping \\(one backward pass\\) is off:UserWarning")
+def test_checkpoint_region_outside_every_module_names_the_cause() -> None:
+    """A region created in the training loop whose last hooked layer is recorded after its
+    forward (a ``GroupNorm``): PyTorch's early stop skips that layer's forward hook in the
+    recomputation; the error says so and what to do (it used to name only hooks disabled or
+    ``no_grad``), and with early stop off the step runs."""
+    model = NormBodyHead()
     _, module, opt, crit = layer_oracle.private(model, C=1.0)
     x, y = torch.randn(layer_oracle.B, 6), torch.randint(0, 3, (layer_oracle.B,))
     h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
@@ -692,6 +745,47 @@ def test_checkpoint_region_outside_every_module_names_the_cause() -> None:
         h = torch_checkpoint.checkpoint(module.body, x, use_reentrant=False)
     crit(module.head(h), y).backward()
     opt.step()
+
+
+def _last_layer_forwards_in_backward(model: nn.Module, last: list[nn.Module]) -> int:
+    """One private step of ``model`` (a ``Body`` head, checkpointed blocks); the number of
+    times the forward of a module of ``last`` completed inside the backward (recomputation)."""
+    calls = []
+    for m in last:
+        m.register_forward_hook(lambda *_: calls.append(in_backward()))
+    _, module, opt, crit = layer_oracle.private(model, C=1.0)
+    x, y = torch.randn(layer_oracle.B, 6), torch.randint(0, 3, (layer_oracle.B,))
+    crit(module(x), y).backward()
+    opt.step()
+    return sum(calls)
+
+
+def test_recomputation_stops_early_where_every_layer_records_before_its_forward() -> None:
+    """Issue 34: where every hooked module is a layer recorded by its forward pre-hook (here
+    ``nn.Linear`` only), the recomputation keeps PyTorch's early stop: the last layer of each
+    checkpointed block (whose output no backward needs) is not run again, as in a non-private
+    step. With a hooked module recorded after its forward (a ``GroupNorm`` outside the
+    blocks), early stop is off and the last layer of each block runs again. The steps
+    themselves are checked against the oracle in
+    ``test_submodules_called_directly_under_torch_checkpoint`` and
+    ``test_checkpoint_region_outside_every_module_is_recorded``."""
+    model = BodyHead(False)
+    blocks_last = [block[2] for block in model.body.blocks]
+    assert _last_layer_forwards_in_backward(model, blocks_last) == 0
+    model = BodyHead(False)
+    model.head = nn.Sequential(nn.GroupNorm(2, 8), nn.Linear(8, 3))
+    blocks_last = [block[2] for block in model.body.blocks]
+    assert _last_layer_forwards_in_backward(model, blocks_last) == len(blocks_last)
+
+
+def test_a_trainable_bias_alone_keeps_early_stop_off() -> None:
+    """A hooked ``nn.Linear`` with a frozen weight and a trainable bias may save nothing in its
+    forward: early stop is then off (the last layer runs again), and the step still records
+    every layer."""
+    model = BodyHead(False)
+    model.body.blocks[0][0].weight.requires_grad_(False)
+    blocks_last = [block[2] for block in model.body.blocks]
+    assert _last_layer_forwards_in_backward(model, blocks_last) == len(blocks_last)
 
 
 class SummedHeads(nn.Module):

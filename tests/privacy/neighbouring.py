@@ -522,6 +522,9 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
     tied embedding and head, ``nn.Linear`` layers sketched at ``k = LARGE_K``.
     ``"llama-varlen"``: that Llama with ``opacus_rc.integrations.packed_attention``'s varlen
     SDPA (each record segment attended alone, the records from the position ids).
+    ``"llama-untied"``: the same Llama with an untied, trainable LM head (every hooked layer an
+    ``nn.Linear``, ``nn.Embedding`` or RMSNorm: a checkpoint's recomputation may stop early,
+    opacus_rc/grad_sample/checkpointing.py).
     """
     import tiny_hf_models as hf
 
@@ -532,7 +535,8 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
         model.lm_head.weight.requires_grad_(False)
         k = None
     else:
-        model = hf.llama(vocab=LM_VOCAB, tie=True, intermediate_size=32, seed=0, pad_token_id=PAD)
+        tie = arch != "llama-untied"
+        model = hf.llama(vocab=LM_VOCAB, tie=tie, intermediate_size=32, seed=0, pad_token_id=PAD)
         k = LARGE_K
         if arch == "llama-varlen":  # the varlen SDPA over records (no 4D mask)
             from opacus_rc.integrations.packed_attention import register_packed_sdpa
@@ -545,6 +549,7 @@ def run_engine_lm(
     arch: str,
     side: str,
     ignore_pad_targets: bool = True,
+    checkpointing: bool = False,
     *,
     neighbour: bool,
     noise_multiplier: float,
@@ -552,9 +557,12 @@ def run_engine_lm(
 ) -> Release:
     """The engine on a tiny HF LM, padded on ``side``, ``position_ids`` from the mask (what a
     user of the engine passes), and, with ``ignore_pad_targets``, no target predicted from a
-    pad position (:func:`pad_batch`)."""
+    pad position (:func:`pad_batch`); with ``checkpointing``, HF's non-reentrant
+    ``gradient_checkpointing_enable()``."""
     n = N_RECORDS - int(neighbour)
     model, k = lm_model(arch)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def collate(rows: list) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         batch = pad_batch([r[0] for r in rows], side=side, ignore_pad_targets=ignore_pad_targets)
@@ -1079,6 +1087,10 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "engine-gpt2-left-pad-target": (_bind(run_engine_lm, "gpt2", "left", False), True),
     "engine-llama-right": (_bind(run_engine_lm, "llama", "right"), True),
     "engine-llama-left": (_bind(run_engine_lm, "llama", "left"), True),
+    "engine-llama-untied-checkpointed": (
+        _bind(run_engine_lm, "llama-untied", "right", True, True),
+        True,
+    ),
     "engine-packed-gpt2": (_bind(run_engine_packed, "gpt2"), True),
     "engine-packed-llama": (_bind(run_engine_packed, "llama"), True),
     "engine-packed-llama-padding-free": (_bind(run_engine_packed, "llama", True), True),
