@@ -112,61 +112,6 @@ PROFILES: dict[str, dict[str, Any]] = {
         "utility_seeds": 2,
         "threads": 1,
     },
-    # The same at twice the width (a smaller share of attention, whose cost on CPU is T^2 per
-    # packed row: no varlen kernel): timing and memory only.
-    "wide": {
-        "hidden_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "intermediate_size": 1376,
-        "vocab_size": 257,
-        "max_length": 1024,
-        "min_len": 16,
-        "n_train": 2000,
-        "n_heldout": 32,
-        "expected_batch_size": 16,
-        "physical_rows": 4,
-        "epsilon": 8.0,
-        "delta": 1e-5,
-        "max_grad_norm": 1.0,
-        "sketch_dim": 32,
-        "learning_rate": 2e-3,
-        "rounds": 2,
-        "warmup": 1,
-        "steps": 4,
-        "utility_steps": 0,
-        "utility_seeds": 0,
-        "threads": 1,
-    },
-    # SmolLM2-135M's decoder block (d = 576, MLP 1536, 9 heads, 3 key/value heads; issue 34's
-    # step_overhead model) at 4 blocks, byte-level vocabulary: the width of a small model that
-    # people fine-tune, where the sketch's k (p + d) per token is a smaller share of 3 p d.
-    "smollm2": {
-        "hidden_size": 576,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "intermediate_size": 1536,
-        "vocab_size": 257,
-        "max_length": 1024,
-        "min_len": 16,
-        "n_train": 2000,
-        "n_heldout": 32,
-        "expected_batch_size": 16,
-        "physical_rows": 4,
-        "epsilon": 8.0,
-        "delta": 1e-5,
-        "max_grad_norm": 1.0,
-        "sketch_dim": 32,
-        "learning_rate": 2e-3,
-        "rounds": 2,
-        "warmup": 1,
-        "steps": 4,
-        "utility_steps": 0,
-        "utility_seeds": 0,
-        "threads": 1,
-    },
     "quick": {
         "hidden_size": 32,
         "num_hidden_layers": 1,
@@ -192,6 +137,29 @@ PROFILES: dict[str, dict[str, Any]] = {
         "utility_seeds": 1,
         "threads": 1,
     },
+}
+
+# Timing-only profiles: the full profile at other widths.
+PROFILES["wide"] = {
+    # Twice the width: a smaller share of attention (T^2 per packed row under --attention sdpa).
+    **PROFILES["full"],
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "intermediate_size": 1376,
+    "rounds": 2,
+    "utility_steps": 0,
+    "utility_seeds": 0,
+}
+PROFILES["smollm2"] = {
+    # SmolLM2-135M's decoder block (d = 576, MLP 1536, 9 heads, 3 key/value heads; issue 34's
+    # step_overhead model) at 4 blocks, byte-level vocabulary: the width of a small model that
+    # people fine-tune, where the sketch's k (p + d) per token is a smaller share of 3 p d.
+    **PROFILES["wide"],
+    "hidden_size": 576,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
 }
 
 COLUMNS = [
