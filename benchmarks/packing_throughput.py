@@ -14,7 +14,7 @@ _size`` records per logical batch on average), micro-batches of at most ``physic
   of its micro-batch, ``physical_rows`` records a micro-batch), ``transformers``' SDPA with the
   2D padding mask (a ``(B, 1, T, T)`` mask: every row pays ``T^2``): what a user runs today;
 * ``padded_varlen``: the same padded micro-batches through the varlen SDPA of
-  :mod:`opacus_rc.integrations.packed_attention` (each row's real tokens attended causally
+  :mod:`opacus_rc.packed_attention` (each row's real tokens attended causally
   alone, ``L_r^2``): the same attention kernel as the packed methods, so that
   ``packed / padded_varlen`` is what packing saves outside the attention (the padding in the
   token-wise layers, the LM head and the per-record norms);
@@ -240,7 +240,7 @@ def make_model(cfg: dict, *, varlen: bool = False) -> Any:
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(config).train()
     if varlen:
-        from opacus_rc.integrations.packed_attention import register_packed_sdpa
+        from opacus_rc.packed_attention import register_packed_sdpa
 
         model.set_attn_implementation(register_packed_sdpa())
     return model
@@ -641,7 +641,7 @@ def write_report(
         f"{p}%: {q[min(len(q) - 1, int(p / 100 * len(q)))]}" for p in (10, 50, 90, 99)
     )
     attention = (
-        "the varlen SDPA over records (opacus_rc.integrations.packed_attention)"
+        "the varlen SDPA over records (opacus_rc.packed_attention)"
         if cfg["attention"] == "varlen"
         else "SDPA with the block-diagonal 4D mask (padding_free: built from the positions)"
     )

@@ -93,7 +93,7 @@ API_PACKAGES = (
     "opacus_rc.units",
     "opacus_rc.packing",
     "opacus_rc.packed_loss",
-    "opacus_rc.integrations.packed_attention",
+    "opacus_rc.packed_attention",
     "opacus_rc.lora",
     "opacus_rc.checkpoints",
     "opacus_rc.auditing",

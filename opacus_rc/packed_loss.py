@@ -56,7 +56,7 @@ from torch import nn
 from opacus_rc._compat.opacus import wrapped_module
 from opacus_rc.batch_independence import BatchIndependenceError  # noqa: F401  (raised)
 from opacus_rc.grad_sample.packed import RecordLayout
-from opacus_rc.integrations.packed_attention import PACKED_SDPA, segment_starts
+from opacus_rc.packed_attention import PACKED_SDPA, segment_starts
 from opacus_rc.packing import (
     check_mask_structure,
     check_records_independent,
@@ -633,7 +633,7 @@ class PackedAttentionGuard:
     * every batch: a 4D ``attention_mask`` that lets a real token attend another record's token
       or padding is refused (:func:`~opacus_rc.packing.check_mask_structure`; ``O(R T^2)``
       comparisons, no forward); without a 4D mask, a varlen attention (the registered
-      :data:`~opacus_rc.integrations.packed_attention.PACKED_SDPA`, ``flash_attention_2/3/4``)
+      :data:`~opacus_rc.packed_attention.PACKED_SDPA`, ``flash_attention_2/3/4``)
       whose records (from ``cu_seq_lens_q`` or ``position_ids``) are not the packed records is
       refused (:func:`~opacus_rc.packed_loss.check_varlen_segments`, ``O(R T)``);
     * the first packed batch (with ``full_check``):
@@ -714,7 +714,7 @@ class PackedAttentionGuard:
 
 #: Attention implementations that find a packed row's records from ``cu_seq_lens_q`` or
 #: ``position_ids`` alone (no 4D mask): ``transformers``' flash kernels and the varlen SDPA of
-#: :mod:`opacus_rc.integrations.packed_attention`.
+#: :mod:`opacus_rc.packed_attention`.
 VARLEN_ATTENTION = (
     PACKED_SDPA,
     "flash_attention_2",
@@ -744,7 +744,7 @@ def check_varlen_segments(
     Such an attention keeps each segment of a row apart, the segments starting at the
     boundaries of ``cu_seq_lens_q`` if given, else wherever ``position_ids`` (``0..T-1`` if
     absent, as a Llama-style model makes them) is not the previous position plus one
-    (:func:`~opacus_rc.integrations.packed_attention.segment_starts`). Every record segment of
+    (:func:`~opacus_rc.packed_attention.segment_starts`). Every record segment of
     ``record_ids`` must start a segment and hold no other start. A flash attention given a 2D
     padding mask with a zero unpads each row as one sequence and is refused;
     ``opacus_rc_packed_sdpa`` keeps padding out of every segment and accepts it (a record may

@@ -476,7 +476,7 @@ _FIX = (
     "mask) with position_ids restarting at 0 at each record (pack_records returns both; "
     "PackedBatch.model_inputs() builds the inputs), or the model's padding-free path "
     "(attention_mask=None and restarting position_ids, with flash attention's varlen "
-    "kernel, the varlen SDPA of opacus_rc.integrations.packed_attention.register_packed_sdpa(), "
+    "kernel, the varlen SDPA of opacus_rc.packed_attention.register_packed_sdpa(), "
     "or transformers >= 5)"
 )
 

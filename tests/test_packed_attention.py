@@ -1,4 +1,4 @@
-"""The varlen SDPA over packed records (opacus_rc/integrations/packed_attention.py) and the
+"""The varlen SDPA over packed records (opacus_rc/packed_attention.py) and the
 packed-attention guard's check of a varlen attention (opacus_rc/packed_loss.py).
 
 Oracles: a tiny random float64 Llama (two layers, grouped-query attention: two query heads,
@@ -27,7 +27,7 @@ import tiny_hf_models as hf  # noqa: E402
 from test_packed_loss import _private, record_grads, records  # noqa: E402
 
 from opacus_rc.batch_independence import BatchIndependenceError  # noqa: E402
-from opacus_rc.integrations.packed_attention import (  # noqa: E402
+from opacus_rc.packed_attention import (  # noqa: E402
     PACKED_SDPA,
     packed_sdpa_attention_forward,
     register_packed_sdpa,
@@ -86,7 +86,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_register_is_on_demand_and_idempotent() -> None:
     # Importing the module registers nothing (a fresh interpreter); the call registers once.
     code = (
-        "import opacus_rc.integrations.packed_attention as pa\n"
+        "import opacus_rc.packed_attention as pa\n"
         "from transformers import AttentionInterface, AttentionMaskInterface\n"
         "assert pa.PACKED_SDPA not in AttentionInterface._global_mapping\n"
         "assert pa.PACKED_SDPA not in AttentionMaskInterface._global_mapping\n"

@@ -68,7 +68,7 @@ def tiny(arch: str) -> nn.Module:
     if arch == "llama":
         model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
     elif arch == "llama-varlen":  # the varlen SDPA over records (tests/test_packed_attention.py)
-        from opacus_rc.integrations.packed_attention import register_packed_sdpa
+        from opacus_rc.packed_attention import register_packed_sdpa
 
         model = hf.llama(vocab=VOCAB, tie=True, layers=1, pad_token_id=0)
         model.set_attn_implementation(register_packed_sdpa())

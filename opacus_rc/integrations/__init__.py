@@ -16,9 +16,6 @@
   :mod:`~opacus_rc.integrations.fsdp` (FSDP2 through the trainer: its sharding, lockstep
   micro-batches and checkpoints); the
   trainer module holds the trainer's methods and re-exports the public names.
-* :mod:`opacus_rc.integrations.packed_attention`: a varlen SDPA over the records of packed
-  rows for ``transformers`` models without flash-attn, registered on demand
-  (:func:`~opacus_rc.integrations.packed_attention.register_packed_sdpa`).
 * :mod:`opacus_rc.integrations.trl`: :class:`~opacus_rc.integrations.trl.DPSFTTrainer` (a
   ``trl.SFTTrainer``), importable where TRL is installed.
 

@@ -45,9 +45,9 @@ except ImportError as err:  # pragma: no cover - depends on the install
         "opacus_rc.integrations.transformers.DPTrainer"
     ) from err
 
-from opacus_rc.integrations.packed_attention import uses_packed_sdpa
 from opacus_rc.integrations.packed_batches import packing_mask_dtype
 from opacus_rc.integrations.transformers import DPTrainerMixin, PrivacyArguments
+from opacus_rc.packed_attention import uses_packed_sdpa
 from opacus_rc.packing import PackingCollator
 
 __all__ = ["DPSFTTrainer", "PrivacyArguments"]

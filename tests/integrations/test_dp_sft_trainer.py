@@ -248,10 +248,10 @@ def test_packing_equals_the_padded_sft_run(tmp_path: Path, config: dict) -> None
 @pytest.mark.parametrize("config", [{"packing": True}, {"padding_free": True}],
                          ids=["packing", "padding_free"])  # fmt: skip
 def test_varlen_packing_equals_the_padded_sdpa_sft_run(tmp_path: Path, config: dict) -> None:
-    """The varlen SDPA over records (``opacus_rc.integrations.packed_attention``): the
+    """The varlen SDPA over records (``opacus_rc.packed_attention``): the
     trainer's packed rows carry no 4D mask (the records come from the position ids, also with
     ``packing=True``) and give the padded SDPA run's update (same seeds, sigma = 0)."""
-    from opacus_rc.integrations.packed_attention import register_packed_sdpa
+    from opacus_rc.packed_attention import register_packed_sdpa
 
     model = th.tiny_llama()
     model.set_attn_implementation(register_packed_sdpa())

@@ -278,7 +278,7 @@ def test_evaluation_gets_packed_rows_without_the_criterion_keys(tmp_path: Path) 
 
 def tiny_llama_varlen() -> Any:
     """:func:`trainer_helpers.tiny_llama` with the varlen SDPA over records."""
-    from opacus_rc.integrations.packed_attention import PACKED_SDPA, register_packed_sdpa
+    from opacus_rc.packed_attention import PACKED_SDPA, register_packed_sdpa
 
     model = th.tiny_llama()
     model.set_attn_implementation(register_packed_sdpa())

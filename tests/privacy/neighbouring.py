@@ -520,7 +520,7 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
     ``"gpt2"``: learned absolute positions, every norm exact (``Conv1D`` by functorch,
     embeddings, layer norms; the LM head untied and frozen). ``"llama"``: rotary positions,
     tied embedding and head, ``nn.Linear`` layers sketched at ``k = LARGE_K``.
-    ``"llama-varlen"``: that Llama with ``opacus_rc.integrations.packed_attention``'s varlen
+    ``"llama-varlen"``: that Llama with ``opacus_rc.packed_attention``'s varlen
     SDPA (each record segment attended alone, the records from the position ids).
     ``"llama-untied"``: the same Llama with an untied, trainable LM head (every hooked layer an
     ``nn.Linear``, ``nn.Embedding`` or RMSNorm: a checkpoint's recomputation may stop early,
@@ -539,7 +539,7 @@ def lm_model(arch: str) -> tuple[nn.Module, int | None]:
         model = hf.llama(vocab=LM_VOCAB, tie=tie, intermediate_size=32, seed=0, pad_token_id=PAD)
         k = LARGE_K
         if arch == "llama-varlen":  # the varlen SDPA over records (no 4D mask)
-            from opacus_rc.integrations.packed_attention import register_packed_sdpa
+            from opacus_rc.packed_attention import register_packed_sdpa
 
             model.set_attn_implementation(register_packed_sdpa())
     return add_probe(model), k

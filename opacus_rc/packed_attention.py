@@ -17,7 +17,7 @@ attention, ``AttentionMaskInterface.register`` for the mask: no 4D mask is built
 padding mask with a zero is passed on) when the user calls :func:`register_packed_sdpa`,
 never at import::
 
-    from opacus_rc.integrations.packed_attention import register_packed_sdpa
+    from opacus_rc.packed_attention import register_packed_sdpa
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=register_packed_sdpa())
     # or, on a built model: model.set_attn_implementation(register_packed_sdpa())
