@@ -476,6 +476,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     p.add_argument("--utility-steps", type=int, default=None, help="steps of the utility runs")
+    p.add_argument(
+        "--utility-seeds", type=int, default=None, help="seeds of the utility runs (7, 8, ...)"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per method and round")
     p.add_argument(
         "--attention",
@@ -496,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg["rounds"] = args.rounds
     if args.utility_steps is not None:
         cfg["utility_steps"] = args.utility_steps
+    if args.utility_seeds is not None:
+        cfg["utility_seeds"] = args.utility_seeds
     if args.steps:
         cfg["steps"] = args.steps
     cfg["attention"] = args.attention
