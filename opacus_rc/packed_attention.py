@@ -76,8 +76,8 @@ def register_packed_sdpa() -> str:
 
     Registers the attention (``transformers.AttentionInterface.register``) and a mask function
     that builds no 4D mask and passes on a 2D padding mask only when it has a zero
-    (``transformers.AttentionMaskInterface.register``). Idempotent: a second call registers
-    nothing new and returns the same name.
+    (``transformers.AttentionMaskInterface.register``). Idempotent: a second call sets the same
+    functions again and returns the same name.
 
     Returns:
         :data:`PACKED_SDPA`, to pass as ``attn_implementation=`` to ``from_pretrained`` /
@@ -88,10 +88,10 @@ def register_packed_sdpa() -> str:
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    if AttentionInterface._global_mapping.get(PACKED_SDPA) is not packed_sdpa_attention_forward:
-        AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)
-    if AttentionMaskInterface._global_mapping.get(PACKED_SDPA) is not _padding_mask_only:
-        AttentionMaskInterface.register(PACKED_SDPA, _padding_mask_only)
+    # register() sets one key of transformers' class-wide table: a second call sets the same
+    # functions again, nothing else changes.
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)
+    AttentionMaskInterface.register(PACKED_SDPA, _padding_mask_only)
     return PACKED_SDPA
 
 
