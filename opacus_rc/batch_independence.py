@@ -173,7 +173,8 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     ``config`` (:data:`_CONFIG_DROPOUTS`) set to 0, modes unchanged; on exit the model's
     buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored,
     and the autocast cache cleared (its casts from here carry no gradient). float32 matrix
-    products run at ``"highest"`` precision inside (TF32 off), restored on exit.
+    products run at ``"highest"`` precision inside (TF32 off), restored on exit, and autocast
+    is off (a bfloat16 autocast's rounding is not what the check is about).
 
     Args:
         model: The model whose forwards run inside.
@@ -204,8 +205,18 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
+    # Autocast off on the model's devices: the check is about structure (which tokens a
+    # record's outputs depend on), and a bfloat16 autocast's rounding against the float32
+    # tolerance would refuse a correct model (TRL's default bf16=True).
+    autocast_off = [
+        torch.autocast(device_type=t, enabled=False)
+        for t in sorted({p.device.type for p in model.parameters()} | {"cpu"})
+        if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)
+    ]
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), contextlib.ExitStack() as st:
+            for context in autocast_off:
+                st.enter_context(context)
             if disabled:
                 hooks.disable_hooks()
             yield

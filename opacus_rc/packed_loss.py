@@ -636,11 +636,16 @@ class PackedAttentionGuard:
       :data:`~opacus_rc.packed_attention.PACKED_SDPA`, ``flash_attention_2/3/4``)
       whose records (from ``cu_seq_lens_q`` or ``position_ids``) are not the packed records is
       refused (:func:`~opacus_rc.packed_loss.check_varlen_segments`, ``O(R T)``);
-    * the first packed batch (with ``full_check``):
+    * every batch: a boolean 4D mask under the ``eager`` attention is refused (eager adds the
+      mask to the scores: a boolean mask masks nothing);
+    * the first packed batch with a record after another in its row (with ``full_check``), and
+      again after the attention implementation changes:
       :func:`~opacus_rc.packing.check_records_independent` on :data:`CHECKED_SEGMENTS` record
       segments, their logits alone against inside the pack (one forward of the batch and one
-      per segment, under :func:`~opacus_rc.batch_independence.independence_forward`). Under
-      FSDP it does not run (its forwards would gather shards on one rank only), and says so.
+      per segment, under :func:`~opacus_rc.batch_independence.independence_forward`). A batch
+      whose rows each hold one record checks nothing a pack can get wrong, so the check stays
+      due. Under FSDP it does not run (its forwards would gather shards on one rank only), and
+      says so.
 
     Args:
         model: The model the user calls (pre-hook target).
@@ -653,8 +658,10 @@ class PackedAttentionGuard:
         self.model = model
         self.hooks = hooks
         self.full_check = bool(full_check)
-        #: Whether the logits check ran (on a packed batch) or was given up.
+        #: Whether the logits check ran on a record after another in its row, or was given up.
         self.full_checked = False
+        #: The attention implementation the logits check ran under (a change re-runs it).
+        self._checked_attention: str | None = None
         self._kwargs: dict[str, Any] | None = None
         self.handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
@@ -684,14 +691,26 @@ class PackedAttentionGuard:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.is_meta:
             return  # the meta device (FLOPs and memory counted): no values, nothing released
+        impl = _attn_implementation(self.model)
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            if mask.dtype == torch.bool and impl == "eager":
+                raise BatchIndependenceError(
+                    "a boolean 4D attention_mask under the eager attention: eager adds the mask "
+                    "to the attention scores, so a boolean mask masks nothing and every record "
+                    "attends the others; pass the mask in the model's dtype (0 where attended, "
+                    "the dtype's minimum elsewhere: PackingCollator(mask_dtype=model.dtype)) or "
+                    "use attn_implementation='sdpa'"
+                )
             check_mask_structure(mask, record_ids)
         else:
             check_varlen_segments(self.model, kwargs, record_ids)
+        if self.full_checked and impl != self._checked_attention:
+            self.full_checked = False  # another attention: its records are checked anew
         if self.full_checked or not self.full_check:
             return
-        self.full_checked = True
+        self._checked_attention = impl
         if _is_fsdp(self.model):
+            self.full_checked = True
             warnings.warn(
                 "the packed-attention logits check does not run under FSDP (its forwards would "
                 "gather sharded parameters on one rank only): make sure each record's attention "
@@ -702,14 +721,18 @@ class PackedAttentionGuard:
             return
         ids = kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.is_meta:
+            self.full_checked = True
             return
-        check_records_independent(
+        result = check_records_independent(
             _unwrap_data_parallel(self.model),
             kwargs,
             record_ids=record_ids,
             max_segments=CHECKED_SEGMENTS,
             hooks=self.hooks,
         )
+        # Done only where a record after another in its row was compared: that is the case a
+        # pack can get wrong (a first batch of one record per row would otherwise use it up).
+        self.full_checked = any(start > 0 for _, _, start, _ in result.segments)
 
 
 #: Attention implementations that find a packed row's records from ``cu_seq_lens_q`` or

@@ -366,6 +366,72 @@ def test_crossing_mask_is_refused_at_every_batch() -> None:
         _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
 
 
+def test_first_batch_of_one_record_per_row_leaves_the_logits_check_due() -> None:
+    # A first packed batch whose rows each hold one record (a small Poisson batch) compares no
+    # record after another: the check must stay due, and catch the next batch whose rows leak
+    # (positions not restarting, no mask). It was spent on the first batch before.
+    model = tiny("llama")
+    m, opt, crit = _private(model)
+    one = pack_records(records()[:1], max_length=MAX_LENGTH, pad_token_id=0)
+    inputs = one.model_inputs(padding_free=True, dtype=torch.float64)
+    labels = inputs.pop("labels")
+    _loss(m, crit, inputs, labels, record_ids=one.record_ids).backward()
+    opt.step()
+    opt.zero_grad()
+    assert not m.packed_attention_guard.full_checked
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    inputs = packed.model_inputs(padding_free=True, dtype=torch.float64)
+    labels = inputs.pop("labels")
+    inputs["position_ids"] = torch.arange(labels.shape[1]).expand_as(labels)
+    with pytest.raises(BatchIndependenceError, match="other logits alone"):
+        _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+
+
+def test_boolean_mask_under_eager_is_refused_at_every_batch() -> None:
+    # Eager adds the mask to the scores: a boolean block mask masks nothing. Refused from the
+    # mask's dtype and the attention, whether or not the logits check runs.
+    model = tiny("llama")
+    model.set_attn_implementation("eager")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, _, crit = _private(model, check_batch_independence=False)
+    inputs = packed.model_inputs(dtype=torch.bool)
+    labels = inputs.pop("labels")
+    with pytest.raises(BatchIndependenceError, match="boolean 4D attention_mask under the eager"):
+        _loss(m, crit, inputs, labels, record_ids=packed.record_ids)
+
+
+def test_attention_change_after_the_check_runs_it_again() -> None:
+    model = tiny("llama")
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    m, opt, crit = _private(model)
+    inputs = packed.model_inputs(dtype=torch.float64)
+    labels = inputs.pop("labels")
+    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
+    opt.step()
+    opt.zero_grad()
+    guard = m.packed_attention_guard
+    assert guard.full_checked and guard._checked_attention == "sdpa"
+    model.set_attn_implementation("eager")  # a float mask: correct under eager too
+    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
+    assert guard.full_checked and guard._checked_attention == "eager"
+
+
+def test_records_check_under_bfloat16_autocast_compares_in_float32() -> None:
+    # TRL's default bf16=True runs the step under a CPU autocast; the check's forwards run
+    # without it (structure, not rounding): a correct pack passes, a crossing one is refused.
+    from opacus_rc.packing import check_records_independent
+
+    model = tiny("llama").float()
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    inputs = packed.model_inputs(padding_free=True)
+    inputs.pop("labels")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_records_independent(model, inputs, record_ids=packed.record_ids)
+        bad = dict(inputs, position_ids=torch.arange(MAX_LENGTH).expand_as(packed.record_ids))
+        with pytest.raises(BatchIndependenceError, match="other logits alone"):
+            check_records_independent(model, bad, record_ids=packed.record_ids)
+
+
 def test_target_predicted_across_records_is_refused() -> None:
     model = tiny("gpt2")
     packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
