@@ -870,7 +870,7 @@ def summary_markdown(rows: list[dict], cfg: dict, info: dict, crit: list[dict]) 
         "MixGhostClip; fastDP is not on PyPI; its default MixOpt applies the same rule with one "
         "backward pass). `rc_two_pass` is `bookkeeping=False`; `rc_bookkeeping` is the default "
         "`bookkeeping=True`: one backward pass, and under checkpointing each layer keeps the "
-        "smaller of its per-sample gradients (its norm then exact) and its input and output "
+        "smaller of its per-sample gradients (the same sketch from them) and its input and output "
         "gradient for the clipped sum. Checkpointing: HF `gradient_checkpointing_enable()` "
         "(`non-reentrant` is its default; `reentrant` is `use_reentrant=True`).",
         "",

@@ -64,8 +64,9 @@ class RandomizedClippingConfig:
             ``use_reentrant``, or ``torch.utils.checkpoint``). Each layer keeps what its clipped
             sum needs until the clip factors exist; in a checkpointed step an ``nn.Linear``
             keeps whichever is smaller, its per-sample gradients (``p d + p`` floats per sample;
-            its norm is then exact, which the accounting allows: docs/privacy/envelope.md,
-            Lemma D) or its input and output gradient (``T (p + d)``), so the stored tensors do
+            its norm is then the same sketch computed from them, with the same probes:
+            docs/privacy/estimators.md, "The same estimator from either stash") or its input
+            and output gradient (``T (p + d)``), so the stored tensors do
             not undo checkpointing's memory saving (fastDP's per-layer rule applied to the
             stash; :mod:`opacus_rc.grad_sample.norms`). Embeddings, and the embedding side of a
             tied weight, keep their ids and output gradient. The stash is then at most ``B``

@@ -30,6 +30,7 @@ from opacus_rc.validation import validate_choice, validate_sketch_dim
 
 __all__ = [
     "ESTIMATORS",
+    "GRADIENT_ESTIMATORS",
     "MAX_UPSCALE_EXPONENT",
     "SketchGenerators",
     "SketchSpec",
@@ -40,6 +41,8 @@ __all__ = [
     "sample_absmax",
     "hutchinson_sqnorm",
     "hutchpp_sqnorm",
+    "hutchinson_sqnorm_of_gradients",
+    "hutchpp_sqnorm_of_gradients",
     "validate_sketch_dim",
 ]
 
@@ -435,10 +438,155 @@ def hutchpp_sqnorm(
         return head + tail
 
 
+def _check_gradients(grads: torch.Tensor) -> tuple[int, int, int]:
+    """Validate per-sample weight gradients ``(B, p, d)`` and return ``(B, p, d)``."""
+    if grads.dim() != 3:
+        raise ValueError(
+            f"per-sample gradients must be 3-D (B, p, d); got shape {tuple(grads.shape)}"
+        )
+    B, p, d = grads.shape
+    return B, p, d
+
+
+def hutchinson_sqnorm_of_gradients(
+    grads: torch.Tensor,
+    *,
+    sketch_dim: int,
+    generator: torch.Generator | None = None,
+    probes: torch.Tensor | None = None,
+    side: str = "auto",
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":func:`hutchinson_sqnorm` from the per-sample gradients ``M_i = G_i^T A_i`` themselves.
+
+    The same estimator with the same probes: the probes are drawn exactly as
+    :func:`hutchinson_sqnorm` draws them for factors ``A`` (``B x T x d``) and ``G``
+    (``B x T x p``) with ``M_i = G_i^T A_i`` (one ``(B, r, k)`` draw, ``r`` the side's
+    dimension, ``"auto"`` the smaller of ``p`` and ``d``), and the estimate
+    ``||M_i^T Omega_i||_F^2`` (output side) or ``||M_i Omega'_i||_F^2`` (input side) is the
+    value :func:`hutchinson_sqnorm` computes as ``||A_i^T (G_i Omega_i)||_F^2``, up to float
+    rounding (matrix products associate). So a layer whose per-sample gradients are kept
+    (:mod:`opacus_rc.grad_sample.norms`, the smaller stash) has the law, and, for the same
+    generator state, the values, of the same layer sketched from ``A`` and ``G``: which of the
+    two stashes a step keeps never changes a norm estimate's distribution
+    (docs/privacy/estimators.md#estimators-hutchinson).
+
+    Cost: ``2 B p d k`` FLOPs (against ``2 B T k (p + d)`` from the factors).
+
+    Args:
+        grads: ``M``, shape ``(B, p, d)``: per-sample weight gradients.
+        sketch_dim: ``k`` (>= 1).
+        generator: Generator the probes are drawn from (ignored if ``probes`` is given).
+        probes: Explicit sketch, as in :func:`hutchinson_sqnorm`.
+        side: ``"output"``, ``"input"`` or ``"auto"``, as in :func:`hutchinson_sqnorm`.
+        scale: Optional ``(B,)`` per-sample powers of two ``s``: the estimate is then that of
+            ``s M`` (the probes are scaled, not ``M``; exact in floating point).
+
+    Returns:
+        Tensor of shape ``(B,)``: estimates of ``||M_i||_F^2``; float32 for float32/bf16/fp16
+        gradients (autocast off), float64 for float64.
+
+    Raises:
+        TypeError: If ``sketch_dim`` is not an int.
+        ValueError: If ``sketch_dim < 1`` or a shape is inconsistent.
+    """
+    if type(sketch_dim) is not int or sketch_dim < 1:
+        validate_sketch_dim(sketch_dim)
+    B, p, d = _check_gradients(grads)
+    side = _resolve_side(side, p, d, probes)
+    # Output side: M^T Omega (d x k), Omega p x k; input side: M Omega' (p x k), Omega' d x k.
+    M = grads.transpose(1, 2) if side == "output" else grads
+    rows = M.shape[2]
+    dtype = _compute_dtype(grads)
+    if probes is None:
+        omega = draw_gaussian_probes(
+            B, rows, sketch_dim, generator=generator, device=grads.device, dtype=dtype
+        )
+    else:
+        omega = _check_probes(probes, batch=B, rows=rows).to(device=grads.device, dtype=dtype)
+    with autocast_off(grads.device):
+        s = None if scale is None else scale.reshape(B, 1, 1)
+        V = torch.bmm(M.to(dtype), _scaled(omega, s))
+        return V.pow(2).sum(dim=(1, 2))
+
+
+def hutchpp_sqnorm_of_gradients(
+    grads: torch.Tensor,
+    *,
+    sketch_dim: int,
+    head_dim: int | None = None,
+    generator: torch.Generator | None = None,
+    probes: torch.Tensor | None = None,
+    head_probes: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":func:`hutchpp_sqnorm` from the per-sample gradients ``M_i = G_i^T A_i`` themselves.
+
+    The same estimator with the same probes (the head sketch ``S``, ``B x d x s``, drawn first,
+    then the tail sketch ``Omega``, ``B x p x k``, as :func:`hutchpp_sqnorm` draws them):
+    ``Y = M^T M S``, ``Q = qr(Y).Q``, ``head = ||M Q||_F^2``, ``Z = Omega^T M``,
+    ``tail = ||Z - (Z Q) Q^T||_F^2``; equal to :func:`hutchpp_sqnorm` of the factors up to float
+    rounding, so the law does not depend on which stash a step keeps.
+
+    Args:
+        grads: ``M``, shape ``(B, p, d)``.
+        sketch_dim: ``k``, tail columns (>= 1).
+        head_dim: ``s``, head columns (>= 1); defaults to ``sketch_dim``.
+        generator: Generator for both sketches (head first, then tail).
+        probes: Explicit tail sketch, ``(B, p, k)`` or ``(p, k)``.
+        head_probes: Explicit head sketch, ``(B, d, s)`` or ``(d, s)``.
+        scale: Optional ``(B,)`` per-sample powers of two ``s``: the estimate of ``s M``.
+
+    Returns:
+        Tensor of shape ``(B,)``; dtype as in :func:`hutchinson_sqnorm_of_gradients`.
+
+    Raises:
+        TypeError: If ``sketch_dim`` or ``head_dim`` is not an int.
+        ValueError: If a dimension is < 1 or a shape is inconsistent.
+    """
+    validate_sketch_dim(sketch_dim)
+    s = sketch_dim if head_dim is None else validate_sketch_dim(head_dim, "head_dim")
+    B, p, d = _check_gradients(grads)
+    dtype = _compute_dtype(grads)
+    device = grads.device
+    if head_probes is None:
+        S = draw_gaussian_probes(B, d, s, generator=generator, device=device, dtype=dtype)
+    else:
+        S = _check_probes(head_probes, batch=B, rows=d, name="head_probes").to(device, dtype)
+    if probes is None:
+        omega = draw_gaussian_probes(
+            B, p, sketch_dim, generator=generator, device=device, dtype=dtype
+        )
+    else:
+        omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    sc = None if scale is None else scale.reshape(B, 1, 1)
+    with autocast_off(device):
+        M = grads.to(dtype)
+        Mt = M.transpose(1, 2)
+        # Each product with M scales its other operand first (exact for powers of two).
+        Y = torch.bmm(Mt, _scaled(torch.bmm(M, _scaled(S, sc)), sc))  # (B, d, s)
+        Q = torch.linalg.qr(Y, mode="reduced").Q
+        head = torch.bmm(M, _scaled(Q, sc)).pow(2).sum(dim=(1, 2))
+        Z = torch.bmm(_scaled(omega, sc).transpose(1, 2), M)  # (B, k, d)
+        resid = Z - torch.bmm(torch.bmm(Z, Q), Q.transpose(1, 2))
+        tail = resid.pow(2).sum(dim=(1, 2))
+        return head + tail
+
+
 #: Sketched squared-norm estimators, by the name used in :class:`SketchSpec`.
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "hutchinson": hutchinson_sqnorm,
     "hutch++": hutchpp_sqnorm,
+}
+
+#: Factor-form estimator -> the same estimator computed from per-sample weight gradients
+#: ``(B, p, d)`` (same probes, same law; :func:`hutchinson_sqnorm_of_gradients`). A sketched
+#: layer may keep its per-sample gradients instead of its input and output gradient only where
+#: its estimator is a key here (:mod:`opacus_rc.grad_sample.norms`); keyed by the function, so
+#: an estimator registered in :data:`ESTIMATORS` under a built-in name is not mistaken for it.
+GRADIENT_ESTIMATORS: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {
+    hutchinson_sqnorm: hutchinson_sqnorm_of_gradients,
+    hutchpp_sqnorm: hutchpp_sqnorm_of_gradients,
 }
 
 

@@ -76,7 +76,12 @@ from opacus_rc.grad_sample.routing import (
     resolve_norm_routes,
 )
 from opacus_rc.grad_sample.tied import TiedSketches
-from opacus_rc.sketching import SketchGenerators, SketchSpec, get_estimator
+from opacus_rc.sketching import (
+    GRADIENT_ESTIMATORS,
+    SketchGenerators,
+    SketchSpec,
+    get_estimator,
+)
 
 __all__ = ["GradSampleHooksRandomizedClipping", "GradSampleModuleRandomizedClipping"]
 
@@ -206,8 +211,13 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
             self._module_names = names
             self._param_names = {id(p): name for name, p in trainable_parameters(m)}
             estimator = get_estimator(config.sketch)
+            gradient_estimator = GRADIENT_ESTIMATORS.get(estimator)
             if config.sketch_spec.head_dim is not None:
                 estimator = functools.partial(estimator, head_dim=config.sketch_spec.head_dim)
+                if gradient_estimator is not None:
+                    gradient_estimator = functools.partial(
+                        gradient_estimator, head_dim=config.sketch_spec.head_dim
+                    )
             self._generators = SketchGenerators(user_generator=config.sketch_generator)
             if config.sketch_generator is not None:
                 warnings.warn(
@@ -229,6 +239,7 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
                 name_of=self._name_of,
                 stash_grad_samplers=self.STASH_GRAD_SAMPLERS,
                 functorch=functorch,
+                gradient_estimator=gradient_estimator,
             )
             uses = ParameterUseCheck(m, name_of=self._name_of, active=lambda: self.hooks_enabled)
             uses.register(self.autograd_grad_sample_hooks)

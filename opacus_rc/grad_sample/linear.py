@@ -30,7 +30,11 @@ from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
 from opacus_rc.sketching import autocast_off, pow2_scale, sample_absmax
 
-__all__ = ["compute_linear_clipped_sum", "compute_linear_sketched_norm_sample"]
+__all__ = [
+    "compute_linear_clipped_sum",
+    "compute_linear_sketched_norm_sample",
+    "sketched_weight_norm_of_gradients",
+]
 
 
 def _sketched_weight_norm(
@@ -73,6 +77,41 @@ def _sketched_weight_norm(
         # Undo the scaling on the (B,) norms; float64 only for the exponent's range (2^e can
         # exceed float32 where the rescaled norm does not).
         norm = torch.ldexp(sq.clamp(min=0).sqrt().double(), (exp_a + exp_g).to(sq.device))
+        return norm.to(sq.dtype)
+
+
+def sketched_weight_norm_of_gradients(
+    grads: torch.Tensor,
+    *,
+    estimator: Callable[..., torch.Tensor],
+    sketch_dim: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``sqrt`` of the estimator's ``||M_i||_F^2`` from per-sample weight gradients ``M_i``.
+
+    The norm :func:`_sketched_weight_norm` gives from the factors ``A_i``, ``G_i`` with
+    ``M_i = G_i^T A_i``, with the same probes (``estimator`` is the gradient form of the same
+    estimator, :data:`opacus_rc.sketching.GRADIENT_ESTIMATORS`), up to float rounding; in
+    float32 each sample is scaled by a power of two so that its largest entry lies in
+    ``[0.5, 1)`` (exact; the law is unchanged), and the norm rescaled afterwards.
+
+    Args:
+        grads: ``(B, p, d)`` per-sample weight gradients.
+        estimator: A function of :data:`opacus_rc.sketching.GRADIENT_ESTIMATORS` (or a
+            ``functools.partial`` of one).
+        sketch_dim: ``k``.
+        generator: Sketch generator.
+
+    Returns:
+        ``(B,)`` norm estimates in the estimator's output dtype.
+    """
+    if grads.dtype == torch.float64 or grads.numel() == 0:
+        sq = estimator(grads, sketch_dim=sketch_dim, generator=generator)
+        return sq.clamp(min=0).sqrt()
+    with autocast_off(grads.device):
+        scale, exponent = pow2_scale(sample_absmax(grads).float())
+        sq = estimator(grads, sketch_dim=sketch_dim, generator=generator, scale=scale)
+        norm = torch.ldexp(sq.clamp(min=0).sqrt().double(), exponent.to(sq.device))
         return norm.to(sq.dtype)
 
 

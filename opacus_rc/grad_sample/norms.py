@@ -28,11 +28,14 @@ a per-sample gradient function (:data:`STASH_GRAD_SAMPLERS`) keeps whichever is 
 (:func:`prefers_grad_sample_stash`: the per-layer choice of the hybrid book-keeping of Bu, Wang,
 Zha and Karypis, ICML 2023, implemented in fastDP, which compares the costs of the ghost norm
 and of per-sample gradients, ``2 T^2`` against ``p d``; here the sizes of the two stashes are
-compared). Where it keeps per-sample gradients, a sketched layer's norms are their exact Frobenius
-norms (no probe is drawn): exact parts inside a sketched step never worsen the accounted
-envelope (docs/privacy/envelope.md#envelope-lemma-d, Lemma D, for any exact share ``a``), so the
-step is accounted with the module's sketch spec unchanged. The choice depends on shapes only,
-never on values or probes, and costs no host synchronisation. A tied weight's head keeps its
+compared). Where it keeps per-sample gradients, a sketched layer's norm is the same estimator
+computed from them (:data:`~opacus_rc.sketching.GRADIENT_ESTIMATORS`: the same probe draw, the
+same law, the same value up to float rounding): the choice depends on the batch's shapes, and a
+padded batch's ``T`` on its longest record, so were the norm exact on one stash and sketched on
+the other, a record's estimator would depend on the other records in its batch
+(docs/privacy/estimators.md#estimators-stash). A sketched layer whose sampler or estimator has
+no gradient form keeps its input and output gradient. The choice depends on shapes only, never
+on values or probes, and costs no host synchronisation. A tied weight's head keeps its
 joint sketch for the norm (:mod:`~opacus_rc.grad_sample.tied`) and only stashes its per-sample
 gradient ``H_i = G_i^T A_i``; ``nn.Embedding`` (exact norm; Opacus' per-sample gradient counts the
 ``padding_idx`` row, which autograd leaves at zero) keeps its ids and output gradient, ``T (1 + d)``
@@ -61,6 +64,10 @@ from torch import nn
 
 from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
+from opacus_rc.grad_sample.linear import (
+    compute_linear_sketched_norm_sample,
+    sketched_weight_norm_of_gradients,
+)
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
 from opacus_rc.sketching import autocast_off
 
@@ -83,6 +90,14 @@ STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torc
 
 #: Routes whose clipped sum may come from a per-sample-gradient stash in a checkpointed step.
 _MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)
+
+#: Module type -> the sketched norm sampler whose estimate :meth:`ModuleNorms.compute` can also
+#: compute, with the same probes and law, from the layer's per-sample gradients. A sketched layer
+#: keeps per-sample gradients only where its type is listed and its registered sampler is this
+#: one: otherwise which stash the shapes pick would decide between two estimators.
+_GRADIENT_FORM_SAMPLERS: dict[type[nn.Module], Callable[..., Any]] = {
+    nn.Linear: compute_linear_sketched_norm_sample
+}
 
 
 #: Paths that materialise per-sample gradients (``NormPath.per_sample_gradients``).
@@ -147,6 +162,9 @@ class ModuleNorms:
             (default :data:`STASH_GRAD_SAMPLERS`).
         functorch: ``id(module) -> per-sample gradient function`` of the modules on the
             functorch path (:class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`).
+        gradient_estimator: ``estimator`` computed from per-sample weight gradients
+            (:data:`~opacus_rc.sketching.GRADIENT_ESTIMATORS`), or None where the estimator has
+            no such form: then a sketched layer always keeps its input and output gradient.
     """
 
     def __init__(
@@ -162,7 +180,9 @@ class ModuleNorms:
         name_of: Callable[[Any], str],
         stash_grad_samplers: Mapping[type, Callable[..., Any]] | None = None,
         functorch: Mapping[int, Callable[..., Any]] | None = None,
+        gradient_estimator: Callable[..., torch.Tensor] | None = None,
     ) -> None:
+        self._gradient_estimator = gradient_estimator
         self._functorch = {} if functorch is None else functorch
         self._stash_grad_samplers = (
             STASH_GRAD_SAMPLERS if stash_grad_samplers is None else stash_grad_samplers
@@ -223,7 +243,11 @@ class ModuleNorms:
             bookkeeping
             and params
             and (
-                (smaller_stash and route.path in _MIXED_STASH_PATHS)
+                (
+                    smaller_stash
+                    and route.path in _MIXED_STASH_PATHS
+                    and self._same_estimator_from_grad_samples(module, route)
+                )
                 # An exact layer (a norm layer's closed form) computes its per-sample
                 # gradients for the norm anyway: kept, they are its clipped sum's stash, not
                 # computed a second time from A and G.
@@ -269,13 +293,58 @@ class ModuleNorms:
         if route.path is NormPath.TIED:
             self._sampled(module, route, params, activations, backprops, step, False)
         else:
-            norms = exact_norms_of_grad_samples(grad_samples)
+            if route.path is NormPath.SKETCHED:
+                norms = self._sketched_from_grad_samples(module, activations, grad_samples)
+            else:
+                norms = exact_norms_of_grad_samples(grad_samples)
             self._record(module, params, norms, step, what="per-sample gradient function")
         step.stash(
             BookkeepingStash(
                 module, tuple(grad_samples), grad_samples=grad_samples, scale=self._scale
             )
         )
+
+    def _same_estimator_from_grad_samples(self, module: nn.Module, route: NormRoute) -> bool:
+        """Whether ``module``'s norm estimate is the same (law and probes) from its per-sample
+        gradients as from its input and output gradient: a tied head keeps its joint sketch
+        from ``A`` and ``G`` either way; a sketched layer needs the gradient form of its
+        sampler and of the step's estimator (:data:`_GRADIENT_FORM_SAMPLERS`)."""
+        if route.path is NormPath.TIED:
+            return True
+        sampler = _GRADIENT_FORM_SAMPLERS.get(type(module))
+        return (
+            self._gradient_estimator is not None
+            and sampler is not None
+            and self._sketched.get(type(module)) is sampler
+        )
+
+    def _sketched_from_grad_samples(
+        self,
+        module: nn.Module,
+        activations: list[torch.Tensor],
+        grad_samples: Mapping[nn.Parameter, torch.Tensor],
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        """A sketched ``nn.Linear``'s norms from its per-sample gradients: what
+        :func:`~opacus_rc.grad_sample.linear.compute_linear_sketched_norm_sample` gives from
+        its input and output gradient, with the same probe draw (the weight's, rank-3 inputs)
+        and the same exact parts (the bias; the weight of a rank-2 input), up to float
+        rounding. So the stash a step keeps, which the batch's shapes decide (its padded
+        length ``T``, hence the other records' lengths), never changes a record's estimator."""
+        weight = getattr(module, "weight", None)
+        exact = {p: g for p, g in grad_samples.items() if p is not weight}
+        if weight in grad_samples and activations[0].dim() == 2:
+            exact[weight] = grad_samples[weight]
+        norms = exact_norms_of_grad_samples(exact) if exact else {}
+        if weight in grad_samples and weight not in norms:
+            gs = grad_samples[weight]
+            out_dtype = torch.promote_types(gs.dtype, torch.float32)
+            norms[weight] = sketched_weight_norm_of_gradients(
+                gs,
+                estimator=self._gradient_estimator,
+                sketch_dim=self._sketch_dim,
+                generator=self._generator_for(gs.device),
+            ).to(out_dtype)
+        return norms
 
     def _sampled(
         self,

@@ -38,10 +38,11 @@ Book-keeping policy (``RandomizedClippingConfig.bookkeeping``): ``True`` (defaul
 backward pass per step wherever every route supports it and the model is not distributed, with
 activation checkpointing too (HF ``gradient_checkpointing_enable()``, either ``use_reentrant``,
 or ``torch.utils.checkpoint``): in a checkpointed step each ``nn.Linear`` keeps whichever is
-smaller for its clipped sum, its per-sample gradients (``p d + p`` floats per sample; its norm
-is then exact) or its input and output gradient (``T (p + d)``), so the stored tensors do not
-undo checkpointing's memory saving (:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied
-weight's embedding side keep their ids and output gradient. ``"always"`` keeps every layer's
+smaller for its clipped sum, its per-sample gradients (``p d + p`` floats per sample; a
+sketched norm is then the same sketch computed from them) or its input and output gradient
+(``T (p + d)``), so the stored tensors do not undo checkpointing's memory saving
+(:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied weight's embedding side keep their
+ids and output gradient. ``"always"`` keeps every layer's
 input and output gradient, checkpointed or not; ``False`` runs two backward passes.
 """
 
@@ -747,9 +748,10 @@ class PrivateStep:
                     self._told_checkpointing = True
                     logger.info(
                         "activation checkpointing: one backward pass; each layer keeps the "
-                        "smaller of its per-sample gradients (then its norm is exact) and its "
-                        "input and output gradient for the clipped sum; bookkeeping='always' "
-                        "keeps the inputs everywhere, bookkeeping=False takes two passes"
+                        "smaller of its per-sample gradients and its input and output gradient "
+                        "for the clipped sum (a sketched norm is the same sketch from either); "
+                        "bookkeeping='always' keeps the inputs everywhere, bookkeeping=False "
+                        "takes two passes"
                     )
                 # The first pass stops at the hooked modules' inputs (Bu et al. 2023, section
                 # 3): no dL/dW is computed that the clipped sum or the second pass replaces.
