@@ -62,20 +62,21 @@ class RandomizedClippingConfig:
             Zha and Karypis, ICML 2023) where the model allows it, also in steps whose forward
             ran activation-checkpointed regions (HF ``gradient_checkpointing_enable()``, either
             ``use_reentrant``, or ``torch.utils.checkpoint``). Each layer keeps what its clipped
-            sum needs until the clip factors exist; in a checkpointed step an ``nn.Linear``
-            keeps whichever is smaller, its per-sample gradients (``p d + p`` floats per sample;
-            its norm is then the same sketch computed from them, with the same probes:
+            sum needs until the clip factors exist; an ``nn.Linear`` keeps whichever is
+            smaller, its per-sample gradients (``p d + p`` floats per sample; its norm is then
+            the same sketch computed from them, with the same probes:
             docs/privacy/estimators.md, "The same estimator from either stash") or its input
-            and output gradient (``T (p + d)``), so the stored tensors do
-            not undo checkpointing's memory saving (fastDP's per-layer rule applied to the
-            stash; :mod:`opacus_rc.grad_sample.norms`). Embeddings, and the embedding side of a
-            tied weight, keep their ids and output gradient. The stash is then at most ``B``
-            copies of the trainable weights: negligible at long ``T`` (30 SmolLM2 blocks, T =
-            32768: 1.00x the checkpointed non-private step's peak memory), but at short ``T``
-            it can dominate a checkpointed step (T = 512: 1.34-1.51x), where ``False`` needs
+            and output gradient (``T (p + d)``), so that in a checkpointed step the stored
+            tensors do not undo checkpointing's memory saving (fastDP's per-layer rule applied
+            to the stash; :mod:`opacus_rc.grad_sample.norms`), and in any step the sketch costs
+            ``2 p d k`` instead of ``2 T k (p + d)`` FLOPs where that is less. Embeddings, and the
+            embedding side of a tied weight, keep their ids and output gradient. The stash is then
+            at most ``B`` copies of the trainable weights: negligible at long ``T`` (30 SmolLM2
+            blocks, T = 32768: 1.00x the checkpointed non-private step's peak memory), but at short
+            ``T`` it can dominate a checkpointed step (T = 512: 1.34-1.51x), where ``False`` needs
             less memory at 1.6-1.8x the FLOPs (``python -m benchmarks.long_context``). ``"always"``:
-            every layer keeps its input and output gradient, checkpointed or not (all sketched
-            norms, more memory under checkpointing). ``False``: two backward passes always. The
+            every layer keeps its input and output gradient, checkpointed or not (more memory
+            under checkpointing). ``False``: two backward passes always. The
             guarantee is the same in every mode (the same sketch spec is accounted).
 
     Attributes:

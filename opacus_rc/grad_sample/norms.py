@@ -18,16 +18,17 @@ clipped sum needs, in the step's :class:`~opacus_rc.grad_sample.private_step.Pri
   (RNNs), the norm taken at a parameter's last use; with book-keeping the per-sample gradients are
   kept.
 
-**The stash of an activation-checkpointed step** (``smaller_stash=True``, set by the grad-sample
-module when book-keeping runs in a step whose forward was checkpointed and ``bookkeeping`` is
-``True``). A layer's clipped sum needs either its input ``A`` and output gradient ``G``
-(``T (p + d)`` floats per sample for an ``nn.Linear`` with weight ``p x d``) or its per-sample
-gradients (``p d + p`` floats per sample). Without checkpointing ``A`` is held by autograd anyway,
-but under checkpointing keeping it undoes what checkpointing freed. So each layer whose type has
+**The smaller stash** (``smaller_stash=True``, passed by the private step in every book-keeping
+step with ``bookkeeping=True``, checkpointed or not). A layer's clipped sum needs either its
+input ``A`` and output gradient ``G`` (``T (p + d)`` floats per sample for an ``nn.Linear`` with
+weight ``p x d``) or its per-sample gradients (``p d + p`` floats per sample). Under
+checkpointing keeping ``A`` undoes what checkpointing freed; in any step the sketch from the
+per-sample gradients costs ``2 p d k`` FLOPs against ``2 T k (p + d)`` from ``A`` and ``G`` (and
+at ``B = 1`` the clipped sum scales the layer's one gradient in place). So each layer whose type has
 a per-sample gradient function (:data:`STASH_GRAD_SAMPLERS`) keeps whichever is smaller
-(:func:`prefers_grad_sample_stash`: the per-layer choice of the hybrid book-keeping of Bu, Wang,
-Zha and Karypis, ICML 2023, implemented in fastDP, which compares the costs of the ghost norm
-and of per-sample gradients, ``2 T^2`` against ``p d``; here the sizes of the two stashes are
+(:func:`prefers_grad_sample_stash`: the per-layer choice of the hybrid book-keeping of Bu, Wang, Zha
+and Karypis, ICML 2023, implemented in fastDP, which compares the costs of the ghost norm and of
+per-sample gradients, ``2 T^2`` against ``p d``; here the sizes of the two stashes are
 compared). Where it keeps per-sample gradients, a sketched layer's norm is the same estimator
 computed from them (:data:`~opacus_rc.sketching.GRADIENT_ESTIMATORS`: the same probe draw, the
 same law, the same value up to float rounding): the choice depends on the batch's shapes, and a

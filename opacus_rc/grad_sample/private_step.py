@@ -37,13 +37,13 @@ until ``zero_grad()``.
 Book-keeping policy (``RandomizedClippingConfig.bookkeeping``): ``True`` (default) runs one
 backward pass per step wherever every route supports it and the model is not distributed, with
 activation checkpointing too (HF ``gradient_checkpointing_enable()``, either ``use_reentrant``,
-or ``torch.utils.checkpoint``): in a checkpointed step each ``nn.Linear`` keeps whichever is
-smaller for its clipped sum, its per-sample gradients (``p d + p`` floats per sample; a
+or ``torch.utils.checkpoint``): each ``nn.Linear`` keeps whichever is smaller for its clipped
+sum, its per-sample gradients (``p d + p`` floats per sample; a
 sketched norm is then the same sketch computed from them) or its input and output gradient
-(``T (p + d)``), so the stored tensors do not undo checkpointing's memory saving
-(:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied weight's embedding side keep their
-ids and output gradient. ``"always"`` keeps every layer's
-input and output gradient, checkpointed or not; ``False`` runs two backward passes.
+(``T (p + d)``), so the stored tensors do not undo checkpointing's memory saving and the sketch
+costs the fewer FLOPs (:mod:`~opacus_rc.grad_sample.norms`); embeddings and a tied weight's
+embedding side keep their ids and output gradient. ``"always"`` keeps every layer's input and output
+gradient, checkpointed or not; ``False`` runs two backward passes.
 """
 
 from __future__ import annotations
@@ -556,7 +556,9 @@ class PrivateStep:
                 backprops,
                 step=self,
                 bookkeeping=self.bookkeeping,
-                smaller_stash=self.smaller_stash,
+                # Every layer keeps the smaller stash wherever book-keeping is True: with or
+                # without checkpointing, the estimate is the same from either (norms.py).
+                smaller_stash=self.bookkeeping and self.config.bookkeeping is True,
                 backprop_scale=backprop_scale,
             )
         except BaseException:

@@ -52,7 +52,7 @@ from opacus_rc.grad_sample.bookkeeping import (
     write_clipped_sums,
 )
 from opacus_rc.grad_sample.checkpointing import in_backward
-from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
+from opacus_rc.grad_sample.norms import STASH_GRAD_SAMPLERS, prefers_grad_sample_stash
 from opacus_rc.grad_sample.private_step import StepPhase
 from opacus_rc.grad_sample.routing import NormPath
 from opacus_rc.optimizers import DPLossRandomizedClipping, RandomizedClipOptimizer
@@ -361,6 +361,66 @@ def test_a_records_norms_do_not_depend_on_another_records_length(reentrant: bool
     assert set(short) == set(long)
     for name in short:
         assert long[name] == pytest.approx(short[name], rel=1e-5), name
+
+
+def test_without_checkpointing_the_smaller_stash_is_kept_too() -> None:
+    """Issue 34: a step without checkpointing also keeps, per nn.Linear, the smaller of its
+    per-sample gradients and its input and output gradient (fewer FLOPs where the per-sample
+    gradients are smaller: the sketch from them costs 2 p d k, from A and G 2 T k (p + d); at
+    B = 1 the clipped sum scales the gradient in place). At T = 11 every nn.Linear of the tiny
+    Llama keeps per-sample gradients; the norms equal those of bookkeeping="always" (A and G
+    everywhere; the same probes) to float32 rounding, and so do the clipped gradients."""
+    case = Case(tiny_llama, 11, mixed=False)
+    calls: list[str] = []
+
+    def counting(layer: nn.Module, activations: Any, backprops: torch.Tensor) -> Any:
+        calls.append(type(layer).__name__)
+        return STASH_GRAD_SAMPLERS[type(layer)](layer, activations, backprops)
+
+    class Counting(GradSampleModuleRandomizedClipping):
+        STASH_GRAD_SAMPLERS = {nn.Linear: counting}
+
+    def run(bookkeeping: bool | str) -> Step:
+        model = case.build()
+        gsm = Counting(
+            model,
+            max_grad_norm=0.05,
+            sketch_dim=K,
+            sketch_generator=torch.Generator().manual_seed(7),
+            bookkeeping=bookkeeping,
+        )
+        opt = RandomizedClipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            grad_sample_module=gsm,
+            noise_multiplier=0.0,
+            expected_batch_size=B,
+        )
+        crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+        kwargs, target = data(case)
+        logits = gsm(**kwargs).logits[:, :-1]
+        crit(logits.reshape(-1, VOCAB), target.reshape(-1), shape=(B, case.T - 1)).backward()
+        assert not gsm.step_smaller_stash  # not checkpointed
+        step = Step(
+            norms=gsm.per_sample_gradient_norms.clone(),
+            norm_samples={n: t.clone() for n, t in gsm.norm_samples.items()},
+            grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            passes=1,
+            smaller_stash=False,
+            routes=gsm.norm_routes,
+        )
+        gsm.cleanup()
+        return step
+
+    always = run("always")
+    assert calls == []
+    kept = run(True)
+    linears = sum(isinstance(m, nn.Linear) for m in case.build().modules())
+    assert calls == ["Linear"] * linears  # every nn.Linear kept its per-sample gradients
+    assert set(kept.norm_samples) == set(always.norm_samples)
+    for name, norm in always.norm_samples.items():
+        torch.testing.assert_close(kept.norm_samples[name], norm, rtol=EXACT_RTOL, atol=0)
+    for name, grad in always.grads.items():
+        torch.testing.assert_close(kept.grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_two_passes_when_asked() -> None:
