@@ -357,6 +357,33 @@ def hutchinson_sqnorm(
         return V.pow(2).sum(dim=(1, 2))
 
 
+def _hutchpp_probes(
+    B: int,
+    d: int,
+    p: int,
+    s: int,
+    k: int,
+    generator: torch.Generator | None,
+    head_probes: torch.Tensor | None,
+    probes: torch.Tensor | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hutch++'s head sketch ``S`` (``B x d x s``) then tail sketch ``Omega`` (``B x p x k``):
+    drawn in this order from ``generator``, or the given ones checked (one place, so that the
+    factor and gradient forms draw the same probes)."""
+    if head_probes is None:
+        S = draw_gaussian_probes(B, d, s, generator=generator, device=device, dtype=dtype)
+    else:
+        S = _check_probes(head_probes, batch=B, rows=d, name="head_probes").to(device, dtype)
+    if probes is None:
+        omega = draw_gaussian_probes(B, p, k, generator=generator, device=device, dtype=dtype)
+    else:
+        omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    return S, omega
+
+
 def hutchpp_sqnorm(
     activations: torch.Tensor,
     backprops: torch.Tensor,
@@ -411,16 +438,9 @@ def hutchpp_sqnorm(
     B, _, d, p = _check_factors(activations, backprops)
     dtype = _compute_dtype(activations, backprops)
     device = backprops.device
-    if head_probes is None:
-        S = draw_gaussian_probes(B, d, s, generator=generator, device=device, dtype=dtype)
-    else:
-        S = _check_probes(head_probes, batch=B, rows=d, name="head_probes").to(device, dtype)
-    if probes is None:
-        omega = draw_gaussian_probes(
-            B, p, sketch_dim, generator=generator, device=device, dtype=dtype
-        )
-    else:
-        omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    S, omega = _hutchpp_probes(
+        B, d, p, s, sketch_dim, generator, head_probes, probes, device=device, dtype=dtype
+    )
     s_a, s_g = _scale_views(scale, B, swap=False)
     with autocast_off(device):
         A = activations.to(dtype)
@@ -549,16 +569,9 @@ def hutchpp_sqnorm_of_gradients(
     B, p, d = _check_gradients(grads)
     dtype = _compute_dtype(grads)
     device = grads.device
-    if head_probes is None:
-        S = draw_gaussian_probes(B, d, s, generator=generator, device=device, dtype=dtype)
-    else:
-        S = _check_probes(head_probes, batch=B, rows=d, name="head_probes").to(device, dtype)
-    if probes is None:
-        omega = draw_gaussian_probes(
-            B, p, sketch_dim, generator=generator, device=device, dtype=dtype
-        )
-    else:
-        omega = _check_probes(probes, batch=B, rows=p).to(device=device, dtype=dtype)
+    S, omega = _hutchpp_probes(
+        B, d, p, s, sketch_dim, generator, head_probes, probes, device=device, dtype=dtype
+    )
     sc = None if scale is None else scale.reshape(B, 1, 1)
     with autocast_off(device):
         M = grads.to(dtype)

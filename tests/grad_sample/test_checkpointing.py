@@ -167,10 +167,15 @@ class Step:
 
 
 def private_step(
-    case: Case, model: nn.Module, *, max_grad_norm: float, bookkeeping: bool | str = True
+    case: Case,
+    model: nn.Module,
+    *,
+    max_grad_norm: float,
+    bookkeeping: bool | str = True,
+    gsm_class: type[GradSampleModuleRandomizedClipping] = GradSampleModuleRandomizedClipping,
 ) -> Step:
     """One private step at sigma = 0 with a seeded sketch."""
-    gsm = GradSampleModuleRandomizedClipping(
+    gsm = gsm_class(
         model,
         max_grad_norm=max_grad_norm,
         sketch_dim=K,
@@ -381,34 +386,10 @@ def test_without_checkpointing_the_smaller_stash_is_kept_too() -> None:
         STASH_GRAD_SAMPLERS = {nn.Linear: counting}
 
     def run(bookkeeping: bool | str) -> Step:
-        model = case.build()
-        gsm = Counting(
-            model,
-            max_grad_norm=0.05,
-            sketch_dim=K,
-            sketch_generator=torch.Generator().manual_seed(7),
-            bookkeeping=bookkeeping,
+        step = private_step(
+            case, case.build(), max_grad_norm=0.05, bookkeeping=bookkeeping, gsm_class=Counting
         )
-        opt = RandomizedClipOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.0),
-            grad_sample_module=gsm,
-            noise_multiplier=0.0,
-            expected_batch_size=B,
-        )
-        crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
-        kwargs, target = data(case)
-        logits = gsm(**kwargs).logits[:, :-1]
-        crit(logits.reshape(-1, VOCAB), target.reshape(-1), shape=(B, case.T - 1)).backward()
-        assert not gsm.step_smaller_stash  # not checkpointed
-        step = Step(
-            norms=gsm.per_sample_gradient_norms.clone(),
-            norm_samples={n: t.clone() for n, t in gsm.norm_samples.items()},
-            grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            passes=1,
-            smaller_stash=False,
-            routes=gsm.norm_routes,
-        )
-        gsm.cleanup()
+        assert step.passes == 1 and not step.smaller_stash  # not checkpointed
         return step
 
     always = run("always")
