@@ -378,14 +378,28 @@ def linear_shapes(arch: str, *, tied: bool) -> list[tuple[int, int]]:
 
 def closed_form_extra_flops(arch: str, *, T: int, k: int, B: int = 1) -> int:
     """Randomized clipping's matrix-product FLOPs over non-private's, checkpointing off
-    (module docstring): ``sum 2BTk(p + d)`` over the Linears + ``2BTkd`` (tied embedding) +
-    ``2Bd`` per RMSNorm for ``B > 1`` (``2L + 1`` of them: the book-keeping clipped sum of its
-    closed form contracts the ``(B,)`` clip factors with the ``(B, d)`` per-sample gradients
-    it stashed as one product; for ``B = 1`` it scales the one row in place, no product)."""
+    (module docstring). Each block ``nn.Linear`` (``d -> p``, no bias) keeps the smaller
+    book-keeping stash (``opacus_rc/grad_sample/norms.py``): its per-sample gradients where
+    ``p d <= T (p + d)``, sketched from them (``2Bpdk``; for ``B > 1`` the clipped sum contracts
+    the ``(B,)`` clip factors with them, ``2Bpd``; their computation replaces autograd's weight
+    gradient), else its input and output gradient, sketched from them (``2BTk(p + d)``). The tied
+    LM head's norm is the joint sketch from its factors, ``2BTk(V + d)`` + ``2BTkd`` (tied
+    embedding), plus ``2BVd`` for ``B > 1`` where it keeps its per-sample gradients; ``2Bd`` per
+    RMSNorm for ``B > 1`` (``2L + 1`` of them: the clipped sum of its closed form contracts the
+    clip factors with the ``(B, d)`` per-sample gradients it stashed; for ``B = 1`` it scales the
+    one row in place, no product)."""
     d = ARCHITECTURES[arch]["hidden_size"]
     norms = 2 * ARCHITECTURES[arch]["num_hidden_layers"] + 1
-    linears = sum(2 * B * T * k * (p + din) for din, p in linear_shapes(arch, tied=True))
-    return linears + 2 * B * T * k * d + (norms * 2 * B * d if B > 1 else 0)
+    *blocks, (_, v) = linear_shapes(arch, tied=True)
+    contraction = 2 * B if B > 1 else 0
+    linears = 0
+    for din, p in blocks:
+        if p * din <= T * (p + din):
+            linears += 2 * B * p * din * k + contraction * p * din
+        else:
+            linears += 2 * B * T * k * (p + din)
+    head = 2 * B * T * k * (v + d) + (contraction * v * d if v * d <= T * (v + d) else 0)
+    return linears + head + 2 * B * T * k * d + norms * contraction * d
 
 
 def per_rank(measured: dict[str, Any], W: int) -> dict[str, int]:

@@ -24,10 +24,16 @@ def tiny_cells() -> dict[str, dict]:
 
 def test_rc_flops_equal_closed_form(tiny_cells):
     extra = tiny_cells["rc_bookkeeping"]["step_flops"] - tiny_cells["non_private"]["step_flops"]
-    # 2 blocks of 7 Linears + the LM head: sum 2BTk(p + d), plus 2BTkd for the tied embedding;
-    # the 5 RMSNorms' clipped sums scale their one stashed per-sample gradient in place (B = 1:
-    # no product; 2Bd each for B > 1).
-    expected = 2 * 32 * 4 * (2 * (128 + 96 + 96 + 128 + 192 + 192 + 192) + 576) + 2 * 32 * 4 * 64
+    # 2 blocks of 7 Linears: q, k, v, o (p d = 4096, 2048, 2048, 4096 <= T (p + d) = 4096,
+    # 3072, 3072, 4096) keep per-sample gradients, sketched from them (2Bpdk); gate, up, down
+    # (8192 > 6144) keep A and G (2BTk(p + d)); the tied LM head 2BTk(V + d) and the tied
+    # embedding 2BTkd; the 5 RMSNorms' clipped sums scale their one stashed per-sample
+    # gradient in place (B = 1: no product).
+    expected = (
+        2 * (2 * 4 * (4096 + 2048 + 2048 + 4096) + 2 * 32 * 4 * (192 + 192 + 192))
+        + 2 * 32 * 4 * 576
+        + 2 * 32 * 4 * 64
+    )
     assert fsdp_regime.closed_form_extra_flops("tiny-llama", T=32, k=4) == expected
     assert extra == expected
 

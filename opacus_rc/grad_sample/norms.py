@@ -312,11 +312,12 @@ class ModuleNorms:
         sampler and of the step's estimator (:data:`_GRADIENT_FORM_SAMPLERS`)."""
         if route.path is NormPath.TIED:
             return True
-        sampler = _GRADIENT_FORM_SAMPLERS.get(type(module))
+        kind = type(module)
         return (
             self._gradient_estimator is not None
-            and sampler is not None
-            and self._sketched.get(type(module)) is sampler
+            and kind in _GRADIENT_FORM_SAMPLERS
+            and kind in self._sketched
+            and self._sketched[kind] is _GRADIENT_FORM_SAMPLERS[kind]
         )
 
     def _sketched_from_grad_samples(
