@@ -189,7 +189,10 @@ class _AutocastOff(TorchFunctionMode):
     other records as strictly as without mixed precision (a bfloat16 tolerance,
     ``sqrt(2**-7) = 9%`` of the outputs' scale, would let small dependences through). A
     dependence on other records is a property of the function, which float32 shows as well
-    as bfloat16.
+    as bfloat16. Not covered: a forward that casts to bfloat16 itself (``x.to(torch.bfloat16)``,
+    or after reading ``torch.is_autocast_enabled()``, which still says True inside, as
+    transformers' flash-attention path does to pick its dtype); its rounding then enters the
+    outputs as before.
     """
 
     def __init__(self, device_types: Sequence[str]) -> None:
@@ -219,7 +222,7 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     and the autocast cache cleared (its casts from here carry no gradient). float32 matrix
     products run at ``"highest"`` precision inside (TF32 off), restored on exit, and autocast
     is off (a bfloat16 autocast's rounding is not what the check is about), also an autocast
-    entered inside the model's forward (accelerate's under ``bf16=True``; :class:`_AutocastOff`).
+    entered inside the model's forward (accelerate's under ``bf16=True``; ``_AutocastOff``).
 
     Args:
         model: The model whose forwards run inside.
