@@ -33,7 +33,10 @@ the tests, left and right padding), and far
 below what a dependence on other records moves (positions shifted, a batch mean subtracted:
 ``O(1)`` of the values' scale). bfloat16 and float16 outputs get their own, larger ``eps``.
 The check's float32 matrix products run at full precision (TF32 off for its forwards, restored
-afterwards), so that TF32's ``2**-10`` rounding does not enter a float32 comparison.
+afterwards), so that TF32's ``2**-10`` rounding does not enter a float32 comparison, and without
+autocast, also where the model's forward enters one itself (accelerate wraps the forward in a
+bfloat16 autocast under ``TrainingArguments(bf16=True)``, TRL's default): a float32 model is
+checked in float32 against the float32 tolerance, whatever mixed precision trains it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "BatchIndependenceCheck",
@@ -163,6 +167,49 @@ _DROPOUTS = (
 _CONFIG_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
+class _AutocastOff(TorchFunctionMode):
+    """Every torch function called inside runs with autocast off on ``device_types``.
+
+    An enclosing autocast is switched off by :func:`independence_forward` itself; this mode
+    also covers an autocast entered *inside* the model's forward, out of reach from outside:
+    accelerate's ``Accelerator.prepare_model`` replaces ``model.forward`` by
+    ``convert_outputs_to_fp32(autocast(forward))`` under ``bf16=True`` / ``fp16=True``, so
+    every ``Trainer`` (and TRL's ``SFTTrainer``, whose ``bf16`` defaults to True) runs its
+    model in a bfloat16 autocast that starts after the check's forward is called. Its
+    rounding (``2**-8`` relative) against the float32 tolerance refused correct models at
+    their first batch (``max |difference| 0.000977, rounding tolerance 0.000345``).
+
+    Why a function mode, and not forward pre-hooks that switch autocast off in the
+    submodules, nor a tolerance from the autocast dtype seen inside: the mode sees every torch
+    function call wherever the autocast was entered (the model's own forward before its first
+    submodule, a leaf module's forward, a wrapper's forward), changes no module, and leaves
+    the autocast's own state (enabled, dtype, nesting) untouched: each call's
+    ``torch.autocast(enabled=False)`` restores it on exit, also on an exception. Keeping the
+    float32 computation keeps the float32 tolerance, so the check refuses a dependence on
+    other records as strictly as without mixed precision (a bfloat16 tolerance,
+    ``sqrt(2**-7) = 9%`` of the outputs' scale, would let small dependences through). A
+    dependence on other records is a property of the function, which float32 shows as well
+    as bfloat16. Not covered: a forward that casts to bfloat16 itself (``x.to(torch.bfloat16)``,
+    or after reading ``torch.is_autocast_enabled()``, which still says True inside, as
+    transformers' flash-attention path does to pick its dtype); its rounding then enters the
+    outputs as before.
+    """
+
+    def __init__(self, device_types: Sequence[str]) -> None:
+        super().__init__()
+        self.device_types = tuple(device_types)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        on = [t for t in self.device_types if torch.is_autocast_enabled(t)]
+        if not on:
+            return func(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for t in on:
+                stack.enter_context(torch.autocast(device_type=t, enabled=False))
+            return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     """The context of the check's forwards (module docstring).
@@ -174,7 +221,8 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     buffers, the dropouts and the CPU (and the model's CUDA devices') random states restored,
     and the autocast cache cleared (its casts from here carry no gradient). float32 matrix
     products run at ``"highest"`` precision inside (TF32 off), restored on exit, and autocast
-    is off (a bfloat16 autocast's rounding is not what the check is about).
+    is off (a bfloat16 autocast's rounding is not what the check is about), also an autocast
+    entered inside the model's forward (accelerate's under ``bf16=True``; ``_AutocastOff``).
 
     Args:
         model: The model whose forwards run inside.
@@ -208,15 +256,22 @@ def independence_forward(model: nn.Module, hooks: Any = None) -> Iterator[None]:
     # Autocast off on the model's devices: the check is about structure (which tokens a
     # record's outputs depend on), and a bfloat16 autocast's rounding against the float32
     # tolerance would refuse a correct model (TRL's default bf16=True).
+    device_types = tuple(
+        t
+        for t in sorted({p.device.type for p in model.parameters()} | {"cpu"})
+        if torch.amp.is_autocast_available(t)
+    )
     autocast_off = [
         torch.autocast(device_type=t, enabled=False)
-        for t in sorted({p.device.type for p in model.parameters()} | {"cpu"})
-        if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)
+        for t in device_types
+        if torch.is_autocast_enabled(t)
     ]
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), contextlib.ExitStack() as st:
             for context in autocast_off:
                 st.enter_context(context)
+            # ... and also under an autocast the model's forward enters itself (accelerate's).
+            st.enter_context(_AutocastOff(device_types))
             if disabled:
                 hooks.disable_hooks()
             yield

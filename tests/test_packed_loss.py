@@ -432,6 +432,30 @@ def test_records_check_under_bfloat16_autocast_compares_in_float32() -> None:
             check_records_independent(model, bad, record_ids=packed.record_ids)
 
 
+def test_records_check_under_an_autocast_inside_the_forward_compares_in_float32() -> None:
+    """accelerate under ``bf16=True`` (TRL's default) wraps ``model.forward`` in a bfloat16
+    autocast entered inside the forward, out of reach of an enclosing context; the check's
+    forwards still run without it: a correct pack passes (before: refused, ``max |difference|
+    0.000977, rounding tolerance 0.000345``), positions that do not restart are refused."""
+    accelerate = pytest.importorskip("accelerate")
+    from opacus_rc.packing import check_records_independent
+
+    model = tiny("llama").float()
+    # What Accelerator.prepare_model does under mixed_precision="bf16".
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = accelerate.utils.convert_outputs_to_fp32(autocast(model.forward))
+    packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
+    inputs = packed.model_inputs(padding_free=True)
+    inputs.pop("labels")
+    assert model(**inputs).logits.dtype == torch.float32  # bfloat16 inside, as accelerate
+    check = check_records_independent(model, inputs, record_ids=packed.record_ids)
+    assert check.max_difference <= check.tolerance < 1e-3
+    bad = dict(inputs, position_ids=torch.arange(MAX_LENGTH).expand_as(packed.record_ids))
+    with pytest.raises(BatchIndependenceError, match="other logits alone"):
+        check_records_independent(model, bad, record_ids=packed.record_ids)
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_target_predicted_across_records_is_refused() -> None:
     model = tiny("gpt2")
     packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)

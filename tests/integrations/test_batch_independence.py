@@ -31,6 +31,7 @@ import trainer_helpers as th  # noqa: E402
 
 import opacus_rc  # noqa: E402
 from opacus_rc import BatchIndependenceError, PrivacyEngine  # noqa: E402
+from opacus_rc.batch_independence import independence_forward  # noqa: E402
 from opacus_rc.integrations.model_inputs import (  # noqa: E402
     model_inputs,
     unpadded_next_token_labels,
@@ -440,3 +441,114 @@ def test_engine_check_under_fsdp_says_it_did_not_run(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(bi, "_is_fsdp", lambda model: True)
     with pytest.warns(UserWarning, match="does not run under FSDP"):
         engine_step(th.tiny_gpt2_exact(), _padded("right"), positions="arange")
+
+
+# --------------------------------------------------------------------------------------------
+# bf16 mixed precision: accelerate's autocast inside the model's forward (issue 34)
+# --------------------------------------------------------------------------------------------
+
+
+class InnerAutocast(nn.Module):
+    """Enters a bfloat16 autocast inside its own forward, as accelerate's ``prepare_model``
+    wraps ``model.forward`` under ``bf16=True``; ``leak`` times the batch mean of the hidden
+    layer is subtracted (0: each row depends on itself alone)."""
+
+    def __init__(self, *, leak: float = 0.0, width: int = 64) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+        self.out = nn.Linear(width, 3)
+        self.leak = leak
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.fc(x))
+            return self.out(h - self.leak * h.mean(0, keepdim=True)).float()
+
+
+def test_independence_forward_turns_off_an_autocast_entered_inside_the_forward() -> None:
+    """Inside the check's context the forward computes in float32 (equal to the model run
+    without autocast) although it enters a bfloat16 autocast itself; outside, the same forward
+    is bfloat16 again and the autocast state is what it was."""
+    torch.manual_seed(0)
+    model, x = InnerAutocast(), torch.randn(5, 4)
+    plain = model.out(torch.tanh(model.fc(x)))  # float32, no autocast anywhere
+    with independence_forward(model):
+        inside = model(x)
+    torch.testing.assert_close(inside, plain.detach(), rtol=0, atol=0)
+    outside = model(x)
+    assert (outside - plain).abs().max() > 1e-4  # bfloat16 rounding outside the check
+    assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with independence_forward(model):
+            assert not torch.is_autocast_enabled("cpu")
+            torch.testing.assert_close(model(x), plain.detach(), rtol=0, atol=0)
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_engine_inner_bf16_autocast_passes_and_a_small_dependence_is_still_refused() -> None:
+    """A correct model whose forward enters a bfloat16 autocast is checked in float32 and
+    trains; one whose rows move by 1% of a batch mean (below a bfloat16 tolerance,
+    ``sqrt(2**-7)`` = 9% of the outputs' scale) is refused."""
+    torch.manual_seed(0)
+    assert len(_classifier_step(InnerAutocast(), check=True).accountant) == 1
+    torch.manual_seed(0)
+    with pytest.raises(BatchIndependenceError, match="record"):
+        _classifier_step(InnerAutocast(leak=0.01), check=True)
+
+
+def llama_d32() -> nn.Module:
+    """A one-block Llama with ``d = 32``: wide enough that a bfloat16 autocast's batched and
+    single-record products round differently (``2**-10`` on its logits, above the float32
+    tolerance ``3.5e-4``)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=th.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        use_cache=False,
+        pad_token_id=th.PAD,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_trainer_bf16_mixed_precision_trains_checked_in_float32(tmp_path: Path) -> None:
+    """``TrainingArguments(bf16=True)``: accelerate runs the training forwards in a bfloat16
+    autocast inside the model's forward; the check's forwards run in float32 (before: refused
+    at the first batch, ``max |difference| 0.000977, rounding tolerance 0.000345``)."""
+    model = llama_d32()
+    dtypes: dict[bool, set] = {True: set(), False: set()}
+    model.lm_head.register_forward_hook(
+        lambda m, i, o: dtypes[torch.is_grad_enabled()].add(o.dtype)
+    )
+    data = th.token_examples(16, seed=0, min_len=4, max_len=30)
+    tr = dp_trainer(tmp_path, data, collator=th.pad_collate, model=model, bf16=True, max_steps=2)
+    tr.train()
+    assert tr._batch_independence_checked
+    assert len(tr.privacy_engine.accountant) == 2
+    assert dtypes[True] == {torch.bfloat16}  # training: accelerate's autocast
+    assert dtypes[False] == {torch.float32}  # the check: without autocast
+
+
+def test_trainer_bf16_still_refuses_positions_that_depend_on_the_batch(tmp_path: Path) -> None:
+    """With ``bf16=True`` as without: positions ``0..T-1`` for every row under left padding
+    make a record's outputs depend on the longest record; refused before anything."""
+
+    class ArangePositions:
+        def __init__(self) -> None:
+            self.inner = lm_collator("left")
+
+        def __call__(self, rows: list[dict]) -> dict:
+            batch = self.inner(rows)
+            b, t = batch["input_ids"].shape
+            batch["position_ids"] = torch.arange(t).expand(b, -1).clone()
+            return batch
+
+    model = th.tiny_gpt2_exact()
+    before = th.params(model)
+    tr = dp_trainer(tmp_path, records(8), collator=ArangePositions(), model=model, bf16=True)
+    _refused_before_anything(tr, model, before, "left padding with learned")

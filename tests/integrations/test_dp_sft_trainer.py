@@ -307,3 +307,21 @@ def test_import_without_trl_says_what_to_install(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delitem(sys.modules, "opacus_rc.integrations.trl")
     with pytest.raises(ImportError, match="pip install 'trl>=1.0'.*DPTrainer"):
         importlib.import_module("opacus_rc.integrations.trl")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"packing": True}, {"padding_free": True}],
+    ids=["padded", "packing", "padding_free"],
+)
+def test_trl_default_bf16_trains_at_the_first_try(tmp_path: Path, config: dict) -> None:
+    """TRL's default ``bf16`` (``None``: True unless fp16): accelerate runs the model's forward
+    in a bfloat16 autocast it enters inside the forward; the first-batch checks (the padded
+    one and the packed-logits one) compute in float32 and pass. Before, packing and
+    padding-free were refused at the first batch (``record 0 ... max |difference| 0.000977,
+    rounding tolerance 0.000345``)."""
+    tr = make(tmp_path, cls=DPSFTTrainer, max_steps=2, bf16=None, **config)
+    assert tr.args.bf16 is True
+    tr.train()
+    assert tr._batch_independence_checked
+    assert len(tr.privacy_engine.accountant) == 2

@@ -979,10 +979,17 @@ def _word_tokenizer() -> Any:
 
 
 def run_sft(
-    packing: bool = False, *, neighbour: bool, noise_multiplier: float, public_size: bool
+    packing: bool = False,
+    bf16: bool = False,
+    *,
+    neighbour: bool,
+    noise_multiplier: float,
+    public_size: bool,
 ) -> Release:
     """``DPSFTTrainer`` (TRL) on GPT-2 (exact norms), text rows tokenized by TRL; with
-    ``packing``, ``packing=True``: the sampled records packed into rows of 16 tokens."""
+    ``packing``, ``packing=True``: the sampled records packed into rows of 16 tokens; with
+    ``bf16``, TRL's default ``bf16=True`` (accelerate's bfloat16 autocast inside the model's
+    forward)."""
     import datasets
     import trl
 
@@ -1004,7 +1011,7 @@ def run_sft(
             max_grad_norm=0.0,
             use_cpu=True,
             disable_tqdm=True,
-            bf16=False,
+            bf16=bf16,
             gradient_checkpointing=False,
             dataloader_pin_memory=False,
             max_length=16,
@@ -1112,5 +1119,7 @@ PATHS: dict[str, tuple[Callable[..., Release], bool]] = {
     "trainer-padding-free-llama": (_bind(run_trainer_packed, "llama", True), True),
     "trainer-packed-llama-varlen": (_bind(run_trainer_packed, "llama-varlen", True), True),
     "sft-trainer-packing": (_bind(run_sft, True), True),
+    "sft-trainer-bf16": (_bind(run_sft, False, True), True),
+    "sft-trainer-packing-bf16": (_bind(run_sft, True, True), True),
     "trainer-packed-privacy-unit": (_bind(run_trainer_units, True), True),
 }

