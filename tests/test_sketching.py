@@ -329,7 +329,7 @@ def test_autocast_off_disables_autocast_and_costs_nothing_when_it_is_off() -> No
         assert (a @ a).dtype == torch.float32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("d", "p"), [(8, 4), (4, 8), (6, 6)])
 def test_gradient_form_is_the_factor_form_with_the_same_probes(
     dtype: torch.dtype, d: int, p: int
@@ -338,13 +338,17 @@ def test_gradient_form_is_the_factor_form_with_the_same_probes(
     the same generator state as those from the factors (both sides: ``"auto"`` takes the output
     side for p <= d, the input side otherwise) and give the same values up to float rounding;
     ``scale=s`` gives the estimate of ``s M`` (``s^2`` times). Tolerance: the two orders of
-    summation differ by a few float32 ulps per product (observed <= 6e-7 relative)."""
+    summation differ by a few float32 ulps per product (observed <= 6e-7 relative). Half
+    precision: both forms accumulate in float32, the gradient form from ``M`` rounded to the
+    half dtype (as Opacus' per-sample gradient of half factors is), a relative error of at most
+    ``2 u`` in ``||M Omega||^2`` per entry (``u = 2^-8`` bfloat16, ``2^-11`` float16): rtol
+    ``2e-2`` and ``2e-3`` (observed <= 6e-4 and 3e-5)."""
     B, T = 3, 5
     g = torch.Generator().manual_seed(0)
-    A = torch.randn(B, T, d, generator=g, dtype=dtype)
-    G = torch.randn(B, T, p, generator=g, dtype=dtype)
-    M = torch.einsum("btp,btd->bpd", G, A)
-    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    A = torch.randn(B, T, d, generator=g).to(dtype)
+    G = torch.randn(B, T, p, generator=g).to(dtype)
+    M = torch.einsum("btp,btd->bpd", G.double(), A.double()).to(dtype)
+    rtol = {torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-5)
     s = torch.full((B,), 2.0**-3, dtype=dtype)
     for factor_form, kwargs in (
         (hutchinson_sqnorm, {"sketch_dim": 16}),

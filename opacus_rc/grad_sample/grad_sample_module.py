@@ -402,20 +402,20 @@ class _RandomizedClippingMixin(GradSampleHooksFastGradientClipping):
 
         ``True`` only if book-keeping was requested and every trainable module supports it
         (decided at construction; under DDP/DPDDP and FSDP2 too). Activation-checkpointed steps
-        use it too: with ``bookkeeping=True`` each layer then keeps the smaller of its
-        per-sample gradients and its input and output gradient (:attr:`step_smaller_stash`,
-        :mod:`~opacus_rc.grad_sample.norms`); ``bookkeeping="always"`` keeps the inputs and
-        output gradients everywhere.
+        use it too: with ``bookkeeping=True`` each layer keeps the smaller of its per-sample
+        gradients and its input and output gradient (:mod:`~opacus_rc.grad_sample.norms`);
+        ``bookkeeping="always"`` keeps the inputs and output gradients everywhere.
         """
         return self.private_step.bookkeeping
 
     @property
     def step_smaller_stash(self) -> bool:
-        """Whether the current step's layers keep the smaller of their per-sample gradients and
-        their input and output gradient: a book-keeping step whose forward ran activation-
-        checkpointed regions, with ``bookkeeping=True`` (decided with :attr:`bookkeeping`).
-        Layers that keep per-sample gradients get exact norms (docs/privacy/envelope.md, Lemma
-        D: the step is accounted with the same sketch spec)."""
+        """Whether the current step is a checkpointed book-keeping step with
+        ``bookkeeping=True`` (decided with :attr:`bookkeeping`): then the packed-row paths of
+        ``record_ids=`` batches also defer to the smaller stash. Every step with
+        ``bookkeeping=True`` lets each ``nn.Linear`` keep the smaller of its per-sample
+        gradients and its input and output gradient; a sketched layer's norm is the same sketch
+        from either (:mod:`~opacus_rc.grad_sample.norms`)."""
         return self.private_step.smaller_stash
 
     # ------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 #: Module type -> per-sample gradient function ``fn(layer, activations, backprops) -> {param:
-#: (B, *param.shape)}`` (Opacus' grad-sampler signature) that a checkpointed book-keeping step
+#: (B, *param.shape)}`` (Opacus' grad-sampler signature) that a book-keeping step
 #: may stash instead of the layer's input and output gradient (see the module docstring). Only
 #: types whose function gives exactly autograd's per-sample gradient belong here (Opacus'
 #: ``nn.Embedding`` sampler counts the ``padding_idx`` row, so ``nn.Embedding`` is not listed).
@@ -89,7 +89,7 @@ STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torc
     nn.Linear: compute_linear_grad_sample
 }
 
-#: Routes whose clipped sum may come from a per-sample-gradient stash in a checkpointed step.
+#: Routes whose clipped sum may come from the per-sample-gradient stash (the smaller stash).
 _MIXED_STASH_PATHS = (NormPath.SKETCHED, NormPath.TIED)
 
 #: Module type -> the sketched norm sampler whose estimate :meth:`ModuleNorms.compute` can also
@@ -159,7 +159,7 @@ class ModuleNorms:
         generator_for: Device -> the sketch generator for tensors on it.
         tied: The tied-weight sketches (:class:`~opacus_rc.grad_sample.tied.TiedSketches`).
         name_of: Qualified name of a module or parameter (for errors).
-        stash_grad_samplers: Type -> per-sample gradient function a checkpointed step may stash
+        stash_grad_samplers: Type -> per-sample gradient function a book-keeping step may stash
             (default :data:`STASH_GRAD_SAMPLERS`).
         functorch: ``id(module) -> per-sample gradient function`` of the modules on the
             functorch path (:class:`~opacus_rc.grad_sample.functorch.FunctorchGradSampler`).
@@ -223,8 +223,8 @@ class ModuleNorms:
             step: The step state the norms go into.
             bookkeeping: Whether this step keeps tensors for the clipped sum.
             smaller_stash: With book-keeping, keep the per-sample gradients instead of the
-                input and output gradient where they are smaller (an activation-checkpointed
-                step; see the module docstring).
+                input and output gradient where they are smaller (every step with
+                ``bookkeeping=True``; see the module docstring).
             backprop_scale: Opacus' rescale to per-sample losses (``max_batch_len`` under
                 ``loss_reduction="mean"``), not applied to ``backprops``: norms and per-sample
                 gradients are linear in the output gradient, so the recorded norms are
@@ -247,7 +247,7 @@ class ModuleNorms:
                 (
                     smaller_stash
                     and route.path in _MIXED_STASH_PATHS
-                    and self._same_estimator_from_grad_samples(module, route)
+                    and self._same_estimator_from_grad_samples(module, route, backprops)
                 )
                 # An exact layer (a norm layer's closed form) computes its per-sample
                 # gradients for the norm anyway: kept, they are its clipped sum's stash, not
@@ -270,11 +270,12 @@ class ModuleNorms:
         backprops: torch.Tensor,
         step: Any,
     ) -> None:
-        """Book-keeping with the per-sample-gradient stash (a checkpointed step, or an exact
+        """Book-keeping with the per-sample-gradient stash (the smaller stash, or an exact
         layer's; see the module docstring).
 
-        A sketched layer's norms are the exact norms of its per-sample gradients (no probe is
-        drawn); a tied head's norm is still the joint sketch of the shared weight. The
+        A sketched layer's norms are the same sketch computed from its per-sample gradients
+        (:meth:`_sketched_from_grad_samples`: the same probe draw); an exact layer's are their
+        exact norms; a tied head's norm is still the joint sketch of the shared weight. The
         per-sample gradients are computed with autocast off, in the output gradient's dtype (as
         the clipped-sum function's product and autograd's weight gradient).
         """
@@ -305,16 +306,23 @@ class ModuleNorms:
             )
         )
 
-    def _same_estimator_from_grad_samples(self, module: nn.Module, route: NormRoute) -> bool:
+    def _same_estimator_from_grad_samples(
+        self, module: nn.Module, route: NormRoute, backprops: torch.Tensor
+    ) -> bool:
         """Whether ``module``'s norm estimate is the same (law and probes) from its per-sample
         gradients as from its input and output gradient: a tied head keeps its joint sketch
         from ``A`` and ``G`` either way; a sketched layer needs the gradient form of its
-        sampler and of the step's estimator (:data:`_GRADIENT_FORM_SAMPLERS`)."""
+        sampler and of the step's estimator (:data:`_GRADIENT_FORM_SAMPLERS`), and an output
+        gradient that is not float16: per-sample gradients formed in float16 (as autograd
+        forms the weight gradient) overflow above 65504 where the sketch from ``A`` and ``G``,
+        computed in float32, stays finite, so a record's step would fail or not depending on
+        the stash its batch's shapes picked (the dtype is the model's, not the batch's)."""
         if route.path is NormPath.TIED:
             return True
         kind = type(module)
         return (
-            self._gradient_estimator is not None
+            backprops.dtype != torch.float16
+            and self._gradient_estimator is not None
             and kind in _GRADIENT_FORM_SAMPLERS
             and kind in self._sketched
             and self._sketched[kind] is _GRADIENT_FORM_SAMPLERS[kind]

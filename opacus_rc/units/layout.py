@@ -312,5 +312,21 @@ def pack_for_units(
         layout.pack(a) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == B else a
         for a in activations
     ]
+    packed_backprops = layout.pack(backprops)
+    if (
+        layout.max_sequences == 1
+        and isinstance(module, nn.Linear)
+        and backprops.dim() == 2
+        and len(packed) == 1
+        and isinstance(packed[0], torch.Tensor)
+        and packed[0].dim() == 2
+    ):
+        # An nn.Linear on (B, d) inputs: with one sequence in every unit of this batch the
+        # units are (U, d), where its sampler takes the exact rank-one norm; with two or more
+        # in some unit they are (U, n_max, d), sketched. n_max depends on which units the batch
+        # holds, so a unit's estimator would depend on the other units: keep the sequence axis
+        # (U, 1, d), sketched like every other batch (docs/privacy/estimators.md#estimators-stash).
+        packed[0] = packed[0].unsqueeze(1)
+        packed_backprops = packed_backprops.unsqueeze(1)
     module.max_batch_len = layout.num_units
-    return packed, layout.pack(backprops)
+    return packed, packed_backprops

@@ -34,6 +34,7 @@ vice versa: a sketched norm is off by ~2%, far above ``EXACT_RTOL``). Generators
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -968,3 +969,56 @@ def test_one_sample_shared_output_gradient_is_clipped_once(reduction: str) -> No
         torch.testing.assert_close(p.grad.double(), 0.5 * want[name], rtol=1e-5, atol=1e-7)
     opt.step()
     gsm.cleanup()
+
+
+def _record0_norms_beside(
+    other_len: int, *, dtype: torch.dtype, scale: float = 1.0
+) -> dict[str, float]:
+    """Record 0 (4 tokens) beside a record of ``other_len`` tokens (right padding), one
+    ``nn.Linear(8, 8)`` on rank-3 inputs, no checkpointing: at T = 4 it keeps A and G
+    (72 > 4 * 16 floats), at T = 16 its per-sample gradients (72 <= 256). Sum reduction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    t = max(4, other_len)
+    x = torch.randn(2, t, 8, generator=g)
+    x[0, :4] = x[0, 0] * scale  # four equal tokens: the weight gradient sums coherently
+    labels = torch.full((2, t), -100)
+    labels[0, :4] = 3
+    labels[1, :other_len] = torch.randint(0, 8, (other_len,), generator=g)
+    gsm = GradSampleModuleRandomizedClipping(
+        model,
+        max_grad_norm=1.0,
+        sketch_dim=4,
+        sketch_generator=torch.Generator().manual_seed(7),
+        loss_reduction="sum",
+    )
+    opt = RandomizedClipOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grad_sample_module=gsm,
+        noise_multiplier=0.0,
+        expected_batch_size=2,
+    )
+    crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(reduction="sum"), "sum")
+    logits = gsm(x.to(dtype)).float()
+    crit(logits.reshape(-1, 8), labels.reshape(-1), shape=(2, t)).backward()
+    norms = {n: float(v[0]) for n, v in gsm.norm_samples.items()}
+    gsm.cleanup()
+    return norms
+
+
+def test_float16_keeps_the_factor_stash_where_per_sample_gradients_would_overflow() -> None:
+    """float16: record 0's per-sample weight gradient has entries above float16's 65504 while
+    the sketch from A and G (float32) is finite. Formed in float16 on the per-sample-gradient
+    stash it would be inf, and the step would fail at T = 16 but not at T = 4, depending on the
+    other record's length; a float16 sketched layer keeps A and G (a model-level choice), so
+    record 0's norms are the same finite values beside either record."""
+    short = _record0_norms_beside(4, dtype=torch.float16, scale=3e4)
+    long = _record0_norms_beside(16, dtype=torch.float16, scale=3e4)
+    assert math.isfinite(short["0.weight"]) and short["0.weight"] > 65504
+    assert long == short
+    # float32: the per-sample-gradient stash is taken at T = 16, with the same estimate.
+    short32 = _record0_norms_beside(4, dtype=torch.float32)
+    long32 = _record0_norms_beside(16, dtype=torch.float32)
+    for name, value in short32.items():
+        assert long32[name] == pytest.approx(value, rel=1e-5), name

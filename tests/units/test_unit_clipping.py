@@ -355,3 +355,45 @@ def test_each_unit_and_each_step_gets_its_own_probe() -> None:
     unit_step(m, crit, x, y, units)
     second = m.per_sample_gradient_norms.clone()
     assert ((second - first).abs() > 1e-6 * first.abs().max()).all()
+
+
+def test_a_units_rank2_linear_norm_does_not_depend_on_the_other_units_sizes() -> None:
+    """Substitution neighbours with the same U = 3: unit 2 has one sequence, then two. An
+    ``nn.Linear`` on ``(B, d)`` inputs (a pooled classifier head) packs to ``(U, d)`` when every
+    unit of the batch has one sequence (its sampler's exact rank-one rule) and to
+    ``(U, n_max, d)`` otherwise (sketched): unit 0's weight norm moved by 33% with the size of
+    unit 2 (k = 4). The sequence axis is now kept, ``(U, 1, d)``, so unit 0's norms are the same
+    (same probes: U and the draw shapes agree) to float32 rounding, with and without
+    book-keeping."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g)
+    y = torch.randint(0, 4, (4,), generator=g)
+
+    def unit0_norms(xs: torch.Tensor, ys: torch.Tensor, units: torch.Tensor, bk: bool) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        gsm = GradSampleModuleRandomizedClipping(
+            model,
+            max_grad_norm=1.0,
+            sketch_dim=4,
+            sketch_generator=torch.Generator().manual_seed(7),
+            bookkeeping=bk,
+        )
+        opt = RandomizedClipOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            grad_sample_module=gsm,
+            noise_multiplier=0.0,
+            expected_batch_size=3,
+        )
+        crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+        crit(gsm(xs), ys, units=units).backward()
+        norms = {n: float(v[0]) for n, v in gsm.norm_samples.items()}
+        gsm.cleanup()
+        return norms
+
+    for bk in (True, False):
+        one_each = unit0_norms(x[:3], y[:3], torch.tensor([0, 1, 2]), bk)
+        two_in_last = unit0_norms(x, y, torch.tensor([0, 1, 2, 2]), bk)
+        assert set(one_each) == set(two_in_last)
+        for name, value in one_each.items():
+            assert two_in_last[name] == pytest.approx(value, rel=1e-5), (name, bk)
