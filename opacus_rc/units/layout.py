@@ -314,7 +314,7 @@ def pack_for_units(
     ]
     packed_backprops = layout.pack(backprops)
     if (
-        layout.max_sequences == 1
+        getattr(layout, "max_sequences", None) == 1  # (a packed-row layout has none)
         and isinstance(module, nn.Linear)
         and backprops.dim() == 2
         and len(packed) == 1
