@@ -313,6 +313,19 @@ def _loss(m: nn.Module, crit: Any, inputs: dict, labels: torch.Tensor, **kw: Any
     )
 
 
+def _train_one_batch(
+    m: nn.Module, opt: Any, crit: Any, packed: Any, **model_inputs: Any
+) -> tuple[dict, torch.Tensor]:
+    """One private step on ``packed`` (its model inputs with ``model_inputs``); returns the
+    inputs and labels for the caller's next batch."""
+    inputs = packed.model_inputs(**model_inputs)
+    labels = inputs.pop("labels")
+    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
+    opt.step()
+    opt.zero_grad()
+    return inputs, labels
+
+
 def test_padding_free_position_ids_give_each_record_its_clipped_gradient() -> None:
     # TRL's padding_free=True: one row of concatenated whole records, no padding, no mask,
     # position ids restarting at each record; the criterion derives the records from them.
@@ -354,11 +367,7 @@ def test_crossing_mask_is_refused_at_every_batch() -> None:
     model = tiny("llama")
     packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
     m, opt, crit = _private(model)
-    inputs = packed.model_inputs(dtype=torch.float64)
-    labels = inputs.pop("labels")
-    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
-    opt.step()
-    opt.zero_grad()
+    inputs, labels = _train_one_batch(m, opt, crit, packed, dtype=torch.float64)
     assert m.packed_attention_guard.full_checked
     whole_rows = packed.record_ids.clamp(max=0)  # -1 at padding, 0 elsewhere: a causal row
     inputs["attention_mask"] = block_diagonal_attention_mask(whole_rows, dtype=torch.float64)
@@ -373,11 +382,7 @@ def test_first_batch_of_one_record_per_row_leaves_the_logits_check_due() -> None
     model = tiny("llama")
     m, opt, crit = _private(model)
     one = pack_records(records()[:1], max_length=MAX_LENGTH, pad_token_id=0)
-    inputs = one.model_inputs(padding_free=True, dtype=torch.float64)
-    labels = inputs.pop("labels")
-    _loss(m, crit, inputs, labels, record_ids=one.record_ids).backward()
-    opt.step()
-    opt.zero_grad()
+    _train_one_batch(m, opt, crit, one, padding_free=True, dtype=torch.float64)
     assert not m.packed_attention_guard.full_checked
     packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
     inputs = packed.model_inputs(padding_free=True, dtype=torch.float64)
@@ -404,11 +409,7 @@ def test_attention_change_after_the_check_runs_it_again() -> None:
     model = tiny("llama")
     packed = pack_records(records(), max_length=MAX_LENGTH, pad_token_id=0)
     m, opt, crit = _private(model)
-    inputs = packed.model_inputs(dtype=torch.float64)
-    labels = inputs.pop("labels")
-    _loss(m, crit, inputs, labels, record_ids=packed.record_ids).backward()
-    opt.step()
-    opt.zero_grad()
+    inputs, labels = _train_one_batch(m, opt, crit, packed, dtype=torch.float64)
     guard = m.packed_attention_guard
     assert guard.full_checked and guard._checked_attention == "sdpa"
     model.set_attn_implementation("eager")  # a float mask: correct under eager too

@@ -412,19 +412,23 @@ def test_trainer_right_and_left_padding_pass_and_add_no_accounting_step(tmp_path
         assert len(tr.privacy_engine.accountant) == 2
 
 
+class ArangePositions:
+    """A left-padding LM collator that gives every row positions ``0..T-1`` (a record's
+    positions then depend on the longest record of its batch)."""
+
+    def __init__(self) -> None:
+        self.inner = lm_collator("left")
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.inner(rows)
+        b, t = batch["input_ids"].shape
+        batch["position_ids"] = torch.arange(t).expand(b, -1).clone()
+        return batch
+
+
 def test_trainer_position_ids_0_to_t_with_left_padding_are_refused(tmp_path: Path) -> None:
     """The check catches what the positions from the mask fixed: a collator that gives every
     row positions 0..T-1 under left padding."""
-
-    class ArangePositions:
-        def __init__(self) -> None:
-            self.inner = lm_collator("left")
-
-        def __call__(self, rows: list[dict]) -> dict:
-            batch = self.inner(rows)
-            b, t = batch["input_ids"].shape
-            batch["position_ids"] = torch.arange(t).expand(b, -1).clone()
-            return batch
 
     tr = dp_trainer(tmp_path, records(8), collator=ArangePositions())
     with pytest.raises(BatchIndependenceError, match="left padding with learned"):
@@ -537,16 +541,6 @@ def test_trainer_bf16_mixed_precision_trains_checked_in_float32(tmp_path: Path) 
 def test_trainer_bf16_still_refuses_positions_that_depend_on_the_batch(tmp_path: Path) -> None:
     """With ``bf16=True`` as without: positions ``0..T-1`` for every row under left padding
     make a record's outputs depend on the longest record; refused before anything."""
-
-    class ArangePositions:
-        def __init__(self) -> None:
-            self.inner = lm_collator("left")
-
-        def __call__(self, rows: list[dict]) -> dict:
-            batch = self.inner(rows)
-            b, t = batch["input_ids"].shape
-            batch["position_ids"] = torch.arange(t).expand(b, -1).clone()
-            return batch
 
     model = th.tiny_gpt2_exact()
     before = th.params(model)
