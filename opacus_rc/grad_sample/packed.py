@@ -443,7 +443,7 @@ def linear_record_sketched_sqnorms(
         Ac = layout.gather(A, dtype=dtype)
         Gc = layout.gather(G, dtype=dtype)
         U = torch.bmm(Gc, omega[layout.chunk_record])  # (C, L, k)
-        Vc = torch.bmm(Ac.transpose(1, 2), U)  # (C, d, k)
+        Vc = torch.bmm(U.transpose(1, 2), Ac)  # (C, k, d): V^T, A read as stored
         V = torch.zeros(n, *Vc.shape[1:], dtype=dtype, device=G.device)
         V.index_add_(0, layout.chunk_record, Vc)
         return V.pow(2).sum(dim=(1, 2))
