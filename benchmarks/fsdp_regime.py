@@ -63,7 +63,7 @@ parameter's sum in its global shape, then one reduce-scatter per parameter).
 
 **Closed form** (a check, not a substitute: every cell here is measured): with checkpointing
 off, randomized clipping's matrix products exceed non-private's by ``sum 2 B T k (p + d)`` over
-the ``nn.Linear`` layers (the sketch ``U = G Omega``, ``V = A^T U``; the book-keeping clipped
+the ``nn.Linear`` layers (the sketch ``U = G Omega``, ``V^T = U^T A``; the book-keeping clipped
 sum ``2 B T p d`` replaces autograd's weight gradient) plus ``2 B T k d`` for the input
 embedding's share of the tied weight's joint sketch (``Omega`` rows gathered at the token ids,
 then ``G_e^T Omega[ids]``; the embedding's lookup has no matrix product). Checkpointed cells

@@ -97,7 +97,7 @@ def closed_form_flops(
     * ghost: ``2BT^2 d`` (``A A^T``) + ``2BT^2 p`` (``G G^T``) + ``2BT^2`` (their inner
       product) + ``2BT^2 p`` for the bias (``G G^T`` again).
     * fgc: ``2BTpd`` (the bias gradient is a sum over ``T``, not a product).
-    * hutchinson: ``2BTk(p + d)``: ``U = G Omega`` then ``V = A^T U``; the exact bias norm is
+    * hutchinson: ``2BTk(p + d)``: ``U = G Omega`` then ``V^T = U^T A``; the exact bias norm is
       a reduction (``B T p`` additions, not counted).
     * hutch++ (``s = k`` head columns): ``2BT(3s + k)(p + d) + 4Bkds``; the ``d x s`` QR is not
       counted.

@@ -2,7 +2,7 @@
 
 ``FlopCounterMode`` counts matrix products at 2 FLOPs per multiply-add. The Hutchinson sampler
 (``opacus_rc.grad_sample.linear``) does two batched products per layer, ``U = G Omega``
-(``2BTpk``) and ``V = A^T U`` (``2BTdk``): ``2BTk(p + d)`` in total, whichever side is sketched.
+(``2BTpk``) and ``V^T = U^T A`` (``2BTdk``): ``2BTk(p + d)`` in total, whichever side is sketched.
 Its bias norm is exact, ``||sum_t G_t||``: a reduction over ``T`` and no matrix product, so the
 matrix-product count does not change with the bias; with sum reductions counted too
 (``B (T - 1) p`` additions for the bias) the bias adds exactly that.

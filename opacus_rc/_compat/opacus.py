@@ -56,7 +56,6 @@ def generate_noise(
     reference: torch.Tensor,
     generator: torch.Generator | None,
     secure_mode: bool,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``N(0, std^2)`` of ``reference``'s shape, dtype and device: Opacus' own noise draw.
 
@@ -65,37 +64,7 @@ def generate_noise(
     global shape; ``secure_mode`` uses Opacus' defence against floating-point attacks
     (Holohan and Braghin 2021, arXiv:2107.10138, Section 5.1, ``n = 2``). Test:
     ``test_opacus_contract.py::test_generate_noise_distribution``.
-
-    Args:
-        std: Standard deviation (>= 0).
-        reference: Tensor whose shape, dtype and device the noise takes.
-        generator: The noise generator, or ``None`` (torch's default).
-        secure_mode: Opacus' secure draw.
-        out: Optional contiguous tensor of ``reference``'s shape, dtype and device to draw
-            into, for the plain draw only (``std > 0``, no secure mode, no DTensor): the same
-            values as a fresh tensor (``torch.normal(mean, std, size)`` is ``normal_`` on an
-            empty tensor of that size), without allocating one.
-
-    Raises:
-        ValueError: If ``out`` is given for a draw other than the plain one, or does not match
-            ``reference``.
     """
-    if out is not None:
-        if std == 0 or secure_mode or isinstance(reference, DTensor):
-            raise ValueError(
-                "out= is for the plain draw only (std > 0, no secure mode, no DTensor)"
-            )
-        if (
-            out.shape != reference.shape
-            or out.dtype != reference.dtype
-            or out.device != reference.device
-            or not out.is_contiguous()
-        ):
-            raise ValueError(
-                f"out must be contiguous with the reference's shape {tuple(reference.shape)}, "
-                f"dtype {reference.dtype} and device {reference.device}"
-            )
-        return out.normal_(mean=0, std=std, generator=generator)
     if std == 0 or secure_mode or isinstance(reference, DTensor):
         return _generate_noise(
             std=std, reference=reference, generator=generator, secure_mode=secure_mode

@@ -68,11 +68,7 @@ def add_gaussian_noise(
         params: The parameters, in the optimizer's order; ``p.grad`` is replaced (a tensor of
             ``p``'s shape, or ``p``'s DTensor shard).
         summed_grads: For each parameter, its clipped gradient sum (of ``p``'s shape, or a
-            sharded DTensor under FSDP2), marked processed. Where this process draws a plain
-            noise (``std > 0``, no secure mode) into a dense sum, the sum takes the noise in
-            place and ``p.grad`` is a view of it (after the step ``p.summed_grad`` holds the
-            released gradient: no tensor of the model's size is allocated for the noise);
-            otherwise it is not modified.
+            sharded DTensor under FSDP2); not modified, and marked processed.
         std: Noise standard deviation ``sigma * C`` (>= 0).
         placement: One of :data:`NOISE_PLACEMENTS`.
         generator: The noise generator (never the sketch generator); ``None``: torch's default.
@@ -91,25 +87,10 @@ def add_gaussian_noise(
         validate_choice("noise_placement", placement, NOISE_PLACEMENTS)
     draws = placement != "ddp_rank0" or rank == 0
     context = implicit_replication if placement == "fsdp2_shard" else contextlib.nullcontext
-    in_place = draws and std > 0 and not secure_mode
-    buffers = _DrawBuffers(summed_grads) if in_place else None
     with context():
         for p, summed in zip(params, summed_grads):
             check_processed_flag(summed)
-            if in_place and _noised_in_place(summed, p):
-                # The plain draw into a reused buffer, added to the clipped sum in place: the
-                # same values as summed + noise (the same normal_ draw of the same size), with
-                # no new tensor of p's size (a fresh one costs its page faults, ~1.5 ns a float
-                # on a CPU: as much as a third of the draw).
-                noise = generate_noise(
-                    std=std,
-                    reference=summed,
-                    generator=generator,
-                    secure_mode=False,
-                    out=buffers.view_like(summed),
-                )
-                p.grad = summed.add_(noise).view_as(p)
-            elif draws:
+            if draws:
                 noise = generate_noise(
                     std=std, reference=summed, generator=generator, secure_mode=secure_mode
                 )
@@ -126,35 +107,3 @@ def add_gaussian_noise(
             else:
                 p.grad = summed.clone().view_as(p)  # no aliasing of summed_grad (Opacus PR 707)
             mark_as_processed(summed)
-
-
-def _noised_in_place(summed: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether ``summed`` can take its noise in place: a plain dense tensor of ``p``'s size
-    whose entries are each stored once (an expanded or otherwise overlapping tensor cannot be
-    written in place)."""
-    return (
-        not isinstance(summed, DTensor)
-        and summed.layout == torch.strided
-        and summed.is_contiguous()
-        and summed.numel() == p.numel()
-        and summed.is_floating_point()
-    )
-
-
-class _DrawBuffers:
-    """One flat buffer per (dtype, device), as large as the largest clipped sum of that kind,
-    allocated on first use; :meth:`view_like` gives a contiguous view of a sum's shape."""
-
-    def __init__(self, sums: Sequence[torch.Tensor]) -> None:
-        self._size: dict[tuple[torch.dtype, torch.device], int] = {}
-        for t in sums:
-            key = (t.dtype, t.device)
-            self._size[key] = max(self._size.get(key, 0), t.numel())
-        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    def view_like(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.dtype, t.device)
-        flat = self._flat.get(key)
-        if flat is None:
-            flat = self._flat[key] = torch.empty(self._size[key], dtype=t.dtype, device=t.device)
-        return flat[: t.numel()].view(t.shape)

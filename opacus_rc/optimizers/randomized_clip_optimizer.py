@@ -396,12 +396,10 @@ class RandomizedClipOptimizer(DPOptimizerFastGradientClipping):
         are consumed (a new ``backward()`` is allowed).
 
         When this step is noised now (not a physical batch that only accumulates), the first
-        sum is the gradient tensor itself, not a copy: :meth:`add_noise` then adds the noise to
-        it in place and sets ``p.grad`` to a new view of it (so a reference to the clipped
-        gradient taken before the step sees the released one after it), before anything
-        (``zero_grad``, a backward) could change it otherwise. A batch that only accumulates
-        copies, as Opacus does, since ``zero_grad(set_to_none=False)`` zeroes ``p.grad`` in
-        place.
+        sum is the gradient tensor itself, not a copy: :meth:`add_noise` replaces every
+        ``p.grad`` by a new tensor before anything (``zero_grad``, a backward) could change the
+        old one, and nothing writes to a clipped sum. A batch that only accumulates copies, as
+        Opacus does, since ``zero_grad(set_to_none=False)`` zeroes ``p.grad`` in place.
         """
         noised_now = not next_step_skipped(self)
         for p in self.params:

@@ -71,39 +71,6 @@ def test_generate_noise_is_opacus_draw(secure_mode: bool, dtype: torch.dtype) ->
         assert ours.std().item() > 0.3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("numel", [7, 16, 91, 1000])
-def test_a_draw_into_a_buffer_is_opacus_fresh_draw(dtype: torch.dtype, numel: int) -> None:
-    """``out=`` (a view of a larger reused buffer) gives Opacus' values bit for bit, sizes
-    below, at and off the CPU kernel's 16-value blocks, and leaves the generator where Opacus'
-    leaves it; it is refused where the draw is not the plain one."""
-    from opacus.optimizers.optimizer import _generate_noise
-
-    ref = torch.zeros(numel, dtype=dtype)
-    buf = torch.full((numel + 50,), float("nan"), dtype=dtype)
-    ours_gen, theirs_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for _ in range(2):
-        ours = compat.generate_noise(
-            std=0.7, reference=ref, generator=ours_gen, secure_mode=False, out=buf[:numel]
-        )
-        theirs = _generate_noise(0.7, ref, generator=theirs_gen, secure_mode=False)
-        assert ours.data_ptr() == buf.data_ptr()
-        assert torch.equal(ours, theirs)
-    assert torch.isnan(buf[numel:]).all()  # nothing written past the view
-    for kwargs in ({"std": 0.0}, {"std": 0.7, "secure_mode": True}):
-        with pytest.raises(ValueError, match="plain draw only"):
-            compat.generate_noise(
-                **{"std": 0.7, "secure_mode": False, **kwargs},
-                reference=ref,
-                generator=None,
-                out=buf[:numel],
-            )
-    with pytest.raises(ValueError, match="contiguous"):
-        compat.generate_noise(
-            std=0.7, reference=ref, generator=None, secure_mode=False, out=buf[: 2 * numel : 2]
-        )
-
-
 def test_processed_flag_round_trip() -> None:
     t = torch.ones(3)
     compat.check_processed_flag(t)  # fresh: passes
