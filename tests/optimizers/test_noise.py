@@ -189,16 +189,23 @@ def summed_pair(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return params, sums
 
 
-def test_ddp_rank0_draws_as_one_process_other_ranks_pass_on() -> None:
-    params, sums = summed_pair()
+def noise_in_one_process(
+    params: list[nn.Parameter], sums: list[torch.Tensor], *, std: float, seed: int
+) -> None:
+    """``add_gaussian_noise`` of one process, from a generator seeded with ``seed``."""
     add_gaussian_noise(
         params,
         sums,
-        std=2.0,
+        std=std,
         placement="single_process",
-        generator=torch.Generator().manual_seed(5),
+        generator=torch.Generator().manual_seed(seed),
         secure_mode=False,
     )
+
+
+def test_ddp_rank0_draws_as_one_process_other_ranks_pass_on() -> None:
+    params, sums = summed_pair()
+    noise_in_one_process(params, sums, std=2.0, seed=5)
     single = [p.grad.clone() for p in params]
 
     params, sums = summed_pair()
@@ -229,14 +236,7 @@ def test_the_clipped_sums_are_left_as_opacus_leaves_them() -> None:
     so the noise must not be added to it in place, however much an allocation would cost."""
     params, sums = summed_pair()
     before = [s.clone() for s in sums]
-    add_gaussian_noise(
-        params,
-        sums,
-        std=1.0,
-        placement="single_process",
-        generator=torch.Generator().manual_seed(2),
-        secure_mode=False,
-    )
+    noise_in_one_process(params, sums, std=1.0, seed=2)
     for p, s, b in zip(params, sums, before):
         assert torch.equal(s, b)
         assert p.grad.data_ptr() != s.data_ptr() and not torch.equal(p.grad, s)
