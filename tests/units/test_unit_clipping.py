@@ -372,20 +372,7 @@ def test_a_units_rank2_linear_norm_does_not_depend_on_the_other_units_sizes() ->
     def unit0_norms(xs: torch.Tensor, ys: torch.Tensor, units: torch.Tensor, bk: bool) -> dict:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-        gsm = GradSampleModuleRandomizedClipping(
-            model,
-            max_grad_norm=1.0,
-            sketch_dim=4,
-            sketch_generator=torch.Generator().manual_seed(7),
-            bookkeeping=bk,
-        )
-        opt = RandomizedClipOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.0),
-            grad_sample_module=gsm,
-            noise_multiplier=0.0,
-            expected_batch_size=3,
-        )
-        crit = DPLossRandomizedClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+        gsm, _, crit = private(model, bookkeeping=bk, seed=7, k=4, c=1.0)
         crit(gsm(xs), ys, units=units).backward()
         norms = {n: float(v[0]) for n, v in gsm.norm_samples.items()}
         gsm.cleanup()
