@@ -188,3 +188,40 @@ def test_opacus_registries_untouched() -> None:
     assert (
         GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Linear] is compute_linear_norm_sample
     )
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+@pytest.mark.parametrize("trainable", ["both", "weight", "bias"])
+def test_per_sample_grads_match_autograd_and_opacus(rank: int, batch: int, trainable: str) -> None:
+    """The book-keeping stash's per-sample gradients (issue 34: a plain product instead of
+    Opacus' einsum) against each record's own autograd gradient in float64, and against Opacus'
+    ``compute_linear_grad_sample``: the same values up to float32 rounding, the same keys
+    (frozen parameters absent), shapes ``(B, *param.shape)``; B = 1 takes the 2-D product."""
+    from opacus.grad_sample.linear import compute_linear_grad_sample
+
+    from opacus_rc.grad_sample.linear import linear_per_sample_grads
+
+    gen = torch.Generator().manual_seed(100 * rank + batch)
+    torch.manual_seed(rank + batch)
+    layer = nn.Linear(D_IN, D_OUT)
+    layer.weight.requires_grad_(trainable != "bias")
+    layer.bias.requires_grad_(trainable != "weight")
+    A = input_of_rank(rank, batch, gen)
+    G = torch.randn((*A.shape[:-1], D_OUT), generator=gen)
+    ours = linear_per_sample_grads(layer, [A], G)
+    theirs = compute_linear_grad_sample(layer, [A], G)
+    trained = {p for p in layer.parameters() if p.requires_grad}
+    assert set(ours) == trained
+    ref = copy.deepcopy(layer).double()
+    for i in range(batch):  # oracle: d/dparam of <G_i, layer(A_i)>, in float64
+        ref.zero_grad()
+        (ref(A[i : i + 1].double()) * G[i : i + 1].double()).sum().backward()
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(ours[p][i].double(), q.grad, rtol=1e-5, atol=1e-5)
+    for p in trained:
+        assert ours[p].shape == (batch, *p.shape) and ours[p].dtype == torch.float32
+        torch.testing.assert_close(ours[p], theirs[p], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="does not match"):
+        linear_per_sample_grads(layer, [A], G.new_zeros((batch + 1, *G.shape[1:])))
