@@ -33,7 +33,6 @@ from opacus_rc.sketching import autocast_off, pow2_scale, sample_absmax
 __all__ = [
     "compute_linear_clipped_sum",
     "compute_linear_sketched_norm_sample",
-    "linear_per_sample_grads",
     "sketched_weight_norm_of_gradients",
 ]
 
@@ -181,58 +180,6 @@ def compute_linear_sketched_norm_sample(
         with autocast_off(G.device):
             g_sum = G3.sum(dim=1, dtype=out_dtype)  # (B, p), the exact bias gradient
             ret[layer.bias] = torch.linalg.vector_norm(g_sum.double(), dim=1).to(out_dtype)
-    return ret
-
-
-def linear_per_sample_grads(
-    layer: nn.Linear,
-    activations: list[torch.Tensor],
-    backprops: torch.Tensor,
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of an ``nn.Linear`` layer, by one matrix product per batch.
-
-    The values of Opacus' ``opacus.grad_sample.linear.compute_linear_grad_sample`` (weight
-    ``G_i^T A_i``, bias ``G_i^T 1_T``; the input in the output gradient's dtype), up to float
-    rounding, without its ``einsum``: a ``(B, p, T) @ (B, T, d)`` batched product, and at
-    ``B = 1`` the plain ``(p, T) @ (T, d)`` product autograd's weight gradient takes. On a CPU,
-    one thread, SmolLM2-135M's layers at ``B = 1``, ``T = 1024``: the ``einsum`` takes
-    1.10-1.18x the plain product, ``bmm`` 1.0-1.02x (``benchmarks/README.md``, issue 34). The
-    book-keeping step keeps these per-sample gradients wherever they are the smaller stash
-    (:data:`opacus_rc.grad_sample.norms.STASH_GRAD_SAMPLERS`), so this product replaces the
-    weight gradient autograd no longer computes.
-
-    Args:
-        layer: The linear layer (weight ``p x d``).
-        activations: ``[A]`` with ``A`` of shape ``(B, d)`` or ``(B, ..., d)``, batch first.
-        backprops: ``G`` of shape ``(B, p)`` or ``(B, ..., p)`` (the same leading dimensions).
-
-    Returns:
-        ``{parameter: (B, *parameter.shape)}`` for each trainable parameter of ``layer``, in the
-        dtype of ``backprops``.
-
-    Raises:
-        ValueError: If the input and gradient shapes disagree.
-    """
-    A = activations[0]
-    G = backprops
-    if A.dim() < 2 or A.shape[:-1] != G.shape[:-1]:
-        raise ValueError(
-            f"nn.Linear per-sample gradients: input of shape {tuple(A.shape)} does not match "
-            f"output gradient of shape {tuple(G.shape)} (batch-first, same leading dimensions "
-            "expected)"
-        )
-    B, d, p = A.shape[0], A.shape[-1], G.shape[-1]
-    T = math.prod(A.shape[1:-1])  # 1 for rank-2 inputs; explicit, so that B = 0 reshapes too
-    G3 = G.reshape(B, T, p)
-    ret: dict[nn.Parameter, torch.Tensor] = {}
-    if layer.weight.requires_grad:
-        A3 = A.reshape(B, T, d).to(G.dtype)
-        if B == 1:  # a shape, not a value: no host synchronisation
-            ret[layer.weight] = (G3[0].t() @ A3[0]).unsqueeze(0)
-        else:
-            ret[layer.weight] = torch.bmm(G3.transpose(1, 2), A3)
-    if layer.bias is not None and layer.bias.requires_grad:
-        ret[layer.bias] = G3.sum(dim=1)
     return ret
 
 

@@ -60,13 +60,13 @@ from opacus.grad_sample.grad_sample_module import (
     create_or_accumulate_grad_sample,
     promote_current_grad_sample,
 )
+from opacus.grad_sample.linear import compute_linear_grad_sample
 from torch import nn
 
 from opacus_rc._compat.opacus import count_down_use
 from opacus_rc.grad_sample.bookkeeping import BookkeepingStash
 from opacus_rc.grad_sample.linear import (
     compute_linear_sketched_norm_sample,
-    linear_per_sample_grads,
     sketched_weight_norm_of_gradients,
 )
 from opacus_rc.grad_sample.routing import NormPath, NormRoute
@@ -84,10 +84,9 @@ __all__ = [
 #: may stash instead of the layer's input and output gradient (see the module docstring). Only
 #: types whose function gives exactly autograd's per-sample gradient belong here (Opacus'
 #: ``nn.Embedding`` sampler counts the ``padding_idx`` row, so ``nn.Embedding`` is not listed).
-#: Lookup is by exact type. ``nn.Linear``'s gives Opacus' ``compute_linear_grad_sample`` values
-#: by a plain matrix product instead of its ``einsum`` (10-18% faster on a CPU at ``B = 1``).
+#: Lookup is by exact type.
 STASH_GRAD_SAMPLERS: dict[type[nn.Module], Callable[..., dict[nn.Parameter, torch.Tensor]]] = {
-    nn.Linear: linear_per_sample_grads
+    nn.Linear: compute_linear_grad_sample
 }
 
 #: Routes whose clipped sum may come from the per-sample-gradient stash (the smaller stash).
