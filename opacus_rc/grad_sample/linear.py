@@ -69,13 +69,14 @@ def _sketched_weight_norm(
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
     with autocast_off(G.device):
-        # Both factors' scales in one pow2_scale call (the same values; half its small ops).
-        amax = torch.stack((sample_absmax(A).float(), sample_absmax(G).float()))  # (2, B)
-        scale, exponent = pow2_scale(amax)
-        sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, scale=tuple(scale))
+        amax_a = sample_absmax(A).float()
+        amax_g = sample_absmax(G).float()
+        scale_a, exp_a = pow2_scale(amax_a)
+        scale_g, exp_g = pow2_scale(amax_g)
+        sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, scale=(scale_a, scale_g))
         # Undo the scaling on the (B,) norms; float64 only for the exponent's range (2^e can
         # exceed float32 where the rescaled norm does not).
-        norm = torch.ldexp(sq.clamp(min=0).sqrt().double(), exponent.sum(dim=0).to(sq.device))
+        norm = torch.ldexp(sq.clamp(min=0).sqrt().double(), (exp_a + exp_g).to(sq.device))
         return norm.to(sq.dtype)
 
 
