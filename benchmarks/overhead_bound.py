@@ -13,17 +13,20 @@ its noise with Opacus, hooks its modules with Opacus, clips by book-keeping and 
   (``disable_hooks()``: no activation stored, no norm, no sketch; what remains are the
   ``register_full_backward_hook`` wrappers around every hooked module that Opacus installs)
   minus the non-private forward and backward, the same plain loss;
-* ``deferred_products``: the step's clipped sums (``sum_i c_i G_i^T A_i``, computed after the
-  backward from the stored tensors, which are no longer in cache) minus the weight gradients
-  they replace, which autograd computes in the non-private backward right after the input
-  gradient (the non-private backward with and without the ``nn.Linear`` weights trainable);
-* ``sketch``: :func:`opacus_rc.sketching.hutchinson_sqnorm` on random factors of every sketched
-  layer's shapes (probes, the two batched products, the squares), without the max-abs scaling.
+* ``deferred_products``: the products that replace autograd's weight gradients, minus those
+  weight gradients (the non-private backward with and without the ``nn.Linear`` weights
+  trainable, where autograd forms each right after the layer's input gradient): where every
+  layer keeps its input and output gradient (``p d > T (p + d)``, e.g. ``T = 64``), the clipped
+  sums ``sum_i c_i G_i^T A_i``, computed after the backward from the stored tensors, no longer
+  in cache; where every layer keeps its per-sample gradients (``B = 1``, ``T >= 1024``), the
+  products that form them in the backward hooks (Opacus' grad sampler) plus the clipped sums
+  (then a scaling in place);
+* ``sketch``: the sketch on random tensors of every sketched layer's shapes, without the max-abs
+  scaling: :func:`opacus_rc.sketching.hutchinson_sqnorm` of the factors (probes, the two batched
+  products, the squares), or :func:`opacus_rc.sketching.hutchinson_sqnorm_of_gradients` of the
+  per-sample gradients where the layers keep those.
 
-The components describe cells where every ``nn.Linear`` keeps its input and output gradient
-for the clipped sum (``p d > T (p + d)``, e.g. ``T = 64``); a cell whose layers keep per-sample
-gradients (``B = 1``, ``T >= 1024``: formed in the backward hooks, sketched in gradient form) is
-refused.
+A cell where some layers keep per-sample gradients and others their factors is refused.
 
 Per round (``rounds``, the order rotated), each is timed in CPU time (``time.process_time``, one
 thread) next to one non-private and one randomized-clipping step. Reported: each component's
@@ -73,7 +76,7 @@ class Bound:
 
     def __init__(self, cfg: dict[str, Any], checkpointing: str, T: int, B: int) -> None:
         from opacus_rc._compat.opacus import generate_noise
-        from opacus_rc.sketching import hutchinson_sqnorm
+        from opacus_rc.sketching import hutchinson_sqnorm, hutchinson_sqnorm_of_gradients
 
         device = torch.device("cpu")
         self.np = long_context.LMMethod(
@@ -82,22 +85,25 @@ class Bound:
         self.rc = long_context.LMMethod(
             "rc_bookkeeping", *long_context.build_base(cfg, T, B, device), cfg, checkpointing
         )
-        stashes_gradients = [
+        linears = [
             m
             for m in self.rc.model.modules()
-            if isinstance(m, nn.Linear)
-            and m.weight.requires_grad
-            and m.in_features * m.out_features <= T * (m.in_features + m.out_features)
+            if isinstance(m, nn.Linear) and m.weight.requires_grad
         ]
-        if stashes_gradients:
-            # norms.prefers_grad_sample_stash: these layers keep per-sample gradients, formed
-            # in the backward hooks and sketched in gradient form, which the components below
-            # (clipped sums from A and G, the sketch of the factors) do not describe.
+        # norms.prefers_grad_sample_stash: a layer keeps its per-sample gradients (formed in the
+        # backward hook, sketched in gradient form) where they are no larger than A and G.
+        keeps = [
+            m
+            for m in linears
+            if m.in_features * m.out_features <= T * (m.in_features + m.out_features)
+        ]
+        if keeps and len(keeps) != len(linears):
             raise SystemExit(
-                f"cell {checkpointing}:{T}:{B}: {len(stashes_gradients)} nn.Linear layers keep "
-                "per-sample gradients (p d <= T (p + d)), where this bound does not apply; "
-                "choose a shorter T"
+                f"cell {checkpointing}:{T}:{B}: {len(keeps)} of {len(linears)} nn.Linear layers "
+                "keep per-sample gradients and the others their input and output gradient; the "
+                "bound describes a cell where all keep the one or all the other"
             )
+        self.gradient_stash = bool(keeps)
         self.loss = nn.CrossEntropyLoss(ignore_index=-100)
         self.linear_weights = [
             m.weight
@@ -105,14 +111,16 @@ class Bound:
             if isinstance(m, nn.Linear) and m.weight.requires_grad
         ]
         gen = torch.Generator().manual_seed(cfg["seed"])
-        factors = [
-            (
-                torch.randn(B, T, m.in_features, generator=gen),
-                torch.randn(B, T, m.out_features, generator=gen),
-            )
-            for m in self.rc.model.modules()
-            if isinstance(m, nn.Linear) and m.weight.requires_grad
-        ]
+        if self.gradient_stash:
+            grads = [torch.randn(B, m.out_features, m.in_features, generator=gen) for m in linears]
+        else:
+            factors = [
+                (
+                    torch.randn(B, T, m.in_features, generator=gen),
+                    torch.randn(B, T, m.out_features, generator=gen),
+                )
+                for m in linears
+            ]
         params = list(self.rc.trainable)
         sums = [torch.randn(p.shape, generator=gen) for p in params]
         probe_gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -124,8 +132,13 @@ class Bound:
                 n.add_(s).div_(B)
 
         def sketch() -> None:
-            for A, G in factors:
-                hutchinson_sqnorm(A, G, sketch_dim=int(cfg["k"]), generator=probe_gen)
+            k = int(cfg["k"])
+            if self.gradient_stash:
+                for g in grads:
+                    hutchinson_sqnorm_of_gradients(g, sketch_dim=k, generator=probe_gen)
+            else:
+                for A, G in factors:
+                    hutchinson_sqnorm(A, G, sketch_dim=k, generator=probe_gen)
 
         self.noise, self.sketch = noise, sketch
         self.clipped_sums = 0.0
@@ -140,6 +153,20 @@ class Bound:
                 self.clipped_sums = time.process_time() - start
 
         step._write_clipped_sums = timed_write
+        # The nn.Linear per-sample gradients formed in the hooks (timed on this instance only).
+        self.stash_products = 0.0
+        samplers = dict(step.norms._stash_grad_samplers)
+        linear_sampler = samplers[nn.Linear]
+
+        def timed_sampler(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return linear_sampler(*args, **kwargs)
+            finally:
+                self.stash_products += time.process_time() - start
+
+        samplers[nn.Linear] = timed_sampler
+        step.norms._stash_grad_samplers = samplers
         for fn in (self.np.step, self.rc.step, noise, sketch):
             fn()
 
@@ -162,6 +189,11 @@ class Bound:
             for p in method.model.parameters():
                 p.grad = None
 
+    def rc_step(self) -> float:
+        """CPU seconds of one rc step (its clipped sums and stash products recorded)."""
+        self.stash_products = 0.0
+        return _cpu(self.rc.step)
+
     def hooks_disabled(self) -> float:
         """The private model's forward and backward with Opacus' hooks disabled."""
         self.rc.model.disable_hooks()
@@ -174,7 +206,7 @@ class Bound:
         """One round: every quantity once (the order rotated by ``index``), in seconds."""
         timed: dict[str, Callable[[], float]] = {
             "non_private": lambda: _cpu(self.np.step),
-            "rc": lambda: _cpu(self.rc.step),
+            "rc": self.rc_step,
             "np_forward_backward": lambda: self.forward_backward(self.np, frozen_weights=False),
             "np_no_weight_grads": lambda: self.forward_backward(self.np, frozen_weights=True),
             "rc_hooks_disabled": self.hooks_disabled,
@@ -188,6 +220,7 @@ class Bound:
             out[name] = timed[name]()
             if name == "rc":
                 out["clipped_sums"] = self.clipped_sums
+                out["stash_products"] = self.stash_products
         return out
 
 
@@ -198,7 +231,7 @@ def summarize(rounds: list[dict[str, float]]) -> list[dict[str, Any]]:
     parts = {
         "noise": med["noise"],
         "opacus_hooks": med["rc_hooks_disabled"] - med["np_forward_backward"],
-        "deferred_products": med["clipped_sums"] - weight_grads,
+        "deferred_products": med["clipped_sums"] + med["stash_products"] - weight_grads,
         "sketch": med["sketch"],
     }
     base = med["non_private"]
@@ -218,6 +251,7 @@ def summarize(rounds: list[dict[str, float]]) -> list[dict[str, Any]]:
         }
     )
     rows.append({"quantity": "clipped sums (rc)", "ms": med["clipped_sums"]})
+    rows.append({"quantity": "per-sample gradients in the hooks (rc)", "ms": med["stash_products"]})
     rows.append({"quantity": "weight gradients (non-private)", "ms": weight_grads})
     return rows
 
