@@ -76,6 +76,7 @@ class Bound:
 
     def __init__(self, cfg: dict[str, Any], checkpointing: str, T: int, B: int) -> None:
         from opacus_rc._compat.opacus import generate_noise
+        from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
         from opacus_rc.sketching import hutchinson_sqnorm, hutchinson_sqnorm_of_gradients
 
         device = torch.device("cpu")
@@ -90,12 +91,17 @@ class Bound:
             for m in self.rc.model.modules()
             if isinstance(m, nn.Linear) and m.weight.requires_grad
         ]
-        # norms.prefers_grad_sample_stash: a layer keeps its per-sample gradients (formed in the
-        # backward hook, sketched in gradient form) where they are no larger than A and G.
+        # The step's own rule (shapes only, so meta tensors): a layer keeps its per-sample
+        # gradients (formed in the backward hook, sketched in gradient form) where they are no
+        # larger than its input and output gradient.
         keeps = [
             m
             for m in linears
-            if m.in_features * m.out_features <= T * (m.in_features + m.out_features)
+            if prefers_grad_sample_stash(
+                tuple(p for p in m.parameters() if p.requires_grad),
+                [torch.empty(B, T, m.in_features, device="meta")],
+                torch.empty(B, T, m.out_features, device="meta"),
+            )
         ]
         if keeps and len(keeps) != len(linears):
             raise SystemExit(
