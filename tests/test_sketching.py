@@ -329,6 +329,37 @@ def test_autocast_off_disables_autocast_and_costs_nothing_when_it_is_off() -> No
         assert (a @ a).dtype == torch.float32
 
 
+@pytest.mark.parametrize("form", ["factors", "gradients"])
+def test_float64_sum_of_squares_is_finite_up_to_the_float32_range(form: str) -> None:
+    """``sum_dtype=torch.float64`` sums the float32 sketch's squares in float64. Ordinary values:
+    the float32 sum's value (rtol 1e-5: each sum of k d <= 48 squares rounds by at most
+    ~48 u = 3e-6 relative, u = 2^-24). Factors of 1e14 and 1e15 (gradient norms ~1e30,
+    squares ~1e60, beyond float32; a sample at 1e-15 beside them): finite and the float64
+    estimate with the same probes to float32 rounding of the products (rtol 1e-5). Factors of
+    1e20 (entries ~1e40, beyond float32): inf, never a finite wrong value."""
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(3, 6, 4, generator=g)
+    G = torch.randn(3, 6, 3, generator=g)
+
+    def est(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(5)
+        if form == "factors":
+            return hutchinson_sqnorm(a, b, sketch_dim=4, generator=gen, **kw)
+        m = (b.double().transpose(1, 2) @ a.double()).to(a.dtype)
+        return hutchinson_sqnorm_of_gradients(m, sketch_dim=4, generator=gen, **kw)
+
+    wide = est(A, G, sum_dtype=torch.float64)
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide, est(A, G).double(), rtol=1e-5, atol=0)
+    big_a, big_g = A * 1e14, G * 1e15
+    big_g[1] *= 1e-30
+    assert not torch.isfinite(est(big_a, big_g)[[0, 2]]).any()  # float32 squares overflow
+    wide = est(big_a, big_g, sum_dtype=torch.float64)
+    assert torch.isfinite(wide).all() and wide[0] > 1e55
+    torch.testing.assert_close(wide, est(big_a.double(), big_g.double()), rtol=1e-5, atol=0)
+    assert not torch.isfinite(est(A * 1e20, G * 1e20, sum_dtype=torch.float64)).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("d", "p"), [(8, 4), (4, 8), (6, 6)])
 def test_gradient_form_is_the_factor_form_with_the_same_probes(

@@ -28,7 +28,12 @@ from torch import nn
 
 from opacus_rc.grad_sample.clip import apply_clip_factors
 from opacus_rc.grad_sample.registry import register_clipped_sum, register_sketched_norm_sampler
-from opacus_rc.sketching import autocast_off, pow2_scale, sample_absmax
+from opacus_rc.sketching import (
+    RANGE_SAFE_ESTIMATORS,
+    autocast_off,
+    pow2_scale,
+    sample_absmax,
+)
 
 __all__ = [
     "compute_linear_clipped_sum",
@@ -47,13 +52,15 @@ def _sketched_weight_norm(
 ) -> torch.Tensor:
     """``sqrt`` of the estimator's ``||G_i^T A_i||_F^2``, in range for every float32 norm.
 
-    In float32 the factors of every sample are scaled by powers of two (exactly: the estimate
-    is bit-identical to the unscaled one wherever that one does not overflow) so that each
-    sample's largest entry lies in ``[0.5, 1)``; the estimator scales its small operands rather
-    than copying ``A`` and ``G`` (``scale=``), and the norm is rescaled afterwards, so gradient
-    norms up to the float32 range (e.g. 1e30) give finite estimates. The scaling depends on the
-    data only, never on the probes, so the estimator's law is unchanged, and it takes no
-    data-dependent branch (no host synchronisation).
+    An estimator of :data:`~opacus_rc.sketching.RANGE_SAFE_ESTIMATORS` (Hutchinson) sums the
+    squares of its sketch in float64, which keeps the estimate finite for gradient norms up to
+    the float32 range (e.g. 1e30) at no pass over ``A`` and ``G`` beyond its products. Any
+    other estimator gets, in float32, the factors of every sample scaled by powers of two
+    (exactly: the estimate is bit-identical to the unscaled one wherever that one does not
+    overflow) so that each sample's largest entry lies in ``[0.5, 1)``; the estimator scales its
+    small operands rather than copying ``A`` and ``G`` (``scale=``), and the norm is rescaled
+    afterwards. Neither depends on the probes, so the estimator's law is unchanged, and neither
+    takes a data-dependent branch (no host synchronisation).
 
     Args:
         A: ``(B, T, d)`` activations.
@@ -68,6 +75,9 @@ def _sketched_weight_norm(
     if torch.float64 in (A.dtype, G.dtype) or A.numel() == 0 or G.numel() == 0:
         sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
+    if estimator in RANGE_SAFE_ESTIMATORS:
+        sq = estimator(A, G, sketch_dim=sketch_dim, generator=generator, sum_dtype=torch.float64)
+        return sq.sqrt().float()
     with autocast_off(G.device):
         amax_a = sample_absmax(A).float()
         amax_g = sample_absmax(G).float()
@@ -91,9 +101,11 @@ def sketched_weight_norm_of_gradients(
 
     The norm :func:`_sketched_weight_norm` gives from the factors ``A_i``, ``G_i`` with
     ``M_i = G_i^T A_i``, with the same probes (``estimator`` is the gradient form of the same
-    estimator, :data:`opacus_rc.sketching.GRADIENT_ESTIMATORS`), up to float rounding; in
-    float32 each sample is scaled by a power of two so that its largest entry lies in
-    ``[0.5, 1)`` (exact; the law is unchanged), and the norm rescaled afterwards.
+    estimator, :data:`opacus_rc.sketching.GRADIENT_ESTIMATORS`), up to float rounding; kept in
+    range the same way: the squares summed in float64 for
+    :data:`~opacus_rc.sketching.RANGE_SAFE_ESTIMATORS`, otherwise in float32 each sample
+    scaled by a power of two so that its largest entry lies in ``[0.5, 1)`` (exact; the law is
+    unchanged) and the norm rescaled afterwards.
 
     Args:
         grads: ``(B, p, d)`` per-sample weight gradients.
@@ -108,6 +120,9 @@ def sketched_weight_norm_of_gradients(
     if grads.dtype == torch.float64 or grads.numel() == 0:
         sq = estimator(grads, sketch_dim=sketch_dim, generator=generator)
         return sq.clamp(min=0).sqrt()
+    if estimator in RANGE_SAFE_ESTIMATORS:
+        sq = estimator(grads, sketch_dim=sketch_dim, generator=generator, sum_dtype=torch.float64)
+        return sq.sqrt().float()
     with autocast_off(grads.device):
         scale, exponent = pow2_scale(sample_absmax(grads).float())
         sq = estimator(grads, sketch_dim=sketch_dim, generator=generator, scale=scale)

@@ -1016,7 +1016,10 @@ def test_float16_keeps_the_factor_stash_where_per_sample_gradients_would_overflo
     short = _record0_norms_beside(4, dtype=torch.float16, scale=3e4)
     long = _record0_norms_beside(16, dtype=torch.float16, scale=3e4)
     assert math.isfinite(short["0.weight"]) and short["0.weight"] > 65504
-    assert long == short
+    # Equal up to float32 rounding, as below: the sketch's batched products block over the
+    # padded length, so record 0's sketch rounds differently beside a longer record (1 ulp).
+    for name, value in short.items():
+        assert long[name] == pytest.approx(value, rel=1e-6), name
     # float32: the per-sample-gradient stash is taken at T = 16, with the same estimate.
     short32 = _record0_norms_beside(4, dtype=torch.float32)
     long32 = _record0_norms_beside(16, dtype=torch.float32)

@@ -17,7 +17,8 @@ from opacus_rc.grad_sample import (
     compute_linear_sketched_norm_sample,
     register_sketched_norm_sampler,
 )
-from opacus_rc.sketching import hutchinson_sqnorm, hutchpp_sqnorm
+from opacus_rc.grad_sample.linear import sketched_weight_norm_of_gradients
+from opacus_rc.sketching import GRADIENT_ESTIMATORS, hutchinson_sqnorm, hutchpp_sqnorm
 
 D_IN, D_OUT = 5, 6
 K_LARGE = 4096
@@ -154,6 +155,24 @@ def test_huge_gradients_give_finite_accurate_norms() -> None:
     assert w.dtype == torch.float32 and torch.isfinite(w).all()
     torch.testing.assert_close(w.double(), exact, rtol=REL_TOL, atol=0)
     assert math.isfinite(out[layer.bias].max().item())
+
+
+@pytest.mark.parametrize("estimator", [hutchinson_sqnorm, hutchpp_sqnorm])
+def test_huge_gradients_finite_in_the_gradient_form_too(estimator: Callable) -> None:
+    """The same samples as above through the per-sample-gradient stash's norm
+    (``sketched_weight_norm_of_gradients``): Hutchinson sums its sketch's squares in float64,
+    Hutch++ scales each sample by a power of two; both finite and within 5% (k = 4096)."""
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randn(3, 6, D_IN, generator=gen) * 1e14
+    G = torch.randn(3, 6, D_OUT, generator=gen) * 1e15
+    G[1] *= 1e-30
+    M = (G.double().transpose(1, 2) @ A.double()).float()  # (3, p, d), entries ~1e29
+    exact = M.double().flatten(1).norm(dim=1)
+    w = sketched_weight_norm_of_gradients(
+        M, estimator=GRADIENT_ESTIMATORS[estimator], sketch_dim=K_LARGE, generator=gen
+    )
+    assert w.dtype == torch.float32 and torch.isfinite(w).all()
+    torch.testing.assert_close(w.double(), exact, rtol=REL_TOL, atol=0)
 
 
 def test_registry_rejects_duplicates_and_non_modules() -> None:
