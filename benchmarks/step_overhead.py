@@ -16,8 +16,12 @@ method runs one step (the order rotated each round). Reported: the median step t
 ``time_ratio``, the median over rounds of the step's time divided by the non-private step's
 time **in the same round** (drifts of the machine's load cancel), and ``cpu_ratio``, the same
 with the process's CPU time (``time.process_time``: with one thread it leaves out the time the
-step waited for a core, so it is the measure to read on a shared, loaded machine). The load
-average (``uptime``) before and after each cell is recorded. Then, on one more step of each method:
+step waited for a core, so it is the measure to read on a shared, loaded machine), and
+``page_faults`` and ``system_median_s``, the median minor page faults per step and the kernel
+CPU time of the step (``resource.getrusage``): glibc returns large freed blocks to the system,
+so every step faults its big temporaries in again, a cost that varies between runs and
+machines and that a GPU's caching allocator does not pay. The load average (``uptime``) before
+and after each cell is recorded. Then, on one more step of each method:
 
 * ``flops_ratio``: ``FlopCounterMode`` FLOPs (matrix products, CPU flash attention counted with
   torch's CUDA formulas, :func:`benchmarks.common.count_flops`) over the non-private step's;
@@ -62,6 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import gc  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -89,6 +94,8 @@ COLUMNS = [
     "time_ratio_of_medians",
     "cpu_median_s",
     "cpu_ratio",
+    "system_median_s",
+    "page_faults",
     "rounds",
     "flops",
     "flops_ratio",
@@ -247,6 +254,8 @@ def measure_cell(
             log(f"[{checkpointing} T={T} B={B} {name}] {row['status']}")
     times: dict[str, list[float]] = {n: [] for n in methods}
     cpu: dict[str, list[float]] = {n: [] for n in methods}
+    system: dict[str, list[float]] = {n: [] for n in methods}
+    faults: dict[str, list[int]] = {n: [] for n in methods}
     order = list(methods)
     for r in range(cfg["rounds"]):
         shift = r % max(len(order), 1)
@@ -255,9 +264,13 @@ def measure_cell(
                 continue
             try:
                 gc.collect()
+                u0 = resource.getrusage(resource.RUSAGE_SELF)
                 c0 = time.process_time()
                 times[name].append(common.time_one(methods[name].step, device))
                 cpu[name].append(time.process_time() - c0)
+                u1 = resource.getrusage(resource.RUSAGE_SELF)
+                system[name].append(u1.ru_stime - u0.ru_stime)
+                faults[name].append(u1.ru_minflt - u0.ru_minflt)
             except Exception as err:  # noqa: BLE001
                 rows[name]["status"] = long_context.first_line(err)
     base_times, base_cpu = times.get(BASELINE, []), cpu.get(BASELINE, [])
@@ -267,6 +280,8 @@ def measure_cell(
             continue
         row["time_median_s"] = common.median(ts)
         row["cpu_median_s"] = common.median(cpu[name])
+        row["system_median_s"] = common.median(system[name])
+        row["page_faults"] = round(common.median(faults[name]))
         row["rounds"] = len(ts)
         if base_times and len(base_times) == len(ts):
             row["time_ratio"] = common.median([t / b for t, b in zip(ts, base_times)])
@@ -558,7 +573,10 @@ def summary_markdown(
         "median step, `ratio` the median over rounds of the step's time over the same round's "
         "non-private step (`ratio of medians` next to it in the CSV); `CPU time` the same with "
         "the process's CPU time (`time.process_time`; one thread, so it leaves out the time "
-        "the step waited for a core on a loaded machine). FLOPs: `FlopCounterMode`; "
+        "the step waited for a core on a loaded machine); page faults: the median of the "
+        "process's minor page faults per step, with the system (kernel) CPU time they cost, "
+        "`resource.getrusage` (a CPU allocator that returns freed blocks to the system faults "
+        "them in again every step). FLOPs: `FlopCounterMode`; "
         "aten ops and copies (`copy_`, `_to_copy`): a `TorchDispatchMode` counter; calls: Python "
         "calls into the method's package (`opacus_rc` or `opacus`) and into `torch`, by "
         "`sys.setprofile`; each on one further step. `benchmarks/step_overhead.py` docstring.",
@@ -582,6 +600,9 @@ def summary_markdown(
                 time=common.fmt_seconds(r.get("time_median_s")),
                 ratio=_x(r.get("time_ratio")),
                 cpu=f"{common.fmt_seconds(r.get('cpu_median_s'))} ({_x(r.get('cpu_ratio'))})",
+                faults=""
+                if r.get("page_faults") in (None, "")
+                else f"{_n(r['page_faults'])} ({common.fmt_seconds(r.get('system_median_s'))})",
                 flops=_x(r.get("flops_ratio")),
                 ops=_n(r.get("aten_ops")),
                 copies=_n(r.get("copies")),
@@ -596,6 +617,7 @@ def summary_markdown(
         "time",
         "ratio",
         "cpu",
+        "faults",
         "flops",
         "ops",
         "copies",
@@ -609,6 +631,7 @@ def summary_markdown(
         "time / step",
         "time / non-private",
         "CPU time / step (/ non-private)",
+        "page faults / step (system time)",
         "FLOPs / non-private",
         "aten ops / step",
         "copies / step",

@@ -48,6 +48,9 @@ def test_quick_run_writes_every_cell(tmp_path) -> None:
             assert int(r["torch_calls"]) > 0
             assert (int(r["package_calls"]) > 0) == (method != "non_private")
             assert r["load_before"] and r["load_after"]
+            # Kernel time is part of the step's CPU time in every round, so its median is too.
+            assert int(r["page_faults"]) >= 0
+            assert 0 <= float(r["system_median_s"]) <= float(r["cpu_median_s"])
         # the private step dispatches more ops than the non-private one
         rc, base = (
             by[(str(cfg["T"][0]), str(B), "rc_bookkeeping")],
