@@ -630,7 +630,10 @@ GRADIENT_ESTIMATORS: dict[Callable[..., torch.Tensor], Callable[..., torch.Tenso
 #: gradient norms near float32's largest value (3.4e38), without the per-sample max-abs scaling
 #: of the factors that other estimators need (:mod:`opacus_rc.grad_sample.linear`); beyond it,
 #: or where rows of both factors near 1e19 cancel in ``M_i``, the estimate is inf and the step
-#: refuses it (never a finite wrong norm).
+#: refuses it (never a finite wrong norm). At the other end, factor or sketch entries in
+#: float32's subnormal range (below 1.2e-38) lose precision that scaled factors would keep: a
+#: layer whose output gradients are that small has a norm of at most ``T * 1.2e-38 *
+#: max|A_i|``, negligible next to a clipping bound for activations of any realistic size.
 RANGE_SAFE_ESTIMATORS: frozenset[Callable[..., torch.Tensor]] = frozenset(
     {hutchinson_sqnorm, hutchinson_sqnorm_of_gradients}
 )
