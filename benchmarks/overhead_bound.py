@@ -21,10 +21,12 @@ its noise with Opacus, hooks its modules with Opacus, clips by book-keeping and 
   in cache; where every layer keeps its per-sample gradients (``B = 1``, ``T >= 1024``), the
   products that form them in the backward hooks (Opacus' grad sampler) plus the clipped sums
   (then a scaling in place);
-* ``sketch``: the sketch on random tensors of every sketched layer's shapes, without the max-abs
-  scaling: :func:`opacus_rc.sketching.hutchinson_sqnorm` of the factors (probes, the two batched
-  products, the squares), or :func:`opacus_rc.sketching.hutchinson_sqnorm_of_gradients` of the
-  per-sample gradients where the layers keep those.
+* ``sketch``: the sketched norms on random tensors of every sketched layer's shapes, by the
+  step's own functions: :func:`opacus_rc.grad_sample.linear.compute_linear_sketched_norm_sample`
+  of the factors (probes, the two batched products, the squares summed in float64), or
+  :func:`opacus_rc.grad_sample.linear.sketched_weight_norm_of_gradients` of the per-sample
+  gradients where the layers keep those. (Before Hutchinson's norms lost their max-abs pass,
+  2026-12-08, this term was the estimator alone and the max-abs pass fell in ``rest``.)
 
 A cell where some layers keep per-sample gradients and others their factors is refused.
 
@@ -76,6 +78,10 @@ class Bound:
 
     def __init__(self, cfg: dict[str, Any], checkpointing: str, T: int, B: int) -> None:
         from opacus_rc._compat.opacus import generate_noise
+        from opacus_rc.grad_sample.linear import (
+            compute_linear_sketched_norm_sample,
+            sketched_weight_norm_of_gradients,
+        )
         from opacus_rc.grad_sample.norms import prefers_grad_sample_stash
         from opacus_rc.sketching import hutchinson_sqnorm, hutchinson_sqnorm_of_gradients
 
@@ -141,10 +147,17 @@ class Bound:
             k = int(cfg["k"])
             if self.gradient_stash:
                 for g in grads:
-                    hutchinson_sqnorm_of_gradients(g, sketch_dim=k, generator=probe_gen)
+                    sketched_weight_norm_of_gradients(
+                        g,
+                        estimator=hutchinson_sqnorm_of_gradients,
+                        sketch_dim=k,
+                        generator=probe_gen,
+                    )
             else:
-                for A, G in factors:
-                    hutchinson_sqnorm(A, G, sketch_dim=k, generator=probe_gen)
+                for m, (A, G) in zip(linears, factors):
+                    compute_linear_sketched_norm_sample(
+                        m, [A], G, estimator=hutchinson_sqnorm, sketch_dim=k, generator=probe_gen
+                    )
 
         self.noise, self.sketch = noise, sketch
         self.clipped_sums = 0.0
